@@ -1,0 +1,30 @@
+# `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
+# `make test` : create/update .venv, install, lint, run every test
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+CONFIG ?= algorithms/configs/grpo_default.yaml
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, alone and exact: pip then takes the CPU build instead of a multi-GB CUDA one.
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m algorithms.grpo --config $(CONFIG) $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

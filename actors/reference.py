@@ -1,0 +1,40 @@
+"""Reference model: per-token log-probs of given sequences under frozen weights.
+
+Its weights arrive once, like a policy's, from the trainer's published version
+at the start of RL (after any warm-start), and never change afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.config import ModelConfig
+from meshrl.models import completion_logprobs, device_for_this_proc, load_model
+from meshrl.types import TrainBatch
+from meshrl.weights import WeightHandle, WeightReceiver
+
+
+class Reference(Actor):
+    def __init__(self, model_cfg: ModelConfig, seed: int = 0):
+        self.device = device_for_this_proc()
+        self.model = load_model(model_cfg, seed).to(self.device).eval()
+        self.weights = WeightReceiver(self.model)
+
+    @endpoint
+    def load_weights(self, handle: WeightHandle) -> int:
+        self.weights.pull(handle)
+        return self.weights.version
+
+    @endpoint
+    def logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, T] log-probs of the batch's completion tokens."""
+        with torch.no_grad():
+            logprobs = completion_logprobs(
+                self.model,
+                batch.input_ids.to(self.device),
+                batch.attention_mask.to(self.device),
+                batch.num_completion_tokens,
+                temperature,
+            )
+        return logprobs.cpu()

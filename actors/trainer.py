@@ -1,0 +1,124 @@
+"""Trainer: owns the model and optimizer, runs data-parallel over its procs and
+publishes weights by version.
+
+Every proc of the trainer mesh holds a full replica; gradients are averaged
+with torch.distributed (gloo on CPU, NCCL on GPU) through DDP. The loss is the
+algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
+given at construction, so this actor has no algorithm branches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, current_rank, current_size, endpoint
+
+from meshrl.config import ModelConfig, OptimConfig
+from meshrl.losses import nll_loss
+from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
+from meshrl.optim import build_optimizer
+from meshrl.types import TrainBatch
+from meshrl.weights import WeightHandle, WeightPublisher
+
+LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Trainer(Actor):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        loss_fn: LossFn,
+        total_steps: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        master_port: int = 0,
+    ):
+        self.rank, self.world_size = current_rank()["procs"], current_size()["procs"]
+        self.device = device_for_this_proc()
+        self.model_cfg = model_cfg
+        self.model = load_model(model_cfg, seed).to(self.device).train()
+        self.module = self.model
+        if self.world_size > 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(master_port)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+            self.module = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.optim_cfg = optim_cfg
+        self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
+        self.loss_fn = loss_fn
+        self.temperature = temperature
+        self.publisher = WeightPublisher(self.model) if self.rank == 0 else None
+        self.version = 0
+        self.warm_start_optimizer: torch.optim.Optimizer | None = None
+
+    def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
+        batch = TrainBatch(
+            **{k: (v.to(self.device) if v is not None else None) for k, v in vars(batch).items()}
+        )
+        logprobs = completion_logprobs(
+            self.module,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.num_completion_tokens,
+            self.temperature,
+        )
+        loss, metrics = loss_fn(logprobs, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = self.optim_cfg.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        optimizer.step()
+        metrics["train/grad_norm"] = grad_norm.item()
+        metrics["train/loss"] = loss.item()
+        return metrics
+
+    @endpoint
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's shard; the version advances."""
+        metrics = self._step(batch, self.loss_fn, self.optimizer)
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.version += 1
+        return metrics
+
+    @endpoint
+    def warm_start_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """One supervised step (NLL of the completion tokens) with its own AdamW."""
+        if self.warm_start_optimizer is None:
+            self.warm_start_optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=lr, betas=tuple(self.optim_cfg.betas)
+            )
+        metrics = self._step(
+            batch,
+            lambda logprobs, b: nll_loss(logprobs, b.completion_mask),
+            self.warm_start_optimizer,
+        )
+        self.version += 1
+        return metrics
+
+    @endpoint
+    def publish(self) -> WeightHandle:
+        """Rank 0: copy the current weights into the RDMA buckets, tagged with the version."""
+        assert self.publisher is not None, "publish is called on trainer rank 0"
+        return self.publisher.publish(self.version)
+
+    @endpoint
+    def save(self, path: str) -> None:
+        """Rank 0: HF `save_pretrained` of model and tokenizer."""
+        if self.rank == 0:
+            self.model.save_pretrained(path)
+            load_tokenizer(self.model_cfg).save_pretrained(path)
+
+    @endpoint
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter (for inspection and tests)."""
+        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+    def __del__(self):
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,271 @@
+"""Typed configs: dataclass defaults, then a YAML file, then `key=value` overrides.
+
+Every algorithm defines one top-level dataclass built from the shared sections
+below. `load_config(GRPOConfig, "x.yaml", ["steps=20"])` merges the three layers
+with omegaconf and returns a plain dataclass instance. Any mistake (unknown key,
+wrong type, missing file, bad value) raises `ConfigError` whose message is one
+line naming the key, file or value; `parse_cli` turns that into a non-zero exit
+before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+# --- shared sections -------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. Either a local HF directory or the embedded tiny Llama."""
+
+    path: str | None = None
+    """Local directory of a HF causal LM + tokenizer (`save_pretrained` layout).
+    None builds the embedded tiny Llama and the project's character tokenizer."""
+    hidden_size: int = 64
+    """Embedded model only: width of the residual stream."""
+    num_layers: int = 2
+    """Embedded model only: number of decoder layers."""
+    num_heads: int = 4
+    """Embedded model only: attention heads (key/value heads = heads)."""
+    intermediate_size: int = 256
+    """Embedded model only: MLP width."""
+    dtype: str = "float32"
+    """Parameter dtype on every role: float32 or bfloat16."""
+
+    def validate(self, prefix: str = "model") -> None:
+        _check(
+            self.dtype in ("float32", "bfloat16"),
+            f"{prefix}.dtype",
+            f"'{self.dtype}' is not one of float32, bfloat16",
+        )
+        if self.path is not None:
+            _check(os.path.isdir(self.path), f"{prefix}.path", f"no such directory: {self.path}")
+            _check(
+                os.path.isfile(os.path.join(self.path, "config.json")),
+                f"{prefix}.path",
+                f"{self.path} has no config.json (expected a save_pretrained directory)",
+            )
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _check(getattr(self, name) > 0, f"{prefix}.{name}", "must be > 0")
+        _check(
+            self.hidden_size % self.num_heads == 0,
+            f"{prefix}.num_heads",
+            f"hidden_size {self.hidden_size} is not divisible by {self.num_heads} heads",
+        )
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling on the policy replicas."""
+
+    max_new_tokens: int = 8
+    """Completion length limit; generation also stops at EOS."""
+    temperature: float = 1.0
+    """Softmax temperature; the trainer scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 samples from the full distribution."""
+
+    def validate(self) -> None:
+        _check(self.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
+        _check(self.temperature > 0, "generation.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW on the trainer mesh."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global L2 norm (0 disables clipping)."""
+    schedule: str = "constant"
+    """constant, linear or cosine decay to `min_lr_ratio * lr` over the run."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    min_lr_ratio: float = 0.0
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be > 0")
+        _check(len(self.betas) == 2, "optim.betas", "must be a list of two floats")
+        _check(
+            self.schedule in ("constant", "linear", "cosine"),
+            "optim.schedule",
+            f"'{self.schedule}' is not one of constant, linear, cosine",
+        )
+        _check(self.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+
+
+@dataclass
+class PlacementConfig:
+    """Processes per role on the local host. One policy replica per policy proc;
+    the trainer runs data-parallel over its procs."""
+
+    policy: int = 1
+    trainer: int = 1
+    environment: int = 1
+    reference: int = 1
+    """Spawned only when the algorithm needs a reference model (KL coefficient > 0)."""
+
+    def validate(self) -> None:
+        for role in ("policy", "trainer", "environment", "reference"):
+            _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
+
+
+@dataclass
+class TaskConfig:
+    """The environment's task (see meshrl/envs)."""
+
+    name: str = "reverse_digits"
+    """Task name in meshrl.envs.TASKS."""
+    num_digits: int = 3
+    """reverse_digits: digits per prompt."""
+
+    def validate(self) -> None:
+        from meshrl.envs import TASKS
+
+        _check(self.name in TASKS, "task.name", f"'{self.name}' is not one of {sorted(TASKS)}")
+        _check(self.num_digits >= 1, "task.num_digits", "must be >= 1")
+
+
+@dataclass
+class WarmStartConfig:
+    """Optional supervised warm-start on task demonstrations before RL."""
+
+    steps: int = 0
+    """Supervised steps before RL; 0 skips the warm-start."""
+    batch_size: int = 64
+    lr: float = 3e-3
+
+    def validate(self) -> None:
+        _check(self.steps >= 0, "warm_start.steps", "must be >= 0")
+        _check(self.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
+        _check(self.lr > 0, "warm_start.lr", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and how long a remote call may take."""
+
+    name: str = ""
+    """Run directory name under `dir`; empty picks `<algorithm>-<timestamp>`."""
+    dir: str = "runs"
+    seed: int = 0
+    call_timeout_s: float = 300.0
+    """Deadline of any single remote call; past it the run stops with an error
+    naming the role and endpoint."""
+    progress: bool = True
+    """Show a console progress bar."""
+    save_final: bool = True
+    """Write the trained model and tokenizer to `<run dir>/final/`."""
+
+    def validate(self) -> None:
+        _check(self.call_timeout_s > 0, "run.call_timeout_s", "must be > 0")
+        _check("/" not in self.name, "run.name", f"'{self.name}' must not contain '/'")
+
+
+# --- loading ---------------------------------------------------------------------
+
+
+def _omegaconf_message(error: OmegaConfBaseException) -> str:
+    """omegaconf errors span several lines; keep the first and name the key."""
+    key = getattr(error, "full_key", None)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if key:
+        return f"config key '{key}': {first}"
+    return first
+
+
+def load_config(schema: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    """Merge `schema` defaults, the YAML file at `path` and `key=value` overrides.
+
+    Returns an instance of `schema` whose `validate()` has passed.
+    """
+    try:
+        merged = OmegaConf.structured(schema)
+        if path is not None:
+            if not os.path.isfile(path):
+                raise ConfigError(f"config file not found: {path}")
+            try:
+                file_cfg = OmegaConf.load(path)
+            except Exception as error:  # yaml syntax errors carry multi-line context
+                first = str(error).strip().splitlines()[0]
+                raise ConfigError(f"config file {path}: {first}") from None
+            merged = _merge(merged, file_cfg, f"in {path}")
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override '{item}' is not of the form key=value")
+            merged = _merge(merged, OmegaConf.from_dotlist([item]), f"in override '{item}'")
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_omegaconf_message(error)) from None
+    cfg.validate()
+    return cfg
+
+
+def _merge(base: Any, other: Any, where: str) -> Any:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{_omegaconf_message(error)} ({where})") from None
+
+
+def save_config(cfg: Any, path: str) -> None:
+    """Write the resolved config as YAML (loadable again with `load_config`)."""
+    with open(path, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_cli(schema: type[T], argv: list[str] | None = None) -> T:
+    """`--config FILE key=value ...` -> config, or exit 2 with one error line."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if "--config" in args:
+        index = args.index("--config")
+        if index + 1 >= len(args):
+            _exit("--config needs a file")
+        path = args[index + 1]
+        del args[index : index + 2]
+    elif any(a.startswith("--config=") for a in args):
+        arg = next(a for a in args if a.startswith("--config="))
+        path = arg.split("=", 1)[1]
+        args.remove(arg)
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:
+        _exit(f"unknown option {unknown[0]} (usage: --config FILE key=value ...)")
+    try:
+        return load_config(schema, path, args)
+    except ConfigError as error:
+        _exit(str(error))
+    raise AssertionError("unreachable")
+
+
+def _exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

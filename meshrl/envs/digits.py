@@ -1,0 +1,52 @@
+"""The embedded default task: reverse a string of digits.
+
+Prompt `471>`, answer `174`. The reward gives partial credit per position:
+(number of positions i with completion[i] == answer[i]) / max(len(answer),
+len(completion)). A completion that ignores the prompt can match each position
+only by chance, so its expected reward is about 0.1; the correct reversal
+scores 1.
+"""
+
+from __future__ import annotations
+
+import random
+
+from meshrl.types import Prompt
+
+
+class Task:
+    """A single-turn task with a verifiable reward."""
+
+    def sample(self, num_prompts: int, rng: random.Random) -> list[Prompt]:
+        raise NotImplementedError
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        raise NotImplementedError
+
+    def demonstration(self, prompt: Prompt) -> str:
+        """A correct completion, for a supervised warm-start."""
+        return prompt.answer
+
+
+def positional_match(completion: str, answer: str) -> float:
+    """Fraction of positions that agree, over the longer of the two strings."""
+    length = max(len(answer), len(completion))
+    if length == 0:
+        return 1.0
+    matches = sum(a == b for a, b in zip(completion, answer, strict=False))
+    return matches / length
+
+
+class ReverseDigits(Task):
+    def __init__(self, cfg):
+        self.num_digits = cfg.num_digits
+
+    def sample(self, num_prompts: int, rng: random.Random) -> list[Prompt]:
+        prompts = []
+        for _ in range(num_prompts):
+            digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
+            prompts.append(Prompt(text=f"{digits}>", answer=digits[::-1]))
+        return prompts
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return positional_match(completion.strip(), prompt.answer)

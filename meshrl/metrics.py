@@ -1,0 +1,118 @@
+"""Run directory, metric recording and the console view of a run.
+
+`RunLogger` appends one JSON object per step to `metrics.jsonl`, shows a
+progress bar (step, reward, step time), draws `reward.png` at the end and
+prints a short summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+
+def make_run_dir(base: str, name: str, default_prefix: str) -> str:
+    """Create `base/name` (or `base/<prefix>-<timestamp>`); never reuse a run's files."""
+    if not name:
+        name = f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = os.path.join(base, name)
+    if os.path.exists(os.path.join(path, "metrics.jsonl")):
+        raise FileExistsError(f"run directory {path} already holds a run; pick another run.name")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class RunLogger:
+    def __init__(self, run_dir: str, total_steps: int, progress: bool = True):
+        self.run_dir = run_dir
+        self.history: list[dict[str, Any]] = []
+        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                desc="grpo",
+                unit="step",
+                file=sys.stdout,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        record = {k: _plain(v) for k, v in metrics.items()}
+        self.history.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                reward=f"{record.get('reward/mean', float('nan')):.3f}",
+                step_s=f"{record.get('time/step_s', float('nan')):.2f}",
+                refresh=False,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self._file.closed:
+            self._file.close()
+
+    def series(self, key: str) -> list[float]:
+        return [r[key] for r in self.history if key in r]
+
+    def plot_reward(self, filename: str = "reward.png") -> str | None:
+        rewards = self.series("reward/mean")
+        if not rewards:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = self.series("step")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, rewards, lw=1, alpha=0.5, label="reward/mean")
+        window = max(1, len(rewards) // 20)
+        smooth = [
+            sum(rewards[max(0, i - window + 1) : i + 1])
+            / len(rewards[max(0, i - window + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({window})")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("mean reward")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        path = os.path.join(self.run_dir, filename)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def summary(self) -> str:
+        rewards = self.series("reward/mean")
+        steps = self.series("time/step_s")
+        if not rewards:
+            return "no steps recorded"
+        first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
+        return (
+            f"{len(rewards)} steps | reward first-10 mean {sum(first) / len(first):.3f} -> "
+            f"last-10 mean {sum(last) / len(last):.3f} | mean step {sum(steps) / len(steps):.3f}s | "
+            f"run dir {self.run_dir}"
+        )
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN; keep it visible
+    return value

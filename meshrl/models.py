@@ -1,0 +1,138 @@
+"""Models and tokenizers: any HF causal LM from a local path, or the embedded default.
+
+The embedded default is a tiny Llama built from `ModelConfig` plus a character
+tokenizer built here in code, so nothing is downloaded. Both save with
+`save_pretrained` and load back through `AutoModelForCausalLM` /
+`AutoTokenizer`, exactly like a real model.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from meshrl.config import ModelConfig
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
+CHARACTERS = [chr(c) for c in range(32, 127)]
+assert set(string.digits) <= set(CHARACTERS)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character; BOS is prepended on encode."""
+    vocab = {token: i for i, token in enumerate([PAD, BOS, EOS, *CHARACTERS])}
+    core = Tokenizer(WordLevel(vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
+    )
+
+
+def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
+    if cfg.path is None:
+        return build_char_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
+    """The policy architecture with its initial weights (seeded for the tiny model)."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+    else:
+        vocab_size = len(build_char_tokenizer())
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(dtype)
+    model.config.use_cache = True
+    return model
+
+
+def device_for_this_proc() -> torch.device:
+    """One GPU per proc on GPU hosts (by local rank), CPU otherwise.
+
+    Monarch does not bind devices; each proc calls this when it builds its model.
+    """
+    if torch.cuda.is_available():
+        from monarch.actor import current_rank
+
+        rank = current_rank().rank
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+# --- log-probs ---------------------------------------------------------------------
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature).
+
+    logits [B, T, V], tokens [B, T] -> [B, T] (float32).
+    """
+    logits = logits.float() / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: [B, L] mask -> [B, L] positions."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of the last `num_completion_tokens` tokens of each sequence.
+
+    input_ids, attention_mask [B, P + T] (prompt left-padded, completion
+    right-padded) -> [B, T]. Logits at position i predict token i + 1.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=sequence_positions(attention_mask),
+        use_cache=False,
+    )
+    T = num_completion_tokens
+    logits = out.logits[:, -T - 1 : -1]
+    return token_logprobs(logits, input_ids[:, -T:], temperature)

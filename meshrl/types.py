@@ -1,0 +1,105 @@
+"""Dataclasses that travel between the controller and the actors.
+
+Shapes: B sequences, P prompt tokens (left-padded), T completion tokens
+(right-padded). Masks are float tensors of 0/1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One task instance: the text the model sees and what the environment checks."""
+
+    text: str
+    answer: str
+
+
+@dataclass
+class Completions:
+    """What a policy replica returns for a batch of prompts."""
+
+    prompt_ids: torch.Tensor  # [B, P] int64, left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, T] int64, right-padded
+    completion_mask: torch.Tensor  # [B, T], 1 on sampled tokens up to and including EOS
+    logprobs: torch.Tensor  # [B, T] sampling log-probs of completion_ids
+    weight_version: int  # the weight version that generated them
+
+    def __len__(self) -> int:
+        return self.prompt_ids.size(0)
+
+    def completion_lists(self) -> list[list[int]]:
+        """Completion token ids of each row without padding."""
+        lengths = self.completion_mask.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths, strict=True)]
+
+    @staticmethod
+    def concat(parts: list[Completions], pad_token_id: int) -> Completions:
+        """Stack replica outputs: prompts padded on the left, completions on the right."""
+        versions = {p.weight_version for p in parts}
+        assert len(versions) == 1, f"replicas generated with different weights {versions}"
+        P = max(p.prompt_ids.size(1) for p in parts)
+        T = max(p.completion_ids.size(1) for p in parts)
+
+        def pad(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+            extra = width - t.size(1)
+            return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+        return Completions(
+            prompt_ids=torch.cat([pad(p.prompt_ids, P, pad_token_id, True) for p in parts]),
+            prompt_mask=torch.cat([pad(p.prompt_mask, P, 0, True) for p in parts]),
+            completion_ids=torch.cat(
+                [pad(p.completion_ids, T, pad_token_id, False) for p in parts]
+            ),
+            completion_mask=torch.cat([pad(p.completion_mask, T, 0, False) for p in parts]),
+            logprobs=torch.cat([pad(p.logprobs, T, 0, False) for p in parts]),
+            weight_version=versions.pop(),
+        )
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's data, as the trainer's loss sees it."""
+
+    input_ids: torch.Tensor  # [B, P + T] prompt then completion
+    attention_mask: torch.Tensor  # [B, P + T]
+    completion_mask: torch.Tensor  # [B, T] 1 on tokens that count in the loss
+    old_logprobs: torch.Tensor  # [B, T] log-probs at sampling time
+    advantages: torch.Tensor  # [B] or [B, T]
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference model, when KL is used
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.completion_mask.size(1)
+
+    @staticmethod
+    def from_completions(
+        completions: Completions, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None = None
+    ) -> TrainBatch:
+        return TrainBatch(
+            input_ids=torch.cat([completions.prompt_ids, completions.completion_ids], 1),
+            attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
+            completion_mask=completions.completion_mask,
+            old_logprobs=completions.logprobs,
+            advantages=advantages,
+            ref_logprobs=ref_logprobs,
+        )
+
+    def shard(self, index: int, count: int) -> TrainBatch:
+        """Rows index::count -> the data-parallel shard of rank `index` of `count`."""
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name)[index::count]
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)

@@ -1,0 +1,97 @@
+"""Config loading: defaults, YAML, overrides, and one-line errors naming the key."""
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from algorithms.grpo import GRPOConfig
+from meshrl.config import ConfigError, load_config, save_config
+from tests.conftest import DEFAULT_CONFIG, REPO
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_shipped_yaml_loads():
+    paths = glob.glob(os.path.join(REPO, "algorithms", "configs", "*.yaml"))
+    assert paths
+    for path in paths:
+        load_config(GRPOConfig, path)
+
+
+def test_overrides_win_and_types_are_converted():
+    cfg = load_config(GRPOConfig, DEFAULT_CONFIG, ["steps=7", "optim.lr=0.5", "model.path=null"])
+    assert cfg.steps == 7 and cfg.optim.lr == 0.5 and cfg.model.path is None
+    assert isinstance(cfg, GRPOConfig)
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(GRPOConfig, DEFAULT_CONFIG, ["steps=3", "run.name=x"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(GRPOConfig, str(tmp_path / "config.yaml")) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["stepz=3"], "stepz"),
+        (["optim.lrr=1"], "optim.lrr"),
+        (["steps=abc"], "steps"),
+        (["optim.lr=fast"], "optim.lr"),
+        (["generation.top_p=1.5"], "generation.top_p"),
+        (["optim.schedule=sometimes"], "optim.schedule"),
+        (["placement.trainer=3"], "placement.trainer"),
+        (["task.name=chess"], "task.name"),
+        (["model.path=/no/such/dir"], "/no/such/dir"),
+        (["steps"], "key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(GRPOConfig, DEFAULT_CONFIG, overrides)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found: .*nope.yaml"):
+        load_config(GRPOConfig, str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(GRPOConfig, str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model:\n  hidden: 3\n")
+    with pytest.raises(ConfigError, match=r"model\.hidden.*unknown.yaml"):
+        load_config(GRPOConfig, str(unknown))
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--config", DEFAULT_CONFIG, "stepz=3"], "stepz"),
+        (["--config", DEFAULT_CONFIG, "steps=abc"], "steps"),
+        (["--config", "/nope/grpo.yaml"], "/nope/grpo.yaml"),
+        (["--config", DEFAULT_CONFIG, "--fast"], "--fast"),
+    ],
+)
+def test_cli_exits_with_one_line_before_spawning(args, fragment, no_stray_procs, tmp_path):
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "algorithms.grpo", *args, f"run.dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and fragment in lines[0]
+    assert result.stdout == ""
+    assert not os.listdir(tmp_path)  # nothing was started, nothing written
+    assert time.monotonic() - started < 30
