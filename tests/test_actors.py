@@ -1,0 +1,139 @@
+"""Actors on real Monarch procs: generation, training, weight sync, scoring."""
+
+import random
+
+import pytest
+import torch
+
+from actors.environment import Environment
+from actors.policy import Policy
+from actors.reference import Reference
+from actors.trainer import Trainer
+from algorithms.grpo import GRPO, GRPOConfig, _free_port
+from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
+from meshrl.envs import make_task
+from meshrl.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
+from meshrl.models import build_char_tokenizer
+from meshrl.types import Completions, TrainBatch
+
+pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
+
+TIMEOUT = 120
+MODEL = ModelConfig()
+GEN = GenerationConfig(max_new_tokens=5)
+
+
+# The algorithm's own loss hook travels to the trainer procs, as in a run.
+grpo_like_loss = GRPO(GRPOConfig()).loss
+
+
+@pytest.fixture(scope="module")
+def actors():
+    meshes = RoleMeshes({"policy": 2, "trainer": 2, "environment": 1, "reference": 1})
+    try:
+        handles = {
+            "trainer": meshes["trainer"].spawn(
+                "trainer",
+                Trainer,
+                MODEL,
+                OptimConfig(lr=1e-2),
+                grpo_like_loss,
+                10,
+                1.0,
+                0,
+                _free_port(),
+            ),
+            # Another seed than the trainer: equality below comes from the sync alone.
+            "policy": meshes["policy"].spawn("policy", Policy, MODEL, 7),
+            "environment": meshes["environment"].spawn(
+                "environment", Environment, TaskConfig(), MODEL
+            ),
+            "reference": meshes["reference"].spawn("reference", Reference, MODEL, 7),
+        }
+        yield handles
+    finally:
+        meshes.stop()
+
+
+def rollout(actors, num_prompts=8):
+    tok = build_char_tokenizer()
+    prompts = make_task(TaskConfig()).sample(num_prompts, random.Random(0))
+    ids = [tok(p.text).input_ids for p in prompts]
+    parts = call_each(
+        actors["policy"], "generate", [(ids[:4], GEN), (ids[4:], GEN)], "gen", TIMEOUT
+    )
+    return prompts, Completions.concat(parts, tok.pad_token_id)
+
+
+def sync(actors):
+    handle = wait(actors["trainer"].slice(procs=0).publish.call_one(), "publish", TIMEOUT)
+    versions = call_all(actors["policy"], "load_weights", handle, what="load", timeout_s=TIMEOUT)
+    return handle, versions
+
+
+def test_weight_sync_is_bitwise_and_versioned(actors):
+    handle, versions = sync(actors)
+    start_version = handle.version
+    assert versions == [start_version, start_version]
+    before = call_all(actors["policy"], "parameters", what="params", timeout_s=TIMEOUT)[0]
+
+    prompts, completions = rollout(actors)
+    batch = TrainBatch.from_completions(completions, torch.randn(len(completions)))
+    metrics = call_each(
+        actors["trainer"], "train_step", [(batch.shard(i, 2),) for i in range(2)], "train", TIMEOUT
+    )
+    assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in metrics)
+
+    handle, versions = sync(actors)
+    assert handle.version == start_version + 1
+    assert versions == [handle.version] * 2
+    trainer_ranks = call_all(actors["trainer"], "parameters", what="params", timeout_s=TIMEOUT)
+    replicas = call_all(actors["policy"], "parameters", what="params", timeout_s=TIMEOUT)
+    for name, value in trainer_ranks[0].items():
+        # data-parallel ranks agree, and every replica equals the trainer bit for bit
+        assert torch.equal(value, trainer_ranks[1][name]), name
+        for replica in replicas:
+            assert torch.equal(value, replica[name]), name
+        assert not torch.equal(value, before[name]), f"{name} did not change in the step"
+    # and the next rollout reports the version that produced it
+    _, completions = rollout(actors)
+    assert completions.weight_version == handle.version
+
+
+def test_generation_matches_reference_logprobs(actors):
+    handle, _ = sync(actors)
+    call_all(actors["reference"], "load_weights", handle, what="ref load", timeout_s=TIMEOUT)
+    _, completions = rollout(actors)
+    assert completions.completion_ids.shape[1] <= GEN.max_new_tokens
+    batch = TrainBatch.from_completions(completions, torch.zeros(len(completions)))
+    ref = wait(actors["reference"].logprobs.call_one(batch, 1.0), "ref", TIMEOUT)
+    mask = completions.completion_mask
+    assert ref.shape == completions.logprobs.shape
+    assert (ref - completions.logprobs).mul(mask).abs().max().item() < 1e-4
+
+
+def test_environment_scores_by_the_task(actors):
+    tok = build_char_tokenizer()
+    prompts = make_task(TaskConfig()).sample(4, random.Random(1))
+    right = [
+        tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id] for p in prompts
+    ]
+    wrong = [tok("x", add_special_tokens=False).input_ids for _ in prompts]
+    scores = wait(
+        actors["environment"].score.call_one(prompts + prompts, right + wrong), "s", TIMEOUT
+    )
+    assert scores == [1.0] * 4 + [0.0] * 4
+
+
+def test_actor_error_names_endpoint_and_cause(actors):
+    with pytest.raises(RemoteCallError, match=r"policy\.generate.*failed"):
+        wait(actors["policy"].slice(procs=0).generate.call_one([], GEN), "policy.generate", TIMEOUT)
+    # the actor keeps serving afterwards
+    rollout(actors, num_prompts=8)
+
+
+def test_meshes_stop_leaves_no_procs(no_stray_procs):
+    with RoleMeshes({"policy": 1, "environment": 1}) as meshes:
+        env = meshes["environment"].spawn("environment", Environment, TaskConfig(), MODEL)
+        assert wait(env.score.call_one([], []), "score", TIMEOUT) == []
+    meshes.stop()  # twice is harmless

@@ -1,0 +1,173 @@
+"""GRPO run as a user runs it: the CLI, the run directory, the trained model,
+other placements, and Ctrl-C."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import load_config
+from meshrl.models import load_model
+from tests.conftest import DEFAULT_CONFIG, REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+REQUIRED = [
+    "step",
+    "reward/mean",
+    "tokens/generated",
+    "weights/version",
+    "time/step_s",
+    "time/generate_s",
+    "time/train_s",
+    "time/weight_sync_s",
+]
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray_procs):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "algorithms.grpo",
+            "--config",
+            DEFAULT_CONFIG,
+            "steps=4",
+            "warm_start.steps=2",
+            f"run.dir={tmp_path}",
+            "run.name=e2e",
+            "run.progress=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "e2e"
+    assert {"config.yaml", "metrics.jsonl", "reward.png", "final"} <= set(os.listdir(run_dir))
+    assert "grpo: 4 steps" in result.stdout
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records:
+        for key in REQUIRED:
+            assert key in record, key
+        for key, value in record.items():
+            assert isinstance(value, (int, float)) and math.isfinite(value), (key, value)
+    # warm-start publishes once more; each RL step advances the version by one
+    versions = [r["weights/version"] for r in records]
+    assert versions == list(range(versions[0], versions[0] + 4))
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in records)
+
+    cfg = load_config(GRPOConfig, str(run_dir / "config.yaml"))
+    assert cfg.steps == 4 and cfg.run.name == "e2e"
+    initial = load_model(cfg.model, seed=cfg.run.seed)
+    trained = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    initial_params = dict(initial.named_parameters())
+    for name, param in trained.named_parameters():
+        assert torch.isfinite(param).all(), name
+        assert not torch.equal(param, initial_params[name]), f"{name} did not change"
+
+
+def test_reusing_a_run_name_is_refused(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.jsonl").write_text("{}\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "algorithms.grpo",
+            "--config",
+            DEFAULT_CONFIG,
+            f"run.dir={tmp_path}",
+            "run.name=taken",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "already holds a run" in result.stderr
+    assert (tmp_path / "taken" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_multi_proc_placement_with_kl_in_process(tmp_path, no_stray_procs):
+    """The notebook path: build the config in code and call run()."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=3",
+            "warm_start.steps=0",
+            "kl_coef=0.05",
+            "placement.policy=2",
+            "placement.trainer=2",
+            "placement.environment=2",
+            "placement.reference=2",
+            f"run.dir={tmp_path}",
+            "run.name=multi",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    history = GRPO(cfg).run()
+    assert len(history) == 3
+    assert all(math.isfinite(r["policy/kl_ref"]) and r["policy/kl_ref"] >= 0 for r in history)
+    assert history[0]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-5)  # policy == reference
+    assert history[-1]["weights/version"] == 3
+
+
+def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "algorithms.grpo",
+            "--config",
+            DEFAULT_CONFIG,
+            "steps=100000",
+            "warm_start.steps=0",
+            f"run.dir={tmp_path}",
+            "run.name=interrupted",
+            "run.progress=false",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A background shell starts children with SIGINT ignored; a user's terminal does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    metrics = tmp_path / "interrupted" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "run did not start stepping"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr
+    # what was logged before Ctrl-C is intact
+    assert all(
+        json.loads(line)["step"] == i for i, line in enumerate(metrics.read_text().splitlines())
+    )
