@@ -171,3 +171,17 @@ def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
     assert all(
         json.loads(line)["step"] == i for i, line in enumerate(metrics.read_text().splitlines())
     )
+
+
+def test_default_run_learns_the_task(tmp_path, no_stray_procs):
+    """The `make run` job itself: the reward must climb from chance to >= 0.6."""
+    result = subprocess.run(
+        [sys.executable, "-m", "algorithms.grpo", "--config", DEFAULT_CONFIG,
+         f"run.dir={tmp_path}", "run.name=default", "run.progress=false", "run.save_final=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "default")]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 0.6, (first, last)
+    assert last - first >= 0.3, (first, last)
