@@ -29,6 +29,7 @@ Subclass and override one hook (`rollout`, `compute_advantages`, `loss`,
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import sys
@@ -128,11 +129,12 @@ class GRPO:
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
         self.meshes: RoleMeshes | None = None
+        self.logger: RunLogger | None = None
 
     def __getstate__(self) -> dict:
         # The algorithm travels to the trainer procs so that its `loss` hook runs
         # there; only the config goes with it, never the mesh handles.
-        return {"cfg": self.cfg, "meshes": None}
+        return {"cfg": self.cfg, "meshes": None, "logger": None}
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -300,14 +302,15 @@ class GRPO:
             self.shutdown()
             raise
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
-        """One data-parallel optimizer step; metrics averaged over trainer ranks."""
+    def train(self, batch: TrainBatch, endpoint: str = "train_step", *args) -> dict[str, float]:
+        """One data-parallel optimizer step (each trainer rank gets its shard of
+        the batch); metrics averaged over ranks."""
         n = self.cfg.placement.trainer
         per_rank = call_each(
             self.trainer,
-            "train_step",
-            [(batch.shard(i, n),) for i in range(n)],
-            "trainer.train_step",
+            endpoint,
+            [(batch.shard(i, n), *args) for i in range(n)],
+            f"trainer.{endpoint}",
             self.timeout_s,
         )
         return {key: sum(m[key] for m in per_rank) / n for key in per_rank[0]}
@@ -338,27 +341,23 @@ class GRPO:
         return torch.cat(parts)
 
     def warm_start(self) -> None:
-        """Supervised steps on task demonstrations, then a weight sync."""
-        cfg, n = self.cfg.warm_start, self.cfg.placement.trainer
-        eos = self.tokenizer.eos_token_id
+        """Supervised steps on task demonstrations (logged to warm_start.jsonl),
+        then a weight sync."""
+        cfg, eos = self.cfg.warm_start, self.tokenizer.eos_token_id
         losses = []
-        for _ in range(cfg.steps):
-            prompts = self.task.sample(cfg.batch_size, self.rng)
-            prompt_ids = [self.tokenizer(p.text).input_ids for p in prompts]
-            targets = [
-                self.tokenizer(self.task.demonstration(p), add_special_tokens=False).input_ids
-                + [eos]
-                for p in prompts
-            ]
-            batch = supervised_batch(prompt_ids, targets, self.tokenizer.pad_token_id)
-            per_rank = call_each(
-                self.trainer,
-                "warm_start_step",
-                [(batch.shard(i, n), cfg.lr) for i in range(n)],
-                "trainer.warm_start_step",
-                self.timeout_s,
-            )
-            losses.append(sum(m["loss/nll"] for m in per_rank) / n)
+        with open(f"{self.run_dir}/warm_start.jsonl", "w") as log:
+            for step in range(cfg.steps):
+                prompts = self.task.sample(cfg.batch_size, self.rng)
+                prompt_ids = [self.tokenizer(p.text).input_ids for p in prompts]
+                targets = [
+                    self.tokenizer(self.task.demonstration(p), add_special_tokens=False).input_ids
+                    + [eos]
+                    for p in prompts
+                ]
+                batch = supervised_batch(prompt_ids, targets, self.tokenizer.pad_token_id)
+                metrics = self.train(batch, "warm_start_step", cfg.lr)
+                log.write(json.dumps({"step": step, **metrics}) + "\n")
+                losses.append(metrics["loss/nll"])
         self.sync_weights()
         print(
             f"warm-start: {cfg.steps} supervised steps, nll {losses[0]:.3f} -> {losses[-1]:.3f}",
@@ -378,7 +377,7 @@ class GRPO:
 
     def shutdown(self) -> None:
         """Stop every proc this run spawned (safe to call twice)."""
-        if getattr(self, "logger", None) is not None:
+        if self.logger is not None:
             self.logger.close()
         if self.meshes is not None:
             self.meshes.stop()

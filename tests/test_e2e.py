@@ -32,33 +32,44 @@ REQUIRED = [
 ]
 
 
+def grpo_command(run_dir, name, *overrides):
+    """The CLI a user types, writing to `run_dir/name`."""
+    return [
+        sys.executable,
+        "-m",
+        "algorithms.grpo",
+        "--config",
+        DEFAULT_CONFIG,
+        *overrides,
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        "run.progress=false",
+    ]
+
+
+def run_grpo(run_dir, name, *overrides, timeout=300):
+    return subprocess.run(
+        grpo_command(run_dir, name, *overrides),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
 def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray_procs):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "algorithms.grpo",
-            "--config",
-            DEFAULT_CONFIG,
-            "steps=4",
-            "warm_start.steps=2",
-            f"run.dir={tmp_path}",
-            "run.name=e2e",
-            "run.progress=false",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_grpo(tmp_path, "e2e", "steps=4", "warm_start.steps=2", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "e2e"
-    assert {"config.yaml", "metrics.jsonl", "reward.png", "final"} <= set(os.listdir(run_dir))
+    assert {"config.yaml", "metrics.jsonl", "warm_start.jsonl", "reward.png", "final"} <= set(
+        os.listdir(run_dir)
+    )
+    assert len((run_dir / "warm_start.jsonl").read_text().splitlines()) == 2
     assert "grpo: 4 steps" in result.stdout
 
     records = read_metrics(run_dir)
@@ -86,21 +97,7 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
 def test_reusing_a_run_name_is_refused(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "metrics.jsonl").write_text("{}\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "algorithms.grpo",
-            "--config",
-            DEFAULT_CONFIG,
-            f"run.dir={tmp_path}",
-            "run.name=taken",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_grpo(tmp_path, "taken", timeout=120)
     assert result.returncode == 1
     assert "already holds a run" in result.stderr
     assert (tmp_path / "taken" / "metrics.jsonl").read_text() == "{}\n"
@@ -134,18 +131,7 @@ def test_multi_proc_placement_with_kl_in_process(tmp_path, no_stray_procs):
 
 def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "algorithms.grpo",
-            "--config",
-            DEFAULT_CONFIG,
-            "steps=100000",
-            "warm_start.steps=0",
-            f"run.dir={tmp_path}",
-            "run.name=interrupted",
-            "run.progress=false",
-        ],
+        grpo_command(tmp_path, "interrupted", "steps=100000", "warm_start.steps=0"),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -175,11 +161,7 @@ def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
 
 def test_default_run_learns_the_task(tmp_path, no_stray_procs):
     """The `make run` job itself: the reward must climb from chance to >= 0.6."""
-    result = subprocess.run(
-        [sys.executable, "-m", "algorithms.grpo", "--config", DEFAULT_CONFIG,
-         f"run.dir={tmp_path}", "run.name=default", "run.progress=false", "run.save_final=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=400,
-    )
+    result = run_grpo(tmp_path, "default", "run.save_final=false", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "default")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
