@@ -45,7 +45,9 @@ class Trainer(Actor):
         if self.world_size > 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(master_port)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.
+            own_gpus = self.device.type == "cuda" and self.world_size <= torch.cuda.device_count()
+            backend = "nccl" if own_gpus else "gloo"
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
             self.module = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optim_cfg = optim_cfg

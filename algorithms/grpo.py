@@ -146,14 +146,8 @@ class GRPO:
             self.sync_weights()  # version 0: every replica starts from the trainer's weights
             if cfg.warm_start.steps:
                 self.warm_start()
-            if "reference" in self.meshes:  # frozen at the weights RL starts from
-                call_all(
-                    self.reference,
-                    "load_weights",
-                    self.handle,
-                    what="reference.load_weights",
-                    timeout_s=self.timeout_s,
-                )
+            if "reference" in self.meshes:
+                self.load_reference()
             self.logger = RunLogger(self.run_dir, cfg.steps, progress=cfg.run.progress)
             for step in range(cfg.steps):
                 started = time.perf_counter()
@@ -328,6 +322,16 @@ class GRPO:
             timeout_s=self.timeout_s,
         )
         assert set(versions) == {self.handle.version}, f"replicas at {versions}"
+
+    def load_reference(self) -> None:
+        """The reference takes the weights RL starts from and keeps them."""
+        call_all(
+            self.reference,
+            "load_weights",
+            self.handle,
+            what="reference.load_weights",
+            timeout_s=self.timeout_s,
+        )
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         n = self.cfg.placement.reference

@@ -115,23 +115,38 @@ def split(items: Sequence, num_parts: int) -> list[list]:
 # --- meshes --------------------------------------------------------------------------
 
 
-def _setup_proc(num_threads: int) -> None:
-    """Runs first in every spawned proc: its share of the cores."""
+DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
+
+
+def _setup_proc(num_threads: int, device_offset: int) -> None:
+    """Runs first in every spawned proc: its share of the cores, and where its
+    role's GPUs start (proc i of the mesh takes GPU offset + i; see
+    `meshrl.models.device_for_this_proc`)."""
+    # RDMA registration of CUDA memory wants expandable segments; the allocator
+    # reads this at its first CUDA allocation, which comes later.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     torch.set_num_threads(num_threads)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
 
 
 class RoleMeshes:
     """One Monarch proc mesh per role on `host` (default: this host).
 
     `counts` maps role -> number of procs, e.g. {"policy": 1, "trainer": 2}.
+    On a GPU host the roles take consecutive GPUs in that order (policy 0..,
+    then trainer ..), except `cpu_roles`, which take none.
     Use as a context manager, or call `stop()`.
     """
 
     def __init__(
-        self, counts: dict[str, int], host: Any = None, threads_per_proc: int | None = None
+        self,
+        counts: dict[str, int],
+        host: Any = None,
+        threads_per_proc: int | None = None,
+        cpu_roles: tuple[str, ...] = ("environment",),
     ):
         from monarch.actor import this_host
 
@@ -141,13 +156,16 @@ class RoleMeshes:
         threads = threads_per_proc or max(1, (os.cpu_count() or 1) // total)
         host = host if host is not None else this_host()
         self.meshes: dict[str, Any] = {}
+        device_offset = 0
         try:
             for role, count in self.counts.items():
                 self.meshes[role] = host.spawn_procs(
                     per_host={"procs": count},
-                    bootstrap=functools.partial(_setup_proc, threads),
+                    bootstrap=functools.partial(_setup_proc, threads, device_offset),
                     name=role,
                 )
+                if role not in cpu_roles:
+                    device_offset += count
         except BaseException:
             self.stop()
             raise

@@ -8,6 +8,7 @@ tokenizer built here in code, so nothing is downloaded. Both save with
 
 from __future__ import annotations
 
+import os
 import string
 
 import torch
@@ -24,6 +25,7 @@ from transformers import (
 )
 
 from meshrl.config import ModelConfig
+from meshrl.mesh import DEVICE_OFFSET_ENV
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
@@ -86,16 +88,20 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
 
 
 def device_for_this_proc() -> torch.device:
-    """One GPU per proc on GPU hosts (by local rank), CPU otherwise.
+    """GPU (role offset + rank in its mesh) mod the GPU count on GPU hosts, else CPU.
 
-    Monarch does not bind devices; each proc calls this when it builds its model.
+    Monarch does not bind devices; `meshrl.mesh.RoleMeshes` sets each role's
+    offset so roles get disjoint GPUs while there are enough of them, and each
+    proc calls this when it builds its model.
     """
-    if torch.cuda.is_available():
-        from monarch.actor import current_rank
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from monarch.actor import current_rank
 
-        rank = current_rank().rank
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    offset = int(os.environ.get(DEVICE_OFFSET_ENV, "0"))
+    device = torch.device("cuda", (offset + current_rank().rank) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 # --- log-probs ---------------------------------------------------------------------
