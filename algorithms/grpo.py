@@ -272,17 +272,17 @@ class GRPO:
             counts["reference"] = cfg.placement.reference
         self.meshes = RoleMeshes(counts)
         try:
-            seed, temperature = cfg.run.seed, cfg.generation.temperature
+            seed = cfg.run.seed
             self.trainer = self.meshes["trainer"].spawn(
                 "trainer",
                 Trainer,
                 cfg.model,
                 cfg.optim,
-                self.loss,
-                cfg.steps,
-                temperature,
-                seed,
-                _free_port(),
+                loss_fn=self.loss,  # this object's `loss` hook, run on the trainer procs
+                total_steps=cfg.steps,
+                temperature=cfg.generation.temperature,
+                seed=seed,
+                master_port=_free_port(),
             )
             self.policy = self.meshes["policy"].spawn("policy", Policy, cfg.model, seed)
             self.environment = self.meshes["environment"].spawn(

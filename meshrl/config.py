@@ -10,7 +10,6 @@ before any process is spawned.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -238,13 +237,13 @@ def save_config(cfg: Any, path: str) -> None:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def parse_cli(schema: type[T], argv: list[str] | None = None) -> T:
     """`--config FILE key=value ...` -> config, or exit 2 with one error line."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print("usage: --config FILE [key=value ...]\n\nkeys and defaults:\n")
+        print(OmegaConf.to_yaml(OmegaConf.structured(schema)))
+        raise SystemExit(0)
     path = None
     if "--config" in args:
         index = args.index("--config")

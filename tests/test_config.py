@@ -95,3 +95,14 @@ def test_cli_exits_with_one_line_before_spawning(args, fragment, no_stray_procs,
     assert result.stdout == ""
     assert not os.listdir(tmp_path)  # nothing was started, nothing written
     assert time.monotonic() - started < 30
+
+
+def test_help_lists_every_key(capsys):
+    from meshrl.config import parse_cli
+
+    with pytest.raises(SystemExit) as info:
+        parse_cli(GRPOConfig, ["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for key in ("steps:", "placement:", "warm_start:", "call_timeout_s:"):
+        assert key in out
