@@ -113,6 +113,9 @@ class Trainer(Actor):
     def save(self, path: str) -> None:
         """Rank 0: HF `save_pretrained` of model and tokenizer."""
         if self.rank == 0:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # keep the controller's console to the run's own bar
             self.model.save_pretrained(path)
             load_tokenizer(self.model_cfg).save_pretrained(path)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,17 +28,17 @@ class RemoteCallError(RuntimeError):
 
 # --- faults --------------------------------------------------------------------------
 
-_faults: list[str] = []
-_faults_lock = threading.Lock()
+faults: list[str] = []
+"""Mesh failures Monarch reported with no handler, oldest first (for inspection)."""
 
 
 def _record_fault(failure: Any) -> None:
-    """Monarch's unhandled-fault hook: keep the client alive and let the
-    controller's pending `wait` raise with the cause (the default ends the process)."""
-    with _faults_lock:
-        _faults.append(
-            str(failure).strip().splitlines()[0] if str(failure).strip() else "mesh failure"
-        )
+    """Monarch's unhandled-fault hook. Its default ends the client process; here
+    the failure is recorded and logged, and the call that needed the dead proc
+    fails at the controller with a `RemoteCallError` instead."""
+    text = str(failure).strip()
+    faults.append(text)
+    logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
 
 
 def install_fault_hook() -> None:
@@ -48,16 +47,11 @@ def install_fault_hook() -> None:
     monarch.actor.unhandled_fault_hook = _record_fault
 
 
-def _take_fault() -> str | None:
-    with _faults_lock:
-        return _faults.pop(0) if _faults else None
-
-
 def wait(future: Any, what: str, timeout_s: float) -> Any:
     """Block on a Monarch future for at most `timeout_s` seconds.
 
-    Polls in short slices so Ctrl-C and proc failures surface at once instead of
-    after the call's own timeout.
+    Polls in short slices so that Ctrl-C is handled at once; an error inside
+    the actor, or the death of its proc, raises `RemoteCallError` naming `what`.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -67,9 +61,6 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
             pass
         except Exception as error:
             raise RemoteCallError(f"{what} failed: {_first_line(error)}") from error
-        fault = _take_fault()
-        if fault is not None:
-            raise RemoteCallError(f"{what} failed: a process died ({fault})")
         if time.monotonic() > deadline:
             raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s")
 
@@ -185,9 +176,6 @@ class RoleMeshes:
                 mesh.stop().get(timeout=timeout_s)
             except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
                 logger.warning("could not stop %s mesh cleanly: %s", role, error)
-        # Faults raised by the shutdown itself are not news.
-        while _take_fault() is not None:
-            pass
 
     def __enter__(self) -> RoleMeshes:
         return self
