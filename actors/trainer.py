@@ -59,9 +59,7 @@ class Trainer(Actor):
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
 
     def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
-        batch = TrainBatch(
-            **{k: (v.to(self.device) if v is not None else None) for k, v in vars(batch).items()}
-        )
+        batch = batch.apply(lambda t: t.to(self.device))
         logprobs = completion_logprobs(
             self.module,
             batch.input_ids,

@@ -406,12 +406,7 @@ def supervised_batch(
 def _rows(batch: TrainBatch, index: int, count: int) -> TrainBatch:
     """Contiguous rows for reference proc `index` of `count` (results are concatenated)."""
     size = len(batch) // count
-    return TrainBatch(
-        **{
-            k: (v[index * size : (index + 1) * size] if v is not None else None)
-            for k, v in vars(batch).items()
-        }
-    )
+    return batch.apply(lambda t: t[index * size : (index + 1) * size])
 
 
 def _free_port() -> int:

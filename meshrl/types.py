@@ -90,16 +90,20 @@ class TrainBatch:
             ref_logprobs=ref_logprobs,
         )
 
-    def shard(self, index: int, count: int) -> TrainBatch:
-        """Rows index::count -> the data-parallel shard of rank `index` of `count`."""
+    def apply(self, fn) -> TrainBatch:
+        """A copy with `fn` applied to every tensor (e.g. a row slice, `.to(device)`)."""
         return replace(
             self,
             **{
-                f.name: getattr(self, f.name)[index::count]
+                f.name: fn(getattr(self, f.name))
                 for f in fields(self)
                 if getattr(self, f.name) is not None
             },
         )
+
+    def shard(self, index: int, count: int) -> TrainBatch:
+        """Rows index::count -> the data-parallel shard of rank `index` of `count`."""
+        return self.apply(lambda t: t[index::count])
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
