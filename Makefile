@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
+ALGO ?= grpo
 
 .PHONY: run test lint clean
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m algorithms.grpo --config $(CONFIG) $(ARGS)
+	$(BIN)/python -m algorithms.$(ALGO) --config $(CONFIG) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,17 +9,16 @@ given at construction, so this actor has no algorithm branches.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.losses import nll_loss
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
 from meshrl.optim import build_optimizer
+from meshrl.parallel import clipped_step, data_parallel, shutdown
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightPublisher
 
@@ -41,15 +40,9 @@ class Trainer(Actor):
         self.device = device_for_this_proc()
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
-        self.module = self.model
-        if self.world_size > 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(master_port)
-            # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.
-            own_gpus = self.device.type == "cuda" and self.world_size <= torch.cuda.device_count()
-            backend = "nccl" if own_gpus else "gloo"
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
-            self.module = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.module = data_parallel(
+            self.model, self.device, self.rank, self.world_size, master_port
+        )
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
@@ -68,12 +61,9 @@ class Trainer(Actor):
             self.temperature,
         )
         loss, metrics = loss_fn(logprobs, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = self.optim_cfg.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        optimizer.step()
-        metrics["train/grad_norm"] = grad_norm.item()
+        metrics["train/grad_norm"] = clipped_step(
+            loss, self.model, optimizer, self.optim_cfg.max_grad_norm
+        )
         metrics["train/loss"] = loss.item()
         return metrics
 
@@ -102,6 +92,25 @@ class Trainer(Actor):
         return metrics
 
     @endpoint
+    def eval_step(self, batch: TrainBatch) -> dict[str, float]:
+        """The loss and its metrics on this rank's shard, without a gradient step
+        (held-out evaluation)."""
+        batch = batch.apply(lambda t: t.to(self.device))
+        self.model.eval()
+        with torch.no_grad():
+            logprobs = completion_logprobs(
+                self.model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.num_completion_tokens,
+                self.temperature,
+            )
+            loss, metrics = self.loss_fn(logprobs, batch)
+        self.model.train()
+        metrics["eval/loss"] = loss.item()
+        return metrics
+
+    @endpoint
     def publish(self) -> WeightHandle:
         """Rank 0: copy the current weights into the RDMA buckets, tagged with the version."""
         assert self.publisher is not None, "publish is called on trainer rank 0"
@@ -123,5 +132,4 @@ class Trainer(Actor):
         return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
 
     def __del__(self):
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
@@ -106,15 +106,16 @@ class OptimConfig:
     """Linear warm-up from 0 over this many optimizer steps."""
     min_lr_ratio: float = 0.0
 
-    def validate(self) -> None:
-        _check(self.lr > 0, "optim.lr", "must be > 0")
-        _check(len(self.betas) == 2, "optim.betas", "must be a list of two floats")
+    def validate(self, section: str = "optim") -> None:
+        """`section` is where this config sits (`optim`, PPO's `critic_optim`)."""
+        _check(self.lr > 0, f"{section}.lr", "must be > 0")
+        _check(len(self.betas) == 2, f"{section}.betas", "must be a list of two floats")
         _check(
             self.schedule in ("constant", "linear", "cosine"),
-            "optim.schedule",
+            f"{section}.schedule",
             f"'{self.schedule}' is not one of constant, linear, cosine",
         )
-        _check(self.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0")
+        _check(self.max_grad_norm >= 0, f"{section}.max_grad_norm", "must be >= 0")
 
 
 @dataclass
@@ -126,10 +127,12 @@ class PlacementConfig:
     trainer: int = 1
     environment: int = 1
     reference: int = 1
-    """Spawned only when the algorithm needs a reference model (KL coefficient > 0)."""
+    """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
+    critic: int = 1
+    """Spawned only by algorithms with a critic (PPO)."""
 
     def validate(self) -> None:
-        for role in ("policy", "trainer", "environment", "reference"):
+        for role in ("policy", "trainer", "environment", "reference", "critic"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
 
 
@@ -205,14 +208,8 @@ def load_config(schema: type[T], path: str | None = None, overrides: list[str] |
     try:
         merged = OmegaConf.structured(schema)
         if path is not None:
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file not found: {path}")
-            try:
-                file_cfg = OmegaConf.load(path)
-            except Exception as error:  # yaml syntax errors carry multi-line context
-                first = str(error).strip().splitlines()[0]
-                raise ConfigError(f"config file {path}: {first}") from None
-            merged = _merge(merged, file_cfg, f"in {path}")
+            for file_path, file_cfg in _config_chain(path):
+                merged = _merge(merged, file_cfg, f"in {file_path}")
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -222,6 +219,29 @@ def load_config(schema: type[T], path: str | None = None, overrides: list[str] |
         raise ConfigError(_omegaconf_message(error)) from None
     cfg.validate()
     return cfg
+
+
+def _config_chain(path: str, seen: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+    """The YAML at `path` preceded by the files its `base:` key names (a path
+    relative to it), oldest first: a config states only what it changes."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"config file {path}: 'base' chain loops back to itself")
+    try:
+        file_cfg = OmegaConf.load(path)
+    except Exception as error:  # yaml syntax errors carry multi-line context
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(f"config file {path}: {first}") from None
+    if not isinstance(file_cfg, DictConfig):
+        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    base = file_cfg.pop("base", None)
+    if base is None:
+        return [(path, file_cfg)]
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {path}: key 'base' must be a file path")
+    base_path = os.path.join(os.path.dirname(path), base)
+    return [*_config_chain(base_path, (*seen, os.path.abspath(path))), (path, file_cfg)]
 
 
 def _merge(base: Any, other: Any, where: str) -> Any:

@@ -8,6 +8,7 @@ are plain floats for logging.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -130,3 +131,162 @@ def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     """Supervised next-token loss on masked tokens: -sum(m log p) / sum(m)."""
     loss = -masked_mean(logprobs, mask)
     return loss, {"loss/nll": loss.item()}
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics").
+
+    rewards [B] in consecutive groups of `group_size`; each reward minus the mean
+    of the other members of its group: A = r - (sum - r) / (k - 1). Returns [B].
+    """
+    if group_size < 2:
+        raise ValueError("rloo_advantages needs group_size >= 2 (a baseline from the others)")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).view(-1)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked elements of the whole batch; 0 off the mask.
+
+    The global normalization of REINFORCE++ (Hu 2025) and of PPO advantages.
+    """
+    mean = masked_mean(values, mask)
+    count = mask.sum()
+    var = ((values - mean).pow(2) * mask).sum() / (count - 1).clamp(min=1)
+    return (values - mean) / (var.sqrt() + eps) * mask
+
+
+def token_rewards(
+    scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """Per-token rewards for a sequence-level score: the score on the last masked
+    token of each row, minus `kl_coef * kl` on every masked token (the KL-shaped
+    reward of InstructGPT, Ouyang et al. 2022, used by PPO and REINFORCE++).
+
+    scores [B], mask [B, T], kl [B, T] or None -> [B, T].
+    """
+    rewards = torch.zeros_like(mask, dtype=torch.float32)
+    positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] = scores.float()[rows]
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    return rewards
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted sum of future masked rewards at each token: [B, T] -> [B, T]."""
+    returns = torch.zeros_like(rewards, dtype=torch.float32)
+    running = torch.zeros(rewards.size(0), device=rewards.device)
+    for t in reversed(range(rewards.size(1))):
+        running = rewards[:, t] * mask[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016).
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1}.
+    rewards, values, mask [B, T]; values off the mask (past the last valid
+    token) count as 0. Returns (advantages [B, T], returns = advantages + values),
+    both 0 off the mask.
+    """
+    values = values.float() * mask
+    rewards = rewards.float() * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.size(0), device=values.device)
+    next_value = torch.zeros(values.size(0), device=values.device)
+    for t in reversed(range(values.size(1))):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of PPO (as in OpenAI baselines / TRL's PPO):
+    0.5 * masked mean of max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2).
+
+    values, old_values, returns, mask [B, T].
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    unclipped = (values - returns).pow(2)
+    clipped = (clipped_values - returns).pow(2)
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        metrics = {
+            "loss/value": loss.item(),
+            "value/clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
+            "value/mean": masked_mean(values, mask).item(),
+        }
+    return loss, metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over masked tokens: 1 is a perfect critic, 0 no
+    better than a constant, negative worse. NaN when the returns do not vary."""
+    residual = returns - values
+    var_returns = masked_mean((returns - masked_mean(returns, mask)).pow(2), mask)
+    var_residual = masked_mean((residual - masked_mean(residual, mask)).pow(2), mask)
+    if var_returns.item() == 0:
+        return float("nan")
+    return (1 - var_residual / var_returns).item()
+
+
+def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of masked token log-probs per sequence: [B, T] -> [B]."""
+    return (logprobs * mask).sum(dim=1)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Direct preference optimization (Rafailov et al. 2023), with the
+    conservative label smoothing of cDPO (Mitchell 2023).
+
+    All inputs [B]: summed log-probs of the chosen / rejected response.
+    With D = (pi_c - ref_c) - (pi_r - ref_r):
+    loss = mean of -(1 - eps) log sigmoid(beta D) - eps log sigmoid(-beta D).
+    Metrics: implicit rewards beta (pi - ref) of chosen and rejected, their
+    margin, and accuracy = fraction of pairs whose chosen reward is higher
+    (ties count one half, so an untrained policy scores 0.5).
+    """
+    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)
+    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)
+    logits = chosen_rewards - rejected_rewards  # = beta * D
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    loss = losses.mean()
+    with torch.no_grad():
+        wins = (logits > 0).float() + 0.5 * (logits == 0).float()
+        metrics = {
+            "loss/dpo": loss.item(),
+            "rewards/chosen": chosen_rewards.mean().item(),
+            "rewards/rejected": rejected_rewards.mean().item(),
+            "rewards/margin": logits.mean().item(),
+            "rewards/accuracy": wins.mean().item(),
+        }
+    return loss, metrics

@@ -74,16 +74,26 @@ def _first_line(error: BaseException) -> str:
     return lines[-1].strip() if "Traceback" in text else lines[0].strip()
 
 
+def start_each(actors: Any, endpoint: str, args_per_rank: Sequence[tuple]) -> list:
+    """Call `endpoint` on proc i of `actors` with `args_per_rank[i]`, all at once;
+    returns the futures (collect them with `gather`)."""
+    return [
+        getattr(actors.slice(procs=i), endpoint).call_one(*args)
+        for i, args in enumerate(args_per_rank)
+    ]
+
+
+def gather(futures: Sequence, what: str, timeout_s: float) -> list:
+    """The results of `start_each`'s futures in rank order."""
+    return [wait(f, f"{what}[{i}]", timeout_s) for i, f in enumerate(futures)]
+
+
 def call_each(
     actors: Any, endpoint: str, args_per_rank: Sequence[tuple], what: str, timeout_s: float
 ) -> list:
     """Call `endpoint` on proc i of `actors` with `args_per_rank[i]`, all at once,
     and return the results in rank order."""
-    futures = [
-        getattr(actors.slice(procs=i), endpoint).call_one(*args)
-        for i, args in enumerate(args_per_rank)
-    ]
-    return [wait(f, f"{what}[{i}]", timeout_s) for i, f in enumerate(futures)]
+    return gather(start_each(actors, endpoint, args_per_rank), what, timeout_s)
 
 
 def call_all(actors: Any, endpoint: str, *args: Any, what: str, timeout_s: float) -> list:

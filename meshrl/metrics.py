@@ -27,8 +27,17 @@ def make_run_dir(base: str, name: str, default_prefix: str) -> str:
 
 
 class RunLogger:
-    def __init__(self, run_dir: str, total_steps: int, progress: bool = True):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        progress: bool = True,
+        desc: str = "grpo",
+        headline: str = "reward/mean",
+    ):
+        """`headline` is the metric the bar, the plot and the summary show."""
         self.run_dir = run_dir
+        self.headline = headline
         self.history: list[dict[str, Any]] = []
         self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115
         self._bar = None
@@ -37,7 +46,7 @@ class RunLogger:
 
             self._bar = tqdm(
                 total=total_steps,
-                desc="grpo",
+                desc=desc,
                 unit="step",
                 file=sys.stdout,
                 dynamic_ncols=True,
@@ -52,7 +61,7 @@ class RunLogger:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
-                reward=f"{record.get('reward/mean', float('nan')):.3f}",
+                **{self.headline.split("/")[-1]: f"{record.get(self.headline, float('nan')):.3f}"},
                 step_s=f"{record.get('time/step_s', float('nan')):.2f}",
                 refresh=False,
             )
@@ -68,7 +77,7 @@ class RunLogger:
         return [r[key] for r in self.history if key in r]
 
     def plot_reward(self, filename: str = "reward.png") -> str | None:
-        rewards = self.series("reward/mean")
+        rewards = self.series(self.headline)
         if not rewards:
             return None
         import matplotlib
@@ -76,9 +85,9 @@ class RunLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        steps = self.series("step")
+        steps = [r["step"] for r in self.history if self.headline in r]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, rewards, lw=1, alpha=0.5, label="reward/mean")
+        ax.plot(steps, rewards, lw=1, alpha=0.5, label=self.headline)
         window = max(1, len(rewards) // 20)
         smooth = [
             sum(rewards[max(0, i - window + 1) : i + 1])
@@ -86,8 +95,8 @@ class RunLogger:
             for i in range(len(rewards))
         ]
         ax.plot(steps, smooth, lw=2, label=f"moving mean ({window})")
-        ax.set_xlabel("RL step")
-        ax.set_ylabel("mean reward")
+        ax.set_xlabel("step")
+        ax.set_ylabel(self.headline)
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
@@ -98,14 +107,15 @@ class RunLogger:
         return path
 
     def summary(self) -> str:
-        rewards = self.series("reward/mean")
-        steps = self.series("time/step_s")
+        rewards = self.series(self.headline)
+        steps = self.series("time/step_s") or [0.0]
         if not rewards:
             return "no steps recorded"
-        first, last = rewards[: min(10, len(rewards))], rewards[-min(10, len(rewards)) :]
+        k = min(10, max(1, len(rewards) // 2))
+        first, last = rewards[:k], rewards[-k:]
         return (
-            f"{len(rewards)} steps | reward first-10 mean {sum(first) / len(first):.3f} -> "
-            f"last-10 mean {sum(last) / len(last):.3f} | mean step {sum(steps) / len(steps):.3f}s | "
+            f"{len(self.history)} steps | {self.headline} first-{k} mean {sum(first) / len(first):.3f} -> "
+            f"last-{k} mean {sum(last) / len(last):.3f} | mean step {sum(steps) / len(steps):.3f}s | "
             f"run dir {self.run_dir}"
         )
 

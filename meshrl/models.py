@@ -142,3 +142,47 @@ def completion_logprobs(
     T = num_completion_tokens
     logits = out.logits[:, -T - 1 : -1]
     return token_logprobs(logits, input_ids[:, -T:], temperature)
+
+
+# --- value model (PPO's critic) -----------------------------------------------------
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's backbone with a scalar head: per-token values V(prefix).
+
+    The backbone is the LM's `base_model` (for Llama, `LlamaModel`); the head is
+    a zero-initialized linear layer, so values start at 0.
+    """
+
+    def __init__(self, lm: PreTrainedModel):
+        super().__init__()
+        self.backbone = lm.base_model
+        self.backbone_prefix = f"{lm.base_model_prefix}."
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, dtype=lm.dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=sequence_positions(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def load_value_model(cfg: ModelConfig, seed: int = 0) -> ValueModel:
+    """The policy architecture's backbone (same initial weights) with a value head."""
+    return ValueModel(load_model(cfg, seed))
+
+
+def completion_values(
+    model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+) -> torch.Tensor:
+    """Value of the state before each of the last T tokens: [B, P + T] -> [B, T].
+
+    Aligned like `completion_logprobs`: position i's hidden state scores the
+    prefix that token i + 1 is sampled from.
+    """
+    return model(input_ids, attention_mask)[:, -T - 1 : -1]

@@ -38,6 +38,17 @@ class Completions:
         lengths = self.completion_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths, strict=True)]
 
+    def rows(self, index: torch.Tensor | slice) -> Completions:
+        """The completions of the rows picked by `index`."""
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name)[index]
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
     @staticmethod
     def concat(parts: list[Completions], pad_token_id: int) -> Completions:
         """Stack replica outputs: prompts padded on the left, completions on the right."""
@@ -70,8 +81,10 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, P + T]
     completion_mask: torch.Tensor  # [B, T] 1 on tokens that count in the loss
     old_logprobs: torch.Tensor  # [B, T] log-probs at sampling time
-    advantages: torch.Tensor  # [B] or [B, T]
+    advantages: torch.Tensor | None = None  # [B] or [B, T]; set by the algorithm
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference model, when KL is used
+    old_values: torch.Tensor | None = None  # [B, T] critic values at rollout (PPO)
+    returns: torch.Tensor | None = None  # [B, T] value targets (PPO)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -79,7 +92,9 @@ class TrainBatch:
 
     @staticmethod
     def from_completions(
-        completions: Completions, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None = None
+        completions: Completions,
+        advantages: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
     ) -> TrainBatch:
         return TrainBatch(
             input_ids=torch.cat([completions.prompt_ids, completions.completion_ids], 1),
@@ -104,6 +119,10 @@ class TrainBatch:
     def shard(self, index: int, count: int) -> TrainBatch:
         """Rows index::count -> the data-parallel shard of rank `index` of `count`."""
         return self.apply(lambda t: t[index::count])
+
+    def rows(self, index: torch.Tensor | slice) -> TrainBatch:
+        """The rows picked by `index` (a slice or a tensor of row numbers)."""
+        return self.apply(lambda t: t[index])
 
     def __len__(self) -> int:
         return self.input_ids.size(0)

@@ -115,8 +115,11 @@ class WeightPublisher:
 class WeightReceiver:
     """Policy side. `pull(handle)` makes the local model equal to that version."""
 
-    def __init__(self, model: torch.nn.Module, timeout_s: int = 120):
-        self.params = dict(model.named_parameters())
+    def __init__(self, model: torch.nn.Module, timeout_s: int = 120, prefix: str | None = None):
+        # With `prefix`, `model` is a part of the published one (a critic's backbone
+        # is the policy's `model.` submodule): only the names under it are taken.
+        self.partial = prefix is not None
+        self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
         self.version = -1
         self.timeout_s = timeout_s
         self._staging: list[torch.Tensor] = []
@@ -125,8 +128,12 @@ class WeightReceiver:
     def pull(self, handle: WeightHandle) -> None:
         from monarch.rdma import RDMAAction
 
-        if [s.name for s in handle.slots] != list(self.params):
-            missing = set(self.params) ^ {s.name for s in handle.slots}
+        published = [s.name for s in handle.slots]
+        if self.partial:
+            missing = set(self.params) - set(published)
+        else:
+            missing = set() if published == list(self.params) else set(self.params) ^ set(published)
+        if missing:
             raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
         if [t.numel() for t in self._staging] != handle.bucket_sizes:
             device = next(iter(self.params.values())).device
@@ -139,7 +146,9 @@ class WeightReceiver:
         action.submit(timeout=self.timeout_s).get()
         # All bytes are here: now switch the model over in one pass.
         for slot in handle.slots:
-            param = self.params[slot.name]
+            param = self.params.get(slot.name)
+            if param is None:  # partial receiver: not part of this model
+                continue
             if tuple(param.shape) != slot.shape or param.dtype != slot.dtype:
                 raise ValueError(
                     f"parameter {slot.name}: local {tuple(param.shape)} {param.dtype}, "

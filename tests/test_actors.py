@@ -9,7 +9,8 @@ from actors.environment import Environment
 from actors.policy import Policy
 from actors.reference import Reference
 from actors.trainer import Trainer
-from algorithms.grpo import GRPO, GRPOConfig, _free_port
+from algorithms.base import free_port
+from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
@@ -41,7 +42,7 @@ def actors():
                 10,
                 1.0,
                 0,
-                _free_port(),
+                free_port(),
             ),
             # Another seed than the trainer: equality below comes from the sync alone.
             "policy": meshes["policy"].spawn("policy", Policy, MODEL, 7),
@@ -137,3 +138,53 @@ def test_meshes_stop_leaves_no_procs(no_stray_procs):
         env = meshes["environment"].spawn("environment", Environment, TaskConfig(), MODEL)
         assert wait(env.score.call_one([], []), "score", TIMEOUT) == []
     meshes.stop()  # twice is harmless
+
+
+def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
+    """A real critic mesh of 2 data-parallel procs: its backbone arrives from the
+    trainer's published weights; value steps fit fixed returns; ranks stay equal."""
+    from actors.critic import Critic
+
+    meshes = RoleMeshes({"critic": 2})
+    try:
+        critic = meshes["critic"].spawn(
+            "critic", Critic, MODEL, OptimConfig(lr=1e-2), 50, 10.0, 3, free_port()
+        )
+        handle, _ = sync(actors)
+        versions = call_all(critic, "load_backbone", handle, what="load", timeout_s=TIMEOUT)
+        assert versions == [handle.version] * 2
+        trainer_params = wait(actors["trainer"].slice(procs=0).parameters.call_one(), "p", TIMEOUT)
+        critic_params = call_all(critic, "parameters", what="params", timeout_s=TIMEOUT)
+        for name, value in critic_params[0].items():
+            if name.startswith("backbone."):
+                assert torch.equal(value, trainer_params["model." + name[len("backbone.") :]])
+        assert torch.count_nonzero(critic_params[0]["value_head.weight"]) == 0
+
+        _, completions = rollout(actors)
+        batch = TrainBatch.from_completions(completions)
+        batch.old_values = torch.cat(
+            call_each(
+                critic,
+                "values",
+                [(batch.rows(slice(0, 4)),), (batch.rows(slice(4, 8)),)],
+                "values",
+                TIMEOUT,
+            )
+        )
+        assert batch.old_values.shape == batch.completion_mask.shape
+        assert torch.count_nonzero(batch.old_values) == 0  # zero head: values start at 0
+        batch.returns = (
+            torch.linspace(-1, 1, batch.completion_mask.numel()).view_as(batch.completion_mask)
+            * batch.completion_mask
+        )
+        losses = []
+        for _ in range(30):
+            metrics = call_each(
+                critic, "train_step", [(batch.shard(i, 2),) for i in range(2)], "train", TIMEOUT
+            )
+            losses.append(sum(m["loss/value"] for m in metrics) / 2)
+        assert losses[-1] < 0.5 * losses[0], losses
+        after = call_all(critic, "parameters", what="params", timeout_s=TIMEOUT)
+        assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
+    finally:
+        meshes.stop()

@@ -1,6 +1,7 @@
 """Config loading: defaults, YAML, overrides, and one-line errors naming the key."""
 
 import glob
+import importlib
 import os
 import subprocess
 import sys
@@ -15,11 +16,21 @@ from tests.conftest import DEFAULT_CONFIG, REPO
 pytestmark = pytest.mark.unit
 
 
-def test_every_shipped_yaml_loads():
+SHIPPED = {
+    "grpo_default": ("algorithms.grpo", "GRPOConfig"),
+    "dr_grpo": ("algorithms.grpo", "GRPOConfig"),
+    "gspo": ("algorithms.grpo", "GRPOConfig"),
+    "rloo": ("algorithms.rloo", "GRPOConfig"),
+    "reinforce_pp": ("algorithms.reinforce_pp", "ReinforcePPConfig"),
+    "dapo": ("algorithms.dapo", "DAPOConfig"),
+    "ppo": ("algorithms.ppo", "PPOConfig"),
+    "dpo": ("algorithms.dpo", "DPOConfig"),
+}
+
+
+def test_every_shipped_yaml_is_listed_here():
     paths = glob.glob(os.path.join(REPO, "algorithms", "configs", "*.yaml"))
-    assert paths
-    for path in paths:
-        load_config(GRPOConfig, path)
+    assert {os.path.basename(p)[:-5] for p in paths} == set(SHIPPED)
 
 
 def test_overrides_win_and_types_are_converted():
@@ -106,3 +117,38 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("steps:", "placement:", "warm_start:", "call_timeout_s:"):
         assert key in out
+
+
+def test_base_key_chains_configs(tmp_path):
+    (tmp_path / "parent.yaml").write_text("steps: 7\ngroup_size: 4\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ngroup_size: 2\n")
+    cfg = load_config(GRPOConfig, str(tmp_path / "child.yaml"), ["kl_coef=0.5"])
+    assert (cfg.steps, cfg.group_size, cfg.kl_coef) == (7, 2, 0.5)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(GRPOConfig, str(tmp_path / "loop.yaml"))
+    (tmp_path / "orphan.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(GRPOConfig, str(tmp_path / "orphan.yaml"))
+
+
+@pytest.mark.parametrize("config", sorted(SHIPPED))
+def test_every_shipped_config_loads_and_names_its_command(config):
+    module, schema = SHIPPED[config]
+    path = os.path.join(REPO, "algorithms", "configs", f"{config}.yaml")
+    cfg = load_config(getattr(importlib.import_module(module), schema), path)
+    cfg.validate()
+    with open(path) as f:
+        header = f.read().split("\n\n")[0]
+    assert f"python -m {module} --config algorithms/configs/{config}.yaml" in header
+
+
+def test_ppo_keys_are_checked():
+    from algorithms.ppo import PPOConfig
+
+    with pytest.raises(ConfigError, match="lam"):
+        load_config(PPOConfig, None, ["lam=2"])
+    with pytest.raises(ConfigError, match="minibatches"):
+        load_config(PPOConfig, None, ["prompts_per_step=6", "minibatches=4"])
+    with pytest.raises(ConfigError, match="critic_optim.lr"):
+        load_config(PPOConfig, None, ["critic_optim.lr=0"])

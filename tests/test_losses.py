@@ -7,11 +7,20 @@ import torch
 
 from meshrl.losses import (
     aggregate,
+    dpo_loss,
+    explained_variance,
+    gae,
     group_advantages,
     kl_estimate,
     masked_mean,
     nll_loss,
     policy_loss,
+    returns_to_go,
+    rloo_advantages,
+    sequence_logprobs,
+    token_rewards,
+    value_loss,
+    whiten,
 )
 
 pytestmark = pytest.mark.unit
@@ -131,3 +140,138 @@ def test_nll_loss():
     loss, m = nll_loss(logp, torch.tensor([[1.0, 1.0, 0.0]]))
     assert loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.25)) / 2)
     assert m["loss/nll"] == pytest.approx(loss.item())
+
+
+# --- RLOO, REINFORCE++, PPO, DPO ---------------------------------------------------
+
+
+def test_rloo_advantages_by_hand_and_equal_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.2, 0.2])
+    adv = rloo_advantages(rewards, group_size=3)
+    # 1 - (0 + .5)/2, 0 - (1 + .5)/2, .5 - (1 + 0)/2; an all-equal group gets 0
+    assert torch.allclose(adv, torch.tensor([0.75, -0.75, 0.0, 0.0, 0.0, 0.0]), atol=1e-6)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        rloo_advantages(rewards, 1)
+    with pytest.raises(ValueError, match="groups of 4"):
+        rloo_advantages(rewards, 4)
+
+
+def test_whiten_uses_only_masked_tokens():
+    values = torch.tensor([[1.0, 3.0, 100.0], [5.0, -7.0, -7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    out = whiten(values, mask)
+    # masked values 1, 3, 5: mean 3, unbiased std 2
+    assert torch.allclose(out, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_token_rewards_put_the_score_on_the_last_token_and_kl_everywhere():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    kl = torch.full((3, 3), 0.5)
+    rewards = token_rewards(torch.tensor([2.0, 3.0, 9.0]), mask, kl, kl_coef=0.1)
+    want = torch.tensor([[-0.05, 1.95, 0.0], [-0.05, -0.05, 2.95], [0.0, 0.0, 0.0]])
+    assert torch.allclose(rewards, want)  # an empty row gets nothing
+
+
+def test_returns_to_go_match_naive_loop():
+    torch.manual_seed(1)
+    rewards, mask = torch.randn(3, 5), torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [0.0] * 5])
+    got = returns_to_go(rewards, mask, gamma=0.9)
+    for b in range(3):
+        for t in range(5):
+            want = sum(
+                0.9 ** (s - t) * rewards[b, s].item() * mask[b, s].item() for s in range(t, 5)
+            )
+            assert got[b, t].item() == pytest.approx(want * mask[b, t].item(), abs=1e-5)
+
+
+def test_gae_matches_naive_loop_with_masked_tail():
+    torch.manual_seed(2)
+    B, T, gamma, lam = 3, 6, 0.95, 0.9
+    rewards, values = torch.randn(B, T), torch.randn(B, T)
+    lengths = [6, 3, 0]
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        running = 0.0
+        for t in reversed(range(T)):
+            if t >= n:
+                assert adv[b, t].item() == 0 and ret[b, t].item() == 0
+                continue
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0  # past the end: 0
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            running = delta + gamma * lam * running
+            assert adv[b, t].item() == pytest.approx(running, abs=1e-5)
+            assert ret[b, t].item() == pytest.approx(running + values[b, t].item(), abs=1e-5)
+
+
+def test_gae_with_lambda_one_is_return_minus_value():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 0.4, 0.6]])
+    mask = torch.ones(1, 3)
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert torch.allclose(ret, torch.ones(1, 3))
+    assert torch.allclose(adv, torch.tensor([[0.8, 0.6, 0.4]]))
+
+
+def test_value_loss_by_hand():
+    values = torch.tensor([[1.0, 0.0]])
+    old_values = torch.tensor([[0.5, 0.0]])
+    returns = torch.tensor([[2.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0]])
+    loss, metrics = value_loss(values, old_values, returns, mask, clip=0.2)
+    # token 0: unclipped (1-2)^2 = 1, clipped V = 0.7 -> (0.7-2)^2 = 1.69 -> max 1.69
+    # token 1: unclipped 1, clipped V = 0 -> 1 -> 1
+    assert loss.item() == pytest.approx(0.5 * (1.69 + 1.0) / 2)
+    assert metrics["value/clip_fraction"] == pytest.approx(0.5)
+    empty, _ = value_loss(values, old_values, returns, torch.zeros(1, 2))
+    assert empty.item() == 0.0
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.ones(1, 4)
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0)
+    assert math.isnan(explained_variance(returns, torch.ones(1, 4), mask))
+
+
+def test_dpo_loss_by_hand():
+    pc, pr = torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0])
+    rc, rr = torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])
+    loss, metrics = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    # D = (pc - rc) - (pr - rr) = [1 - (-1), 0 - 1] = [2, -1]
+    want = [-math.log(1 / (1 + math.exp(-0.5 * d))) for d in (2.0, -1.0)]
+    assert loss.item() == pytest.approx(sum(want) / 2)
+    assert metrics["rewards/accuracy"] == 0.5
+    assert metrics["rewards/chosen"] == pytest.approx(0.5 * (1.0 + 0.0) / 2)
+    assert metrics["rewards/rejected"] == pytest.approx(0.5 * (-1.0 + 1.0) / 2)
+    assert metrics["rewards/margin"] == pytest.approx(0.5 * (2.0 - 1.0) / 2)
+
+
+def test_dpo_loss_label_smoothing_and_ties():
+    same = torch.zeros(3)
+    loss, metrics = dpo_loss(same, same, same, same, beta=0.1, label_smoothing=0.2)
+    assert loss.item() == pytest.approx(math.log(2))  # sigma(0) = 1/2 either way
+    assert metrics["rewards/accuracy"] == 0.5  # ties count one half
+    d = torch.tensor([4.0])
+    loss, _ = dpo_loss(d, torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0, 0.1)
+    want = -0.9 * math.log(1 / (1 + math.exp(-4))) - 0.1 * math.log(1 / (1 + math.exp(4)))
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    pc = torch.tensor([-2.0], requires_grad=True)
+    pr = torch.tensor([-2.0], requires_grad=True)
+    loss, _ = dpo_loss(pc, pr, torch.tensor([-2.0]), torch.tensor([-2.0]))
+    loss.backward()
+    assert pc.grad.item() < 0 < pr.grad.item()
+
+
+def test_sequence_logprobs_and_empty_rows():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.equal(sequence_logprobs(logprobs, mask), torch.tensor([-3.0, 0.0]))
+    loss, _ = policy_loss(
+        logprobs, logprobs, torch.ones(2), mask, aggregation="seq-mean-token-mean"
+    )
+    assert loss.item() == pytest.approx(-0.5)  # the empty row counts as a 0 in the mean

@@ -50,3 +50,30 @@ class ReverseDigits(Task):
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return positional_match(completion.strip(), prompt.answer)
+
+
+def preference_pairs(num_digits: int = 3, seed: int = 0) -> list[dict]:
+    """One preference pair per `num_digits`-digit string, for DPO: the chosen
+    response is the reversal, the rejected one a plausible mistake (the digits
+    copied unreversed, two positions swapped, or one digit changed)."""
+    rng = random.Random(seed)
+    pairs = []
+    for value in range(10**num_digits):
+        digits = f"{value:0{num_digits}d}"
+        answer = digits[::-1]
+        while True:
+            kind = rng.choice(("copy", "swap", "change"))
+            wrong = list(answer)
+            if kind == "copy":
+                wrong = list(digits)
+            elif kind == "swap":
+                i, j = rng.sample(range(num_digits), 2)
+                wrong[i], wrong[j] = wrong[j], wrong[i]
+            else:
+                i = rng.randrange(num_digits)
+                wrong[i] = rng.choice([d for d in "0123456789" if d != wrong[i]])
+            if "".join(wrong) != answer:
+                break
+        pairs.append({"prompt": f"{digits}>", "chosen": answer, "rejected": "".join(wrong)})
+    rng.shuffle(pairs)
+    return pairs

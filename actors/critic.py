@@ -1,0 +1,86 @@
+"""Critic: per-token value estimates for PPO, trained on its own mesh.
+
+A value head on the policy architecture's backbone (`meshrl.models.ValueModel`)
+with its own optimizer, data-parallel over the procs of the critic mesh. Its
+backbone starts from the trainer's published weights (the policy RL starts
+from), pulled over RDMA like a policy replica's.
+"""
+
+from __future__ import annotations
+
+import torch
+from monarch.actor import Actor, current_rank, current_size, endpoint
+
+from meshrl.config import ModelConfig, OptimConfig
+from meshrl.losses import value_loss
+from meshrl.models import completion_values, device_for_this_proc, load_value_model
+from meshrl.optim import build_optimizer
+from meshrl.parallel import clipped_step, data_parallel, shutdown
+from meshrl.types import TrainBatch
+from meshrl.weights import WeightHandle, WeightReceiver
+
+
+class Critic(Actor):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        total_steps: int,
+        value_clip: float = 0.2,
+        seed: int = 0,
+        master_port: int = 0,
+    ):
+        self.rank, self.world_size = current_rank()["procs"], current_size()["procs"]
+        self.device = device_for_this_proc()
+        self.model = load_value_model(model_cfg, seed).to(self.device).train()
+        self.weights = WeightReceiver(self.model.backbone, prefix=self.model.backbone_prefix)
+        self.module = data_parallel(
+            self.model, self.device, self.rank, self.world_size, master_port
+        )
+        self.optim_cfg = optim_cfg
+        self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
+        self.value_clip = value_clip
+
+    @endpoint
+    def load_backbone(self, handle: WeightHandle) -> int:
+        """Take the backbone of a published policy version (the head is kept)."""
+        self.weights.pull(handle)
+        return self.weights.version
+
+    @endpoint
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] value of the prefix before each completion token."""
+        with torch.no_grad():
+            values = completion_values(
+                self.model,
+                batch.input_ids.to(self.device),
+                batch.attention_mask.to(self.device),
+                batch.num_completion_tokens,
+            )
+        return values.cpu()
+
+    @endpoint
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of the clipped value loss on this rank's shard
+        (needs `batch.returns` and `batch.old_values`)."""
+        batch = batch.apply(lambda t: t.to(self.device))
+        values = completion_values(
+            self.module, batch.input_ids, batch.attention_mask, batch.num_completion_tokens
+        )
+        loss, metrics = value_loss(
+            values, batch.old_values, batch.returns, batch.completion_mask, self.value_clip
+        )
+        metrics["value/grad_norm"] = clipped_step(
+            loss, self.model, self.optimizer, self.optim_cfg.max_grad_norm
+        )
+        metrics["value/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return metrics
+
+    @endpoint
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter (for inspection and tests)."""
+        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+    def __del__(self):
+        shutdown()

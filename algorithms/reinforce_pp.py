@@ -1,0 +1,55 @@
+"""REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for
+Aligning Large Language Models"), with its "-baseline" variant.
+
+GRPO's loop with the advantage hook changed: the sequence reward sits on the
+last token, every token pays `kl_coef` times its k1 KL to the reference (the
+KL lives in the reward, not in the loss), advantages are the returns-to-go,
+and they are normalized over all tokens of the batch (global, not per group).
+With `subtract_group_mean: true` the group's mean reward is removed first
+(REINFORCE++-baseline), which keeps the prompt-level baseline of GRPO/RLOO.
+
+    python -m algorithms.reinforce_pp --config algorithms/configs/reinforce_pp.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.base import main
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.losses import kl_estimate, returns_to_go, token_rewards, whiten
+from meshrl.types import TrainBatch
+
+
+@dataclass
+class ReinforcePPConfig(GRPOConfig):
+    kl_kind: str = "k1"
+    subtract_group_mean: bool = True
+    """REINFORCE++-baseline: remove each prompt's mean reward before normalizing."""
+    loss_aggregation: str = "token-mean"
+
+    min_group_size = 1
+
+
+class ReinforcePP(GRPO):
+    name = "reinforce_pp"
+    kl_in_reward = True
+
+    def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B] rewards -> [B, T] globally normalized returns of KL-shaped rewards."""
+        cfg, mask = self.cfg, batch.completion_mask
+        if cfg.subtract_group_mean:
+            grouped = rewards.float().view(-1, cfg.group_size)
+            rewards = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+        kl = None
+        if batch.ref_logprobs is not None:
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind)
+        shaped = token_rewards(rewards, mask, kl, cfg.kl_coef)
+        return whiten(returns_to_go(shaped, mask), mask)
+
+
+if __name__ == "__main__":
+    sys.exit(main(ReinforcePP, ReinforcePPConfig))

@@ -1,0 +1,33 @@
+"""RLOO: REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, "Back to
+Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+Feedback in LLMs"; Kool et al. 2019).
+
+GRPO's loop with one hook changed: each completion's advantage is its reward
+minus the mean reward of the other completions of the same prompt, with no
+division by a standard deviation. With one optimizer step per batch the
+clipped surrogate's gradient is exactly REINFORCE's.
+
+    python -m algorithms.rloo --config algorithms/configs/rloo.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from algorithms.base import main
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.losses import rloo_advantages
+from meshrl.types import TrainBatch
+
+
+class RLOO(GRPO):
+    name = "rloo"
+
+    def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        return rloo_advantages(rewards, self.cfg.group_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main(RLOO, GRPOConfig))
