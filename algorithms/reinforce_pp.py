@@ -20,6 +20,7 @@ import torch
 
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import ConfigError
 from meshrl.losses import kl_estimate, returns_to_go, token_rewards, whiten
 from meshrl.types import TrainBatch
 
@@ -32,6 +33,13 @@ class ReinforcePPConfig(GRPOConfig):
     loss_aggregation: str = "token-mean"
 
     min_group_size = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.subtract_group_mean and self.group_size < 2:
+            raise ConfigError(
+                "config key 'group_size': subtract_group_mean needs >= 2 completions per prompt"
+            )
 
 
 class ReinforcePP(GRPO):

@@ -107,7 +107,9 @@ PYTHON_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("cls, schema, config, overrides", PYTHON_RUNS, ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "cls, schema, config, overrides", PYTHON_RUNS, ids=[run[2] for run in PYTHON_RUNS]
+)
 def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no_stray_procs):
     cfg = load_config(
         schema,
