@@ -373,7 +373,7 @@ class Algorithm:
         self.logger.close()
         if self.cfg.run.save_final:
             wait(self.trainer.save.call(f"{self.run_dir}/final"), "trainer.save", self.timeout_s)
-        self.logger.plot_reward()
+        self.logger.plot_reward(f"{self.headline.split('/')[0]}.png")  # reward.png, eval.png
         print(
             f"{self.name}: {self.logger.summary()} | weights over RDMA ({rdma_backend()})",
             flush=True,
