@@ -8,6 +8,8 @@ from), pulled over RDMA like a policy replica's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
@@ -28,14 +30,16 @@ class Critic(Actor):
         total_steps: int,
         value_clip: float = 0.2,
         seed: int = 0,
-        master_port: int = 0,
+        master: tuple[str, int] = ("127.0.0.1", 0),
     ):
-        self.rank, self.world_size = current_rank()["procs"], current_size()["procs"]
+        # Global rank over hosts x procs (the controller sees one flat `procs` dim).
+        sizes = dict(current_size())
+        self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
         self.device = device_for_this_proc()
         self.model = load_value_model(model_cfg, seed).to(self.device).train()
         self.weights = WeightReceiver(self.model.backbone, prefix=self.model.backbone_prefix)
         self.module = data_parallel(
-            self.model, self.device, self.rank, self.world_size, master_port
+            self.model, self.device, self.rank, self.world_size, master, sizes.get("procs")
         )
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)

@@ -9,6 +9,7 @@ given at construction, so this actor has no algorithm branches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -34,14 +35,16 @@ class Trainer(Actor):
         total_steps: int,
         temperature: float = 1.0,
         seed: int = 0,
-        master_port: int = 0,
+        master: tuple[str, int] = ("127.0.0.1", 0),
     ):
-        self.rank, self.world_size = current_rank()["procs"], current_size()["procs"]
+        # Global rank over hosts x procs (the controller sees one flat `procs` dim).
+        sizes = dict(current_size())
+        self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
         self.device = device_for_this_proc()
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
         self.module = data_parallel(
-            self.model, self.device, self.rank, self.world_size, master_port
+            self.model, self.device, self.rank, self.world_size, master, sizes.get("procs")
         )
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)

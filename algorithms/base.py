@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from meshrl.config import (
     save_config,
 )
 from meshrl.envs import make_task
+from meshrl.job import JobConfig
 from meshrl.mesh import (
     RemoteCallError,
     RoleMeshes,
@@ -73,6 +73,7 @@ class RLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    job: JobConfig = field(default_factory=JobConfig)
 
     min_group_size = 1
 
@@ -85,6 +86,7 @@ class RLConfig:
             self.task,
             self.warm_start,
             self.run,
+            self.job,
         ):
             section.validate()
         for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
@@ -101,17 +103,20 @@ class RLConfig:
             raise ConfigError("config key 'kl_coef': must be >= 0")
         batch = self.prompts_per_step * self.group_size
         for role in ("policy", "reference", "trainer"):
-            if batch % getattr(self.placement, role):
+            if batch % self.ranks(role):
                 raise ConfigError(
                     f"config key 'placement.{role}': {batch} completions per step "
-                    f"do not split evenly over {getattr(self.placement, role)} procs"
+                    f"do not split evenly over {self.ranks(role)} procs"
                 )
-        per_update = self.minibatches * self.placement.trainer
-        if batch % per_update:
+        if batch % (self.minibatches * self.ranks("trainer")):
             raise ConfigError(
                 f"config key 'minibatches': {batch} completions per step do not split into "
-                f"{self.minibatches} minibatches x {self.placement.trainer} trainer procs"
+                f"{self.minibatches} minibatches x {self.ranks('trainer')} trainer procs"
             )
+
+    def ranks(self, role: str) -> int:
+        """Procs of a role over all its hosts."""
+        return getattr(self.placement, role) * self.job.hosts_for(role)
 
     @property
     def total_updates(self) -> int:
@@ -165,7 +170,7 @@ class Algorithm:
         self.rng = random.Random(cfg.run.seed)
         self.torch_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.meshes = RoleMeshes(self.roles())
+        self.meshes = RoleMeshes(self.roles(), cfg.job)
         try:
             self.spawn_actors()
         except BaseException:
@@ -182,18 +187,19 @@ class Algorithm:
         self.task = make_task(cfg.task)
         self.spawn_trainer(cfg.total_updates, cfg.generation.temperature)
         if "policy" in self.meshes:
-            self.policy = self.meshes["policy"].spawn("policy", Policy, cfg.model, seed)
+            self.policy = self.meshes.spawn("policy", "policy", Policy, cfg.model, seed)
         if "environment" in self.meshes:
-            self.environment = self.meshes["environment"].spawn(
-                "environment", Environment, cfg.task, cfg.model
+            self.environment = self.meshes.spawn(
+                "environment", "environment", Environment, cfg.task, cfg.model
             )
         if "reference" in self.meshes:
-            self.reference = self.meshes["reference"].spawn("reference", Reference, cfg.model, seed)
+            self.reference = self.meshes.spawn("reference", "reference", Reference, cfg.model, seed)
 
     def spawn_trainer(self, total_steps: int, temperature: float = 1.0) -> None:
         from actors.trainer import Trainer
 
-        self.trainer = self.meshes["trainer"].spawn(
+        self.trainer = self.meshes.spawn(
+            "trainer",
             "trainer",
             Trainer,
             self.cfg.model,
@@ -202,7 +208,7 @@ class Algorithm:
             total_steps=total_steps,
             temperature=temperature,
             seed=self.cfg.run.seed,
-            master_port=free_port(),
+            master=self.meshes.rendezvous("trainer"),
         )
 
     def start_logger(self, total_steps: int) -> RunLogger:
@@ -227,15 +233,15 @@ class Algorithm:
         parts = call_each(
             self.policy,
             "generate",
-            [(s, self.cfg.generation) for s in split(prompt_ids, self.cfg.placement.policy)],
+            [(s, self.cfg.generation) for s in split(prompt_ids, self.meshes.size("policy"))],
             "policy.generate",
             self.timeout_s,
         )
         completions = Completions.concat(parts, self.tokenizer.pad_token_id)
         scored = time.perf_counter()
         env_shards = zip(
-            split(group, self.cfg.placement.environment),
-            split(completions.completion_lists(), self.cfg.placement.environment),
+            split(group, self.meshes.size("environment")),
+            split(completions.completion_lists(), self.meshes.size("environment")),
             strict=True,
         )
         scores = call_each(
@@ -270,7 +276,7 @@ class Algorithm:
     def start_sharded(self, role: str, batch: TrainBatch, endpoint: str, *args) -> list:
         """Start `endpoint` on every proc of `role`'s mesh, each with its
         data-parallel shard of `batch` (rows i::n); returns the futures."""
-        n = getattr(self.cfg.placement, role)
+        n = self.meshes.size(role)
         actors = getattr(self, role)
         return start_each(actors, endpoint, [(batch.shard(i, n), *args) for i in range(n)])
 
@@ -282,7 +288,7 @@ class Algorithm:
     def call_rows(self, role: str, endpoint: str, batch: TrainBatch, *args) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs,
         results concatenated in row order (reference log-probs, critic values)."""
-        n = getattr(self.cfg.placement, role)
+        n = self.meshes.size(role)
         size = len(batch) // n
         parts = call_each(
             getattr(self, role),
@@ -399,12 +405,6 @@ def supervised_batch(
         mask[row, P - len(prompt) : P + len(target)] = 1
     completion_mask = mask[:, P:]
     return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:

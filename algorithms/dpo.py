@@ -31,6 +31,7 @@ import torch
 from algorithms.base import Algorithm, main, supervised_batch
 from meshrl.config import ConfigError, ModelConfig, OptimConfig, PlacementConfig, RunConfig
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
+from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, sequence_logprobs
 from meshrl.mesh import gather, start_each
 from meshrl.types import TrainBatch
@@ -88,9 +89,18 @@ class DPOConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    job: JobConfig = field(default_factory=JobConfig)
 
     def validate(self) -> None:
-        for section in (self.data, self.sft, self.model, self.optim, self.placement, self.run):
+        for section in (
+            self.data,
+            self.sft,
+            self.model,
+            self.optim,
+            self.placement,
+            self.run,
+            self.job,
+        ):
             section.validate()
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
@@ -99,10 +109,11 @@ class DPOConfig:
             raise ConfigError("config key 'beta': must be > 0")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError("config key 'label_smoothing': must be in [0, 0.5)")
-        if self.batch_size % self.placement.trainer:
+        trainers = self.placement.trainer * self.job.hosts_for("trainer")
+        if self.batch_size % trainers:
             raise ConfigError(
                 f"config key 'placement.trainer': {self.batch_size} pairs per step do not "
-                f"split evenly over {self.placement.trainer} procs"
+                f"split evenly over {trainers} procs"
             )
 
 
@@ -197,8 +208,8 @@ class DPO(Algorithm):
 
         cfg = self.cfg
         self.spawn_trainer(cfg.steps)
-        self.reference = self.meshes["reference"].spawn(
-            "reference", Reference, cfg.model, cfg.run.seed
+        self.reference = self.meshes.spawn(
+            "reference", "reference", Reference, cfg.model, cfg.run.seed
         )
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -207,7 +218,7 @@ class DPO(Algorithm):
     def train_pairs_step(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
         """`endpoint` on every trainer rank with whole pairs: rank i takes pairs
         i, i + n, ... (its chosen rows, then the same pairs' rejected rows)."""
-        n, half = self.cfg.placement.trainer, len(batch) // 2
+        n, half = self.meshes.size("trainer"), len(batch) // 2
         shards = []
         for i in range(n):
             rows = torch.arange(i, half, n)
@@ -220,7 +231,7 @@ class DPO(Algorithm):
         """DPO loss and preference accuracy on the held-out pairs (no update)."""
         if not self.eval_pairs:
             return {}
-        n = self.cfg.placement.trainer
+        n = self.meshes.size("trainer")
         usable = len(self.eval_pairs) - len(self.eval_pairs) % n
         batch = self.pair_batch(self.eval_pairs[:usable])
         batch.ref_logprobs = self.reference_logprobs(batch)

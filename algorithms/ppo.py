@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, free_port, main
+from algorithms.base import Algorithm, RLConfig, main
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.losses import (
     AGGREGATIONS,
@@ -79,10 +79,10 @@ class PPOConfig(RLConfig):
         if not 0 <= self.lam <= 1:
             raise ConfigError("config key 'lam': must be in [0, 1]")
         batch = self.prompts_per_step * self.group_size
-        if batch % (self.minibatches * self.placement.critic):
+        if batch % (self.minibatches * self.ranks("critic")):
             raise ConfigError(
                 f"config key 'placement.critic': {batch} completions per step do not split "
-                f"into {self.minibatches} minibatches x {self.placement.critic} critic procs"
+                f"into {self.minibatches} minibatches x {self.ranks('critic')} critic procs"
             )
 
 
@@ -183,7 +183,8 @@ class PPO(Algorithm):
 
         super().spawn_actors()
         cfg = self.cfg
-        self.critic = self.meshes["critic"].spawn(
+        self.critic = self.meshes.spawn(
+            "critic",
             "critic",
             Critic,
             cfg.model,
@@ -191,7 +192,7 @@ class PPO(Algorithm):
             total_steps=cfg.total_updates,
             value_clip=cfg.value_clip,
             seed=cfg.run.seed,
-            master_port=free_port(),
+            master=self.meshes.rendezvous("critic"),
         )
 
     def load_critic(self) -> None:

@@ -116,56 +116,91 @@ def split(items: Sequence, num_parts: int) -> list[list]:
 # --- meshes --------------------------------------------------------------------------
 
 
+def monarch_pids() -> set[int]:
+    """Pids of live Monarch processes on this machine: mesh procs and the
+    subprocess hosts of a `process` job (for checking that nothing leaked)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        monarch = b"bootstrap_main" in cmdline or b"run_worker_loop_forever" in cmdline
+        if monarch and state != "Z":
+            pids.add(int(entry))
+    return pids
+
+
 DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
 
 
-def _setup_proc(num_threads: int, device_offset: int) -> None:
+def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int) -> None:
     """Runs first in every spawned proc: its share of the cores, and where its
     role's GPUs start (proc i of the mesh takes GPU offset + i; see
-    `meshrl.models.device_for_this_proc`)."""
+    `meshrl.models.device_for_this_proc`). `num_threads` None: this host's
+    cores over the procs it runs (a host of its own, as under SLURM)."""
     # RDMA registration of CUDA memory wants expandable segments; the allocator
     # reads this at its first CUDA allocation, which comes later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
     torch.set_num_threads(num_threads)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
 
 
 class RoleMeshes:
-    """One Monarch proc mesh per role on `host` (default: this host).
+    """One Monarch proc mesh per role, on this host or on a Monarch job's hosts.
 
-    `counts` maps role -> number of procs, e.g. {"policy": 1, "trainer": 2}.
-    On a GPU host the roles take consecutive GPUs in that order (policy 0..,
-    then trainer ..), except `cpu_roles`, which take none.
+    `counts` maps role -> procs per host, e.g. {"policy": 1, "trainer": 2}.
+    `job` (a `meshrl.job.JobConfig`) says where: `local` (default) puts every
+    role on this host; the other kinds give each role `job.hosts[role]` hosts
+    of its own. A role's ranks are numbered hosts-major and its actor mesh is
+    flattened to one dimension, `procs`, so callers slice it the same way on
+    one host or many. On a GPU host a host's roles take consecutive GPUs in
+    the order given (policy 0.., then trainer ..), except `cpu_roles`.
     Use as a context manager, or call `stop()`.
     """
 
     def __init__(
         self,
         counts: dict[str, int],
-        host: Any = None,
+        job: Any = None,
         threads_per_proc: int | None = None,
         cpu_roles: tuple[str, ...] = ("environment",),
     ):
-        from monarch.actor import this_host
+        from meshrl.job import JobConfig, build_job, host_meshes
 
         install_fault_hook()
+        self.job_cfg = job if job is not None else JobConfig()
         self.counts = dict(counts)
-        total = sum(self.counts.values())
-        threads = threads_per_proc or max(1, (os.cpu_count() or 1) // total)
-        host = host if host is not None else this_host()
+        self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
+        self.job: Any = None
+        # On one machine (local, process) every proc shares its cores; elsewhere
+        # each proc takes its share of its own host's cores.
+        shared = self.job_cfg.kind in ("local", "process")
+        total = sum(n * self.hosts[role] for role, n in self.counts.items())
+        threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // total) if shared else None)
         device_offset = 0
         try:
+            self.job = build_job(self.job_cfg, list(self.counts))
+            hosts = host_meshes(self.job_cfg, self.job, list(self.counts))
             for role, count in self.counts.items():
-                self.meshes[role] = host.spawn_procs(
+                self.meshes[role] = hosts[role].spawn_procs(
                     per_host={"procs": count},
-                    bootstrap=functools.partial(_setup_proc, threads, device_offset),
+                    bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
                     name=role,
                 )
-                if role not in cpu_roles:
+                # Separate hosts have GPUs of their own; local roles share this host's.
+                if role not in cpu_roles and self.job_cfg.kind == "local":
                     device_offset += count
         except BaseException:
             self.stop()
@@ -177,8 +212,30 @@ class RoleMeshes:
     def __contains__(self, role: str) -> bool:
         return role in self.meshes
 
+    def size(self, role: str) -> int:
+        """Ranks of a role: hosts x procs per host."""
+        return self.counts[role] * self.hosts[role]
+
+    def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
+        """One `actor_class` per proc of `role`, as a mesh with one dimension, `procs`."""
+        actors = self.meshes[role].spawn(name, actor_class, *args, **kwargs)
+        return actors.flatten("procs") if "hosts" in actors.sizes else actors
+
+    def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:
+        """(address, port) of the role's rank 0 for torch.distributed."""
+        if self.job_cfg.kind in ("local", "process"):
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return "127.0.0.1", s.getsockname()[1]
+        from meshrl.parallel import Rendezvous
+
+        probe = self.spawn(role, "rendezvous", Rendezvous)
+        return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
+
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop every proc. Safe to call twice; never raises."""
+        """Stop every proc, then the job's hosts. Safe to call twice; never raises."""
         meshes, self.meshes = self.meshes, {}
         for role, mesh in meshes.items():
             try:
@@ -186,6 +243,12 @@ class RoleMeshes:
                 mesh.stop().get(timeout=timeout_s)
             except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
                 logger.warning("could not stop %s mesh cleanly: %s", role, error)
+        job, self.job = self.job, None
+        if job is not None:
+            try:
+                job.kill()
+            except BaseException as error:  # noqa: BLE001
+                logger.warning("could not stop the %s job cleanly: %s", self.job_cfg.kind, error)
 
     def __enter__(self) -> RoleMeshes:
         return self

@@ -99,7 +99,9 @@ def device_for_this_proc() -> torch.device:
     from monarch.actor import current_rank
 
     offset = int(os.environ.get(DEVICE_OFFSET_ENV, "0"))
-    device = torch.device("cuda", (offset + current_rank().rank) % torch.cuda.device_count())
+    point = current_rank()
+    local = dict(point).get("procs", point.rank)  # index on this host; GPUs are per host
+    device = torch.device("cuda", (offset + local) % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 

@@ -7,26 +7,15 @@ import time
 
 import pytest
 
+from meshrl.mesh import monarch_pids
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
 
 
 def monarch_procs() -> set[int]:
     """Pids of live Monarch worker processes on this machine."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"bootstrap_main" in cmdline and state != "Z":
-            pids.add(int(entry))
-    return pids
+    return monarch_pids()
 
 
 def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]:
@@ -46,3 +35,12 @@ def no_stray_procs():
     yield
     left = wait_for_no_new_procs(before)
     assert not left, f"Monarch procs outlived the test: {sorted(left)}"
+
+
+def local_master() -> tuple[str, int]:
+    """A free (address, port) on this host for a mesh's torch.distributed rank 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1", s.getsockname()[1]

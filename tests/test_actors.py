@@ -9,13 +9,13 @@ from actors.environment import Environment
 from actors.policy import Policy
 from actors.reference import Reference
 from actors.trainer import Trainer
-from algorithms.base import free_port
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
 from meshrl.models import build_char_tokenizer
 from meshrl.types import Completions, TrainBatch
+from tests.conftest import local_master
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
 
@@ -42,7 +42,7 @@ def actors():
                 10,
                 1.0,
                 0,
-                free_port(),
+                local_master(),
             ),
             # Another seed than the trainer: equality below comes from the sync alone.
             "policy": meshes["policy"].spawn("policy", Policy, MODEL, 7),
@@ -148,7 +148,7 @@ def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
     meshes = RoleMeshes({"critic": 2})
     try:
         critic = meshes["critic"].spawn(
-            "critic", Critic, MODEL, OptimConfig(lr=1e-2), 50, 10.0, 3, free_port()
+            "critic", Critic, MODEL, OptimConfig(lr=1e-2), 50, 10.0, 3, local_master()
         )
         handle, _ = sync(actors)
         versions = call_all(critic, "load_backbone", handle, what="load", timeout_s=TIMEOUT)

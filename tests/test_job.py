@@ -1,0 +1,123 @@
+"""Multi-host runs from the same script: GRPO across ProcessJob "hosts", and the
+SLURM and Kubernetes jobs built from config (checked without a cluster)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import ConfigError, load_config
+from meshrl.mesh import call_all
+from tests.conftest import DEFAULT_CONFIG, REPO
+
+
+class CheckedGRPO(GRPO):
+    """GRPO that, after its first and last steps, records the trainer's ranks and
+    whether their parameters agree (DDP across hosts keeps them equal)."""
+
+    checks: list = []
+
+    def after_step(self, step, metrics):
+        super().after_step(step, metrics)
+        if step in (0, self.cfg.steps - 1):
+            params = call_all(self.trainer, "parameters", what="p", timeout_s=60)
+            same = all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+            CheckedGRPO.checks.append((self.meshes.size("trainer"), len(params), same))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
+    """Trainer on 2 hosts (one rank each), policy, environment and reference on
+    a host each: 5 subprocess hosts. It must learn, and stop every host."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=100",
+            "kl_coef=0.001",
+            "job.kind=process",
+            "job.hosts.trainer=2",
+            f"run.dir={tmp_path}",
+            "run.name=hosts",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    history = CheckedGRPO(cfg).run()
+    rewards = [r["reward/mean"] for r in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.25, (first, last)
+    assert CheckedGRPO.checks == [(2, 2, True), (2, 2, True)]
+    assert history[-1]["weights/version"] == cfg.warm_start.steps + 100
+
+
+def test_job_keys_are_checked():
+    with pytest.raises(ConfigError, match="job.kind"):
+        load_config(GRPOConfig, None, ["job.kind=cloud"])
+    with pytest.raises(ConfigError, match="job.hosts"):
+        load_config(GRPOConfig, None, ["job.hosts.trainer=2"])  # local has one host
+    with pytest.raises(ConfigError, match="job.hosts.trainer"):
+        load_config(GRPOConfig, None, ["job.kind=process", "job.hosts.trainer=0"])
+    with pytest.raises(ConfigError, match="job.time_limit"):
+        load_config(GRPOConfig, None, ["job.kind=slurm", "job.time_limit=2h"])
+    with pytest.raises(ConfigError, match="job.name"):
+        load_config(GRPOConfig, None, ["job.kind=kubernetes", "job.name=Big_Run"])
+    # Ranks over hosts: 3 trainer hosts do not split 128 completions.
+    with pytest.raises(ConfigError, match="placement.trainer"):
+        load_config(GRPOConfig, None, ["job.kind=process", "job.hosts.trainer=3"])
+
+
+# Built in a fresh interpreter: Monarch's SlurmJob and KubernetesJob switch the
+# process's transport to TCP when constructed.
+BUILD = """
+import json, sys
+from algorithms.grpo import GRPOConfig
+from meshrl.config import load_config
+from meshrl.job import build_job
+cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
+job = build_job(cfg.job, ["policy", "trainer", "environment"])
+print(json.dumps({k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}, default=str))
+"""
+
+
+def build(config, *overrides):
+    result = subprocess.run(
+        [sys.executable, "-c", BUILD, os.path.join(REPO, "docs", "examples", config), *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.unit
+def test_slurm_job_is_built_from_config():
+    job = build("grpo_slurm.yaml")
+    assert job["_meshes"] == {"policy": 1, "trainer": 2, "environment": 1}
+    assert job["_partition"] == "gpu"
+    assert job["_gpus_per_node"] == 8
+    assert job["_time_limit"] == "04:00:00"
+    assert job["_job_name"] == "meshrl-grpo"
+    assert job["_slurm_args"] == ["--constraint=h100"]
+    assert job["_python_exe"] == ".venv/bin/python"
+    job = build("grpo_slurm.yaml", "job.hosts.trainer=4", "job.partition=debug")
+    assert job["_meshes"]["trainer"] == 4 and job["_partition"] == "debug"
+
+
+@pytest.mark.unit
+def test_kubernetes_job_is_built_from_config():
+    job = build("grpo_kubernetes.yaml")
+    assert job["_namespace"] == "research"
+    specs = job["_meshes"]
+    assert set(specs) == {"meshrlgrpopolicy", "meshrlgrpotrainer", "meshrlgrpoenvironment"}
+    assert specs["meshrlgrpotrainer"]["num_replicas"] == 2
+    assert specs["meshrlgrpoenvironment"]["num_replicas"] == 1
+    trainer = str(specs["meshrlgrpotrainer"])
+    assert "ghcr.io/example/meshrl:latest" in trainer and "nvidia.com/gpu" in trainer
