@@ -13,6 +13,7 @@ import math
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
+from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.losses import value_loss
 from meshrl.models import completion_values, device_for_this_proc, load_value_model
@@ -80,6 +81,18 @@ class Critic(Actor):
         metrics["value/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return metrics
+
+    @endpoint
+    def save_state(self, path: str) -> None:
+        """Rank 0 writes model, optimizer and schedule (a checkpoint part)."""
+        if self.rank == 0:
+            save_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+
+    @endpoint
+    def load_state(self, path: str) -> None:
+        load_state(
+            path, self.device, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

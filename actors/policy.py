@@ -63,6 +63,15 @@ class Policy(Actor):
         return self.weights.version
 
     @endpoint
+    def rng_state(self) -> torch.Tensor:
+        """This replica's sampling generator state (for checkpoints)."""
+        return self.generator.get_state().cpu()
+
+    @endpoint
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
         """A CPU copy of every parameter (for inspection and tests)."""
         return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}

@@ -7,8 +7,9 @@ at the start of RL (after any warm-start), and never change afterwards.
 from __future__ import annotations
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.types import TrainBatch
@@ -17,6 +18,7 @@ from meshrl.weights import WeightHandle, WeightReceiver
 
 class Reference(Actor):
     def __init__(self, model_cfg: ModelConfig, seed: int = 0):
+        self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
         self.weights = WeightReceiver(self.model)
@@ -24,6 +26,17 @@ class Reference(Actor):
     @endpoint
     def load_weights(self, handle: WeightHandle) -> int:
         self.weights.pull(handle)
+        return self.weights.version
+
+    @endpoint
+    def save_state(self, path: str) -> None:
+        """Rank 0 writes the frozen weights and their version (a checkpoint part)."""
+        if self.rank == 0:
+            save_state(path, model=self.model, version=self.weights.version)
+
+    @endpoint
+    def load_state(self, path: str) -> int:
+        self.weights.version = load_state(path, self.device, model=self.model)["version"]
         return self.weights.version
 
     @endpoint

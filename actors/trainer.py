@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
+from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.losses import nll_loss
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
@@ -112,6 +113,27 @@ class Trainer(Actor):
         self.model.train()
         metrics["eval/loss"] = loss.item()
         return metrics
+
+    @endpoint
+    def save_state(self, path: str) -> None:
+        """Rank 0 writes model, optimizer, schedule and version (a checkpoint part)."""
+        if self.rank == 0:
+            save_state(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                version=self.version,
+            )
+
+    @endpoint
+    def load_state(self, path: str) -> int:
+        """Every rank restores what `save_state` wrote; returns the version."""
+        extra = load_state(
+            path, self.device, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.version = extra["version"]
+        return self.version
 
     @endpoint
     def publish(self) -> WeightHandle:

@@ -10,6 +10,7 @@ decides what is trained on; that is the algorithm's.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from meshrl import checkpoint
+from meshrl.checkpoint import CheckpointConfig
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -74,6 +77,7 @@ class RLConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     run: RunConfig = field(default_factory=RunConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     min_group_size = 1
 
@@ -87,6 +91,7 @@ class RLConfig:
             self.warm_start,
             self.run,
             self.job,
+            self.checkpoint,
         ):
             section.validate()
         for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
@@ -164,7 +169,11 @@ class Algorithm:
     def setup(self) -> None:
         """Run directory, meshes and actors."""
         cfg = self.cfg
-        self.run_dir = make_run_dir(cfg.run.dir, cfg.run.name, self.name)
+        self.resume_from = self.find_resume()
+        if self.resume_from is None:
+            self.run_dir = make_run_dir(cfg.run.dir, cfg.run.name, self.name)
+        else:  # <run dir>/checkpoints/step_N
+            self.run_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.run_dir}/config.yaml")
         self.timeout_s = cfg.run.call_timeout_s
         self.rng = random.Random(cfg.run.seed)
@@ -176,6 +185,15 @@ class Algorithm:
         except BaseException:
             self.shutdown()
             raise
+
+    def find_resume(self) -> str | None:
+        """The checkpoint to continue from, per `checkpoint.resume`, or None."""
+        resume = getattr(self.cfg, "checkpoint", CheckpointConfig()).resume
+        if resume != "auto":
+            return resume or None
+        if not self.cfg.run.name:
+            raise ConfigError("config key 'checkpoint.resume': 'auto' needs run.name (the run)")
+        return checkpoint.latest(os.path.join(self.cfg.run.dir, self.cfg.run.name))
 
     def spawn_actors(self) -> None:
         """One actor per proc of each role's mesh."""
@@ -211,15 +229,94 @@ class Algorithm:
             master=self.meshes.rendezvous("trainer"),
         )
 
-    def start_logger(self, total_steps: int) -> RunLogger:
+    def start_logger(self, total_steps: int, first_step: int = 0) -> RunLogger:
+        """metrics.jsonl and the progress bar; a resumed run keeps the records of
+        the steps before `first_step` and drops any later ones."""
         self.logger = RunLogger(
             self.run_dir,
             total_steps,
             progress=self.cfg.run.progress,
             desc=self.name,
             headline=self.headline,
+            first_step=first_step,
         )
         return self.logger
+
+    # --- start, checkpoints, resume ---------------------------------------------------
+
+    def start(self) -> int:
+        """Bring every role to the state the loop starts from; returns the first step.
+
+        Fresh: version 0 to every replica, the warm-start, the reference's copy.
+        Resumed: every role's state from the checkpoint.
+        """
+        if self.resume_from is not None:
+            return self.restore(self.resume_from)
+        self.sync_weights()  # version 0: every replica starts from the trainer's weights
+        if self.cfg.warm_start.steps:
+            self.warm_start()
+        if "reference" in self.meshes:
+            self.load_reference()
+        return 0
+
+    def stateful_roles(self) -> list[str]:
+        """Roles whose state a checkpoint writes with their `save_state` endpoint."""
+        return [r for r in ("trainer", "reference", "critic") if r in self.meshes]
+
+    def maybe_checkpoint(self, steps_done: int) -> None:
+        """Write a checkpoint every `checkpoint.every` steps (atomically)."""
+        ck = self.cfg.checkpoint
+        if not ck.every or steps_done % ck.every:
+            return
+        partial = checkpoint.begin(self.run_dir, steps_done)
+        for role in self.stateful_roles():
+            call_all(
+                getattr(self, role),
+                "save_state",
+                f"{partial}/{role}.pt",
+                what=f"{role}.save_state",
+                timeout_s=self.timeout_s,
+            )
+        policy_rng = call_all(
+            self.policy, "rng_state", what="policy.rng_state", timeout_s=self.timeout_s
+        )
+        checkpoint.save_state(
+            f"{partial}/controller.pt",
+            step=steps_done,
+            rng=self.rng.getstate(),
+            torch_rng=self.torch_rng.get_state(),
+            policy_rng=policy_rng,
+        )
+        checkpoint.commit(partial, ck.keep)
+
+    def restore(self, path: str) -> int:
+        """Every role's state from the checkpoint at `path`; returns its step."""
+        for role in self.stateful_roles():
+            call_all(
+                getattr(self, role),
+                "load_state",
+                f"{path}/{role}.pt",
+                what=f"{role}.load_state",
+                timeout_s=self.timeout_s,
+            )
+        self.sync_weights()  # the replicas take the restored trainer's weights
+        state = torch.load(f"{path}/controller.pt", weights_only=False)
+        if len(state["policy_rng"]) != self.meshes.size("policy"):
+            raise ConfigError(
+                f"config key 'placement.policy': the checkpoint {path} has "
+                f"{len(state['policy_rng'])} policy replicas"
+            )
+        self.rng.setstate(state["rng"])
+        self.torch_rng.set_state(state["torch_rng"])
+        call_each(
+            self.policy,
+            "set_rng_state",
+            [(s,) for s in state["policy_rng"]],
+            "policy.set_rng_state",
+            self.timeout_s,
+        )
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+        return state["step"]
 
     # --- rollouts ---------------------------------------------------------------------
 

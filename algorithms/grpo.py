@@ -87,13 +87,10 @@ class GRPO(Algorithm):
         cfg = self.cfg
         self.setup()
         try:
-            self.sync_weights()  # version 0: every replica starts from the trainer's weights
-            if cfg.warm_start.steps:
-                self.warm_start()
-            if "reference" in self.meshes:
-                self.load_reference()
-            self.start_logger(cfg.steps)
-            for step in range(cfg.steps):
+            # Version 0 to every replica, warm-start, reference; or a checkpoint's state.
+            first_step = self.start()
+            self.start_logger(cfg.steps, first_step)
+            for step in range(first_step, cfg.steps):
                 started = time.perf_counter()
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
                 completions, rewards, rollout_info = self.rollout(prompts)
@@ -120,6 +117,7 @@ class GRPO(Algorithm):
                         "time/step_s": finished - started,
                     },
                 )
+                self.maybe_checkpoint(step + 1)
             self.finish()
         finally:
             self.shutdown()

@@ -93,14 +93,9 @@ class PPO(Algorithm):
         cfg = self.cfg
         self.setup()
         try:
-            self.sync_weights()
-            if cfg.warm_start.steps:
-                self.warm_start()
-            if "reference" in self.meshes:
-                self.load_reference()
-            self.load_critic()  # the critic's backbone starts from the policy RL starts from
-            self.start_logger(cfg.steps)
-            for step in range(cfg.steps):
+            first_step = self.start()
+            self.start_logger(cfg.steps, first_step)
+            for step in range(first_step, cfg.steps):
                 started = time.perf_counter()
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
                 completions, scores, rollout_info = self.generate_and_score(prompts)
@@ -128,6 +123,7 @@ class PPO(Algorithm):
                         "time/step_s": finished - started,
                     }
                 )
+                self.maybe_checkpoint(step + 1)
             self.finish()
         finally:
             self.shutdown()
@@ -194,6 +190,12 @@ class PPO(Algorithm):
             seed=cfg.run.seed,
             master=self.meshes.rendezvous("critic"),
         )
+
+    def start(self) -> int:
+        first_step = super().start()
+        if first_step == 0:
+            self.load_critic()  # the critic's backbone starts from the policy RL starts from
+        return first_step
 
     def load_critic(self) -> None:
         call_all(

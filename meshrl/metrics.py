@@ -34,18 +34,30 @@ class RunLogger:
         progress: bool = True,
         desc: str = "grpo",
         headline: str = "reward/mean",
+        first_step: int = 0,
     ):
-        """`headline` is the metric the bar, the plot and the summary show."""
+        """`headline` is the metric the bar, the plot and the summary show. With
+        `first_step` > 0 (a resumed run) the records of earlier steps are kept
+        and those of later steps, written before the interruption, dropped."""
         self.run_dir = run_dir
         self.headline = headline
         self.history: list[dict[str, Any]] = []
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if first_step and os.path.exists(path):
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            self.history = [r for r in records if r.get("step", 0) < first_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.history)
+            os.replace(path + ".tmp", path)
+        self._file = open(path, "a")  # noqa: SIM115
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
                 total=total_steps,
+                initial=first_step,
                 desc=desc,
                 unit="step",
                 file=sys.stdout,
