@@ -6,11 +6,12 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import make_task
+from meshrl.faults import Drillable
 from meshrl.models import load_tokenizer
 from meshrl.types import Prompt
 
 
-class Environment(Actor):
+class Environment(Drillable, Actor):
     def __init__(self, task_cfg: TaskConfig, model_cfg: ModelConfig):
         self.task = make_task(task_cfg)
         self.tokenizer = load_tokenizer(model_cfg)

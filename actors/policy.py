@@ -11,13 +11,14 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.config import GenerationConfig, ModelConfig
+from meshrl.faults import Drillable
 from meshrl.generation import sample
 from meshrl.models import device_for_this_proc, load_model, load_tokenizer
 from meshrl.types import Completions
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
-class Policy(Actor):
+class Policy(Drillable, Actor):
     def __init__(self, model_cfg: ModelConfig, seed: int = 0):
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()

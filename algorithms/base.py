@@ -34,6 +34,7 @@ from meshrl.config import (
     save_config,
 )
 from meshrl.envs import make_task
+from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.mesh import (
     RemoteCallError,
@@ -78,6 +79,7 @@ class RLConfig:
     run: RunConfig = field(default_factory=RunConfig)
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     min_group_size = 1
 
@@ -92,6 +94,7 @@ class RLConfig:
             self.run,
             self.job,
             self.checkpoint,
+            self.faults,
         ):
             section.validate()
         for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
@@ -197,20 +200,26 @@ class Algorithm:
 
     def spawn_actors(self) -> None:
         """One actor per proc of each role's mesh."""
+        self.task = make_task(self.cfg.task)
+        for role in self.meshes.meshes:
+            self.spawn_role(role)
+
+    def spawn_role(self, role: str) -> None:
+        """The actors of one role (again after its mesh is replaced)."""
         from actors.environment import Environment
         from actors.policy import Policy
         from actors.reference import Reference
 
         cfg, seed = self.cfg, self.cfg.run.seed
-        self.task = make_task(cfg.task)
-        self.spawn_trainer(cfg.total_updates, cfg.generation.temperature)
-        if "policy" in self.meshes:
+        if role == "trainer":
+            self.spawn_trainer(cfg.total_updates, cfg.generation.temperature)
+        elif role == "policy":
             self.policy = self.meshes.spawn("policy", "policy", Policy, cfg.model, seed)
-        if "environment" in self.meshes:
+        elif role == "environment":
             self.environment = self.meshes.spawn(
                 "environment", "environment", Environment, cfg.task, cfg.model
             )
-        if "reference" in self.meshes:
+        elif role == "reference":
             self.reference = self.meshes.spawn("reference", "reference", Reference, cfg.model, seed)
 
     def spawn_trainer(self, total_steps: int, temperature: float = 1.0) -> None:
@@ -323,30 +332,89 @@ class Algorithm:
     def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
         """`group_size` completions per prompt from the policy replicas, scored on
         the environment mesh. Returns completions [B = prompts x group], rewards
-        [B] and timings."""
+        [B] and timings.
+
+        A policy or environment proc that dies is replaced within the step
+        (`recover`): generation lost with a policy replica is done again (its
+        completions counted in `samples/dropped`); completions whose scoring
+        was lost with an environment proc are scored again.
+        """
         group = [p for p in prompts for _ in range(self.cfg.group_size)]
         prompt_ids = [self.tokenizer(p.text).input_ids for p in group]
-        started = time.perf_counter()
-        parts = call_each(
-            self.policy,
-            "generate",
-            [(s, self.cfg.generation) for s in split(prompt_ids, self.meshes.size("policy"))],
-            "policy.generate",
-            self.timeout_s,
-        )
+        started, dropped = time.perf_counter(), 0
+        while True:
+            try:
+                parts = call_each(
+                    self.policy,
+                    "generate",
+                    [
+                        (s, self.cfg.generation)
+                        for s in split(prompt_ids, self.meshes.size("policy"))
+                    ],
+                    "policy.generate",
+                    self.timeout_s,
+                )
+                break
+            except RemoteCallError as error:
+                self.recover("policy", error)
+                dropped += len(group)  # in flight on the lost replica and its peers
         completions = Completions.concat(parts, self.tokenizer.pad_token_id)
         scored = time.perf_counter()
-        env_shards = zip(
-            split(group, self.meshes.size("environment")),
-            split(completions.completion_lists(), self.meshes.size("environment")),
-            strict=True,
+        env_shards = list(
+            zip(
+                split(group, self.meshes.size("environment")),
+                split(completions.completion_lists(), self.meshes.size("environment")),
+                strict=True,
+            )
         )
-        scores = call_each(
-            self.environment, "score", list(env_shards), "environment.score", self.timeout_s
-        )
+        while True:
+            try:
+                scores = call_each(
+                    self.environment, "score", env_shards, "environment.score", self.timeout_s
+                )
+                break
+            except RemoteCallError as error:
+                self.recover("environment", error)  # the same completions, scored again
         rewards = torch.tensor([r for part in scores for r in part])
-        times = {"time/generate_s": scored - started, "time/score_s": time.perf_counter() - scored}
-        return completions, rewards, times
+        return (
+            completions,
+            rewards,
+            {
+                "time/generate_s": scored - started,
+                "time/score_s": time.perf_counter() - scored,
+                "samples/dropped": dropped,
+                "faults/recoveries": len(self.recoveries),
+            },
+        )
+
+    # --- faults -----------------------------------------------------------------------
+
+    recoveries: list[str] = []
+
+    def inject_faults(self, step: int) -> None:
+        """Drills from `faults.kill`: end the named procs now, as a crash would."""
+        for role, rank in self.cfg.faults.kills_at(step):
+            getattr(self, role).slice(procs=rank).exit_now.call_one()  # never answers
+            print(f"faults: killed {role}[{rank}] at step {step}", flush=True)
+
+    def recover(self, role: str, error: RemoteCallError) -> None:
+        """Replace `role`'s mesh after a failure and bring it to the current state
+        (a policy replica takes the current weight version)."""
+        if len(self.recoveries) >= self.cfg.faults.max_recoveries:
+            raise error
+        print(f"recovering {role}: {error}", flush=True)
+        self.meshes.respawn(role)
+        self.spawn_role(role)
+        if role == "policy":
+            versions = call_all(
+                self.policy,
+                "load_weights",
+                self.handle,
+                what="policy.load_weights",
+                timeout_s=self.timeout_s,
+            )
+            assert set(versions) == {self.handle.version}, versions
+        self.recoveries = [*self.recoveries, f"{role}: {error}"]
 
     def rollout_metrics(self, rewards: torch.Tensor, completions: Completions) -> dict:
         """What every on-policy step logs about its rollouts."""

@@ -56,8 +56,8 @@ class DAPO(GRPO):
             if rounds:
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
             completions, rewards, round_times = self.generate_and_score(prompts)
-            for key, value in round_times.items():
-                times[key] = times.get(key, 0.0) + value
+            for key, value in round_times.items():  # summed over rounds; a count is the last
+                times[key] = value if key.startswith("faults/") else times.get(key, 0) + value
             all_rewards.append(rewards)
             for g in range(len(prompts)):
                 rows = slice(g * k, (g + 1) * k)

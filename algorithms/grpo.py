@@ -91,6 +91,7 @@ class GRPO(Algorithm):
             first_step = self.start()
             self.start_logger(cfg.steps, first_step)
             for step in range(first_step, cfg.steps):
+                self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
                 completions, rewards, rollout_info = self.rollout(prompts)

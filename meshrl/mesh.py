@@ -190,21 +190,38 @@ class RoleMeshes:
         total = sum(n * self.hosts[role] for role, n in self.counts.items())
         threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // total) if shared else None)
         device_offset = 0
+        self._spawn_args: dict[str, tuple] = {}
         try:
             self.job = build_job(self.job_cfg, list(self.counts))
-            hosts = host_meshes(self.job_cfg, self.job, list(self.counts))
+            self._hosts = host_meshes(self.job_cfg, self.job, list(self.counts))
             for role, count in self.counts.items():
-                self.meshes[role] = hosts[role].spawn_procs(
-                    per_host={"procs": count},
-                    bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
-                    name=role,
-                )
+                self._spawn_args[role] = (threads, count, device_offset)
+                self._spawn_procs(role)
                 # Separate hosts have GPUs of their own; local roles share this host's.
                 if role not in cpu_roles and self.job_cfg.kind == "local":
                     device_offset += count
         except BaseException:
             self.stop()
             raise
+
+    def _spawn_procs(self, role: str) -> None:
+        threads, count, device_offset = self._spawn_args[role]
+        self.meshes[role] = self._hosts[role].spawn_procs(
+            per_host={"procs": count},
+            bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
+            name=role,
+        )
+
+    def respawn(self, role: str, timeout_s: float = 20.0) -> None:
+        """Replace a role's proc mesh (after one of its procs died): stop what is
+        left of it and spawn a fresh one on the same hosts. Actors must be spawned
+        on it again."""
+        old = self.meshes.pop(role)
+        try:
+            old.stop().get(timeout=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - a mesh with a dead proc may not stop cleanly
+            logger.warning("stopping the failed %s mesh: %s", role, error)
+        self._spawn_procs(role)
 
     def __getitem__(self, role: str) -> Any:
         return self.meshes[role]
