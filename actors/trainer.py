@@ -17,6 +17,7 @@ from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
+from meshrl.faults import Drillable
 from meshrl.losses import nll_loss
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
 from meshrl.optim import build_optimizer
@@ -27,7 +28,7 @@ from meshrl.weights import WeightHandle, WeightPublisher
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
-class Trainer(Actor):
+class Trainer(Drillable, Actor):
     def __init__(
         self,
         model_cfg: ModelConfig,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -341,7 +342,7 @@ class Algorithm:
         """
         group = [p for p in prompts for _ in range(self.cfg.group_size)]
         prompt_ids = [self.tokenizer(p.text).input_ids for p in group]
-        started, dropped = time.perf_counter(), 0
+        started, lost = time.perf_counter(), 0
         while True:
             try:
                 parts = call_each(
@@ -357,7 +358,7 @@ class Algorithm:
                 break
             except RemoteCallError as error:
                 self.recover("policy", error)
-                dropped += len(group)  # in flight on the lost replica and its peers
+                lost += len(group)  # in flight on the lost replica and its peers
         completions = Completions.concat(parts, self.tokenizer.pad_token_id)
         scored = time.perf_counter()
         env_shards = list(
@@ -376,13 +377,17 @@ class Algorithm:
             except RemoteCallError as error:
                 self.recover("environment", error)  # the same completions, scored again
         rewards = torch.tensor([r for part in scores for r in part])
+        rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
         return (
             completions,
             rewards,
             {
                 "time/generate_s": scored - started,
                 "time/score_s": time.perf_counter() - scored,
-                "samples/dropped": dropped,
+                # Every sample is trained on once or counted here, by reason.
+                "samples/dropped": lost + rewound,
+                "samples/dropped_policy_lost": lost,
+                "samples/dropped_trainer_rewind": rewound,
                 "faults/recoveries": len(self.recoveries),
             },
         )
@@ -390,12 +395,38 @@ class Algorithm:
     # --- faults -----------------------------------------------------------------------
 
     recoveries: list[str] = []
+    dropped_on_rewind = 0
+    _drilled: frozenset = frozenset()
 
     def inject_faults(self, step: int) -> None:
-        """Drills from `faults.kill`: end the named procs now, as a crash would."""
+        """Drills from `faults.kill`: end the named procs now, as a crash would
+        (each once, also when a recovery brings the loop back over the step)."""
         for role, rank in self.cfg.faults.kills_at(step):
+            if (role, rank, step) in self._drilled:
+                continue
+            self._drilled = self._drilled | {(role, rank, step)}
             getattr(self, role).slice(procs=rank).exit_now.call_one()  # never answers
             print(f"faults: killed {role}[{rank}] at step {step}", flush=True)
+
+    def recover_trainer(self, step: int, error: RemoteCallError) -> int:
+        """A trainer proc died during `step`: replace the trainer mesh, restore
+        every role from the newest checkpoint and return its step, where the
+        loop continues. The samples of the steps since are counted as dropped."""
+        path = checkpoint.latest(self.run_dir)
+        if error.role != "trainer" or path is None:
+            raise error  # no checkpoint to go back to (checkpoint.every = 0)
+        if len(self.recoveries) >= self.cfg.faults.max_recoveries:
+            raise error
+        print(f"recovering trainer from {path}: {error}", flush=True)
+        self.meshes.respawn("trainer")
+        self.spawn_role("trainer")
+        back_to = self.restore(path)
+        self.logger.rewind(back_to)
+        self.dropped_on_rewind = (
+            (step + 1 - back_to) * self.cfg.prompts_per_step * (self.cfg.group_size)
+        )
+        self.recoveries = [*self.recoveries, f"trainer: {error}"]
+        return back_to
 
     def recover(self, role: str, error: RemoteCallError) -> None:
         """Replace `role`'s mesh after a failure and bring it to the current state
@@ -572,13 +603,20 @@ def supervised_batch(
     return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:
     """`python -m algorithms.X --config FILE key=value ...` for any algorithm."""
     cfg = parse_cli(schema, argv)
+    # A scheduler's SIGTERM (preemption, scancel) stops the run like Ctrl-C: every
+    # proc is stopped; the newest checkpoint is what `checkpoint.resume=auto` uses.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         algorithm(cfg).run()
     except KeyboardInterrupt:
-        print("interrupted: every proc stopped", file=sys.stderr)
+        print("interrupted: every proc stopped", file=sys.stderr)  # Ctrl-C or SIGTERM
         return 130
     except ConfigError as error:  # found once the run reads its data files
         print(f"error: {error}", file=sys.stderr)

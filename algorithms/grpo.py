@@ -38,6 +38,7 @@ import torch
 from algorithms.base import Algorithm, RLConfig, main
 from meshrl.config import ConfigError
 from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, masked_mean, policy_loss
+from meshrl.mesh import RemoteCallError
 from meshrl.types import Completions, Prompt, TrainBatch
 
 
@@ -90,7 +91,8 @@ class GRPO(Algorithm):
             # Version 0 to every replica, warm-start, reference; or a checkpoint's state.
             first_step = self.start()
             self.start_logger(cfg.steps, first_step)
-            for step in range(first_step, cfg.steps):
+            step = first_step
+            while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
@@ -101,9 +103,13 @@ class GRPO(Algorithm):
                 batch.advantages = self.compute_advantages(rewards, batch)
 
                 train_started = time.perf_counter()
-                train_metrics = self.optimize(batch)
-                sync_started = time.perf_counter()
-                self.sync_weights()
+                try:
+                    train_metrics = self.optimize(batch)
+                    sync_started = time.perf_counter()
+                    self.sync_weights()
+                except RemoteCallError as error:
+                    step = self.recover_trainer(step, error)  # back to the newest checkpoint
+                    continue
                 finished = time.perf_counter()
 
                 self.after_step(
@@ -119,6 +125,7 @@ class GRPO(Algorithm):
                     },
                 )
                 self.maybe_checkpoint(step + 1)
+                step += 1
             self.finish()
         finally:
             self.shutdown()

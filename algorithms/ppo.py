@@ -37,7 +37,7 @@ from meshrl.losses import (
     token_rewards,
     whiten,
 )
-from meshrl.mesh import call_all
+from meshrl.mesh import RemoteCallError, call_all
 from meshrl.types import TrainBatch
 
 
@@ -95,7 +95,8 @@ class PPO(Algorithm):
         try:
             first_step = self.start()
             self.start_logger(cfg.steps, first_step)
-            for step in range(first_step, cfg.steps):
+            step = first_step
+            while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
                 prompts = self.task.sample(cfg.prompts_per_step, self.rng)
@@ -107,9 +108,13 @@ class PPO(Algorithm):
                 advantage_info = self.compute_advantages(scores, batch)
 
                 train_started = time.perf_counter()
-                train_metrics = self.optimize(batch)
-                sync_started = time.perf_counter()
-                self.sync_weights()
+                try:
+                    train_metrics = self.optimize(batch)
+                    sync_started = time.perf_counter()
+                    self.sync_weights()
+                except RemoteCallError as error:
+                    step = self.recover_trainer(step, error)  # back to the newest checkpoint
+                    continue
                 finished = time.perf_counter()
 
                 self.logger.log(
@@ -125,6 +130,7 @@ class PPO(Algorithm):
                     }
                 )
                 self.maybe_checkpoint(step + 1)
+                step += 1
             self.finish()
         finally:
             self.shutdown()

@@ -3,7 +3,10 @@
 `faults.kill` lists procs to kill as `role:rank@step` (e.g.
 `environment:0@5`): at the start of that RL step the controller tells that
 proc to exit at once (`os._exit`), as a crash or an OOM kill would. What the
-run does about it is the algorithm's recovery (see `algorithms/base.py`).
+run does about it is the algorithm's recovery (see `algorithms/base.py`): a
+policy or environment mesh is replaced within the step; a trainer mesh is
+replaced and the run goes back to its newest checkpoint (`checkpoint.every`
+must be set).
 Every actor that can be drilled mixes in `Drillable`.
 """
 
@@ -27,7 +30,7 @@ class FaultsConfig:
     max_recoveries: int = 10
     """Recoveries allowed in a run before it gives up with the error."""
 
-    def validate(self, roles: tuple[str, ...] = ("policy", "environment")) -> None:
+    def validate(self, roles: tuple[str, ...] = ("policy", "environment", "trainer")) -> None:
         for item in self.kill:
             match = _KILL.match(item)
             if not match:

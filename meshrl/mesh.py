@@ -23,7 +23,16 @@ POLL_S = 0.05
 
 
 class RemoteCallError(RuntimeError):
-    """A remote call failed, timed out, or its mesh lost a process."""
+    """A remote call failed, timed out, or its mesh lost a process. `what` names
+    the call (`trainer.train_step[1]`); `role` is its first part."""
+
+    def __init__(self, message: str, what: str = ""):
+        super().__init__(message)
+        self.what = what
+
+    @property
+    def role(self) -> str:
+        return self.what.split(".")[0]
 
 
 # --- faults --------------------------------------------------------------------------
@@ -60,9 +69,9 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
         except TimeoutError:
             pass
         except Exception as error:
-            raise RemoteCallError(f"{what} failed: {_first_line(error)}") from error
+            raise RemoteCallError(f"{what} failed: {_first_line(error)}", what) from error
         if time.monotonic() > deadline:
-            raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s")
+            raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
 
 
 def _first_line(error: BaseException) -> str:

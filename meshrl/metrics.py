@@ -42,16 +42,14 @@ class RunLogger:
         self.run_dir = run_dir
         self.headline = headline
         self.history: list[dict[str, Any]] = []
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if first_step and os.path.exists(path):
-            with open(path) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            self.history = [r for r in records if r.get("step", 0) < first_step]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.history)
-            os.replace(path + ".tmp", path)
-        self._file = open(path, "a")  # noqa: SIM115
         self._bar = None
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if first_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                self.history = [json.loads(line) for line in f if line.strip()]
+        self._file = open(self.path, "a")  # noqa: SIM115
+        if first_step:
+            self.rewind(first_step)
         if progress:
             from tqdm.auto import tqdm
 
@@ -77,6 +75,18 @@ class RunLogger:
                 step_s=f"{record.get('time/step_s', float('nan')):.2f}",
                 refresh=False,
             )
+
+    def rewind(self, step: int) -> None:
+        """Forget the records of `step` and later (a run going back to a checkpoint)."""
+        self.history = [r for r in self.history if r.get("step", 0) < step]
+        self._file.close()
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        os.replace(self.path + ".tmp", self.path)
+        self._file = open(self.path, "a")  # noqa: SIM115
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

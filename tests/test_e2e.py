@@ -129,7 +129,8 @@ def test_multi_proc_placement_with_kl_in_process(tmp_path, no_stray_procs):
     assert history[-1]["weights/version"] == 3
 
 
-def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_stops_the_run_and_every_proc(stop_signal, tmp_path, no_stray_procs):
     process = subprocess.Popen(
         grpo_command(tmp_path, "interrupted", "steps=100000", "warm_start.steps=0"),
         cwd=REPO,
@@ -146,7 +147,7 @@ def test_ctrl_c_stops_the_run_and_every_proc(tmp_path, no_stray_procs):
             assert process.poll() is None, process.communicate()[1][-2000:]
             assert time.monotonic() < deadline, "run did not start stepping"
             time.sleep(0.2)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop_signal)
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
