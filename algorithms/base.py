@@ -413,8 +413,8 @@ class Algorithm:
         every role from the newest checkpoint and return its step, where the
         loop continues. The samples of the steps since are counted as dropped."""
         path = checkpoint.latest(self.run_dir)
-        if error.role != "trainer" or path is None:
-            raise error  # no checkpoint to go back to (checkpoint.every = 0)
+        if error.role != "trainer" or not error.proc_lost or path is None:
+            raise error  # not a lost trainer proc, or no checkpoint (checkpoint.every = 0)
         if len(self.recoveries) >= self.cfg.faults.max_recoveries:
             raise error
         print(f"recovering trainer from {path}: {error}", flush=True)
@@ -430,8 +430,10 @@ class Algorithm:
 
     def recover(self, role: str, error: RemoteCallError) -> None:
         """Replace `role`'s mesh after a failure and bring it to the current state
-        (a policy replica takes the current weight version)."""
-        if len(self.recoveries) >= self.cfg.faults.max_recoveries:
+        (a policy replica takes the current weight version). An exception raised
+        in the actor (a reward function that fails) is not a lost proc: it ends
+        the run with its one-line error instead."""
+        if not error.proc_lost or len(self.recoveries) >= self.cfg.faults.max_recoveries:
             raise error
         print(f"recovering {role}: {error}", flush=True)
         self.meshes.respawn(role)

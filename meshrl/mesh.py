@@ -26,9 +26,12 @@ class RemoteCallError(RuntimeError):
     """A remote call failed, timed out, or its mesh lost a process. `what` names
     the call (`trainer.train_step[1]`); `role` is its first part."""
 
-    def __init__(self, message: str, what: str = ""):
+    def __init__(self, message: str, what: str = "", proc_lost: bool = False):
         super().__init__(message)
         self.what = what
+        self.proc_lost = proc_lost
+        """True when the proc behind the call died (Monarch supervision), False
+        for an exception raised in the actor or a deadline."""
 
     @property
     def role(self) -> str:
@@ -69,7 +72,10 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
         except TimeoutError:
             pass
         except Exception as error:
-            raise RemoteCallError(f"{what} failed: {_first_line(error)}", what) from error
+            # Monarch raises SupervisionError when the proc is gone, ActorError when
+            # the endpoint raised.
+            lost = type(error).__name__ == "SupervisionError"
+            raise RemoteCallError(f"{what} failed: {_first_line(error)}", what, lost) from error
         if time.monotonic() > deadline:
             raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
 

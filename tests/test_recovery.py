@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, load_config
+from meshrl.mesh import RemoteCallError
 from tests.conftest import DEFAULT_CONFIG
 
 
@@ -41,6 +42,14 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, no_stray_pro
     assert [r.split(":")[0] for r in algo.recoveries] == ["environment", "policy"]
     # The replaced replicas serve the trainer's current version.
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+def test_an_exception_in_an_actor_is_not_recovered_but_reported():
+    algo = GRPO(load_config(GRPOConfig, None, []))
+    error = RemoteCallError("environment.score[0] failed: ValueError: bad", "environment.score[0]")
+    with pytest.raises(RemoteCallError, match="ValueError: bad"):
+        algo.recover("environment", error)  # no mesh is touched: it would raise otherwise
+    assert algo.recoveries == []
 
 
 def test_fault_drill_keys_are_checked():
