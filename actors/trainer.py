@@ -56,16 +56,18 @@ class Trainer(Drillable, Actor):
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
 
-    def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
-        batch = batch.apply(lambda t: t.to(self.device))
-        logprobs = completion_logprobs(
-            self.module,
+    def _logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        return completion_logprobs(
+            module,
             batch.input_ids,
             batch.attention_mask,
             batch.num_completion_tokens,
             self.temperature,
         )
-        loss, metrics = loss_fn(logprobs, batch)
+
+    def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
+        batch = batch.apply(lambda t: t.to(self.device))
+        loss, metrics = loss_fn(self._logprobs(self.module, batch), batch)
         metrics["train/grad_norm"] = clipped_step(
             loss, self.model, optimizer, self.optim_cfg.max_grad_norm
         )
@@ -103,14 +105,7 @@ class Trainer(Drillable, Actor):
         batch = batch.apply(lambda t: t.to(self.device))
         self.model.eval()
         with torch.no_grad():
-            logprobs = completion_logprobs(
-                self.model,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.num_completion_tokens,
-                self.temperature,
-            )
-            loss, metrics = self.loss_fn(logprobs, batch)
+            loss, metrics = self.loss_fn(self._logprobs(self.model, batch), batch)
         self.model.train()
         metrics["eval/loss"] = loss.item()
         return metrics

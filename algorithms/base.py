@@ -273,20 +273,25 @@ class Algorithm:
         """Roles whose state a checkpoint writes with their `save_state` endpoint."""
         return [r for r in ("trainer", "reference", "critic") if r in self.meshes]
 
+    def each_stateful_role(self, endpoint: str, directory: str) -> None:
+        """`save_state` / `load_state` on every proc of each stateful role, with
+        its part's path in the checkpoint `directory` (`<role>.pt`)."""
+        for role in self.stateful_roles():
+            call_all(
+                getattr(self, role),
+                endpoint,
+                f"{directory}/{role}.pt",
+                what=f"{role}.{endpoint}",
+                timeout_s=self.timeout_s,
+            )
+
     def maybe_checkpoint(self, steps_done: int) -> None:
         """Write a checkpoint every `checkpoint.every` steps (atomically)."""
         ck = self.cfg.checkpoint
         if not ck.every or steps_done % ck.every:
             return
         partial = checkpoint.begin(self.run_dir, steps_done)
-        for role in self.stateful_roles():
-            call_all(
-                getattr(self, role),
-                "save_state",
-                f"{partial}/{role}.pt",
-                what=f"{role}.save_state",
-                timeout_s=self.timeout_s,
-            )
+        self.each_stateful_role("save_state", partial)
         policy_rng = call_all(
             self.policy, "rng_state", what="policy.rng_state", timeout_s=self.timeout_s
         )
@@ -301,14 +306,7 @@ class Algorithm:
 
     def restore(self, path: str) -> int:
         """Every role's state from the checkpoint at `path`; returns its step."""
-        for role in self.stateful_roles():
-            call_all(
-                getattr(self, role),
-                "load_state",
-                f"{path}/{role}.pt",
-                what=f"{role}.load_state",
-                timeout_s=self.timeout_s,
-            )
+        self.each_stateful_role("load_state", path)
         self.sync_weights()  # the replicas take the restored trainer's weights
         state = torch.load(f"{path}/controller.pt", weights_only=False)
         if len(state["policy_rng"]) != self.meshes.size("policy"):
@@ -342,40 +340,21 @@ class Algorithm:
         """
         group = [p for p in prompts for _ in range(self.cfg.group_size)]
         prompt_ids = [self.tokenizer(p.text).input_ids for p in group]
-        started, lost = time.perf_counter(), 0
-        while True:
-            try:
-                parts = call_each(
-                    self.policy,
-                    "generate",
-                    [
-                        (s, self.cfg.generation)
-                        for s in split(prompt_ids, self.meshes.size("policy"))
-                    ],
-                    "policy.generate",
-                    self.timeout_s,
-                )
-                break
-            except RemoteCallError as error:
-                self.recover("policy", error)
-                lost += len(group)  # in flight on the lost replica and its peers
+        started = time.perf_counter()
+        shards = split(prompt_ids, self.meshes.size("policy"))
+        parts, retries = self.call_recovering(
+            "policy", "generate", [(s, self.cfg.generation) for s in shards]
+        )
+        lost = retries * len(group)  # in flight on the lost replica and its peers
         completions = Completions.concat(parts, self.tokenizer.pad_token_id)
         scored = time.perf_counter()
-        env_shards = list(
-            zip(
-                split(group, self.meshes.size("environment")),
-                split(completions.completion_lists(), self.meshes.size("environment")),
-                strict=True,
-            )
+        env_shards = zip(
+            split(group, self.meshes.size("environment")),
+            split(completions.completion_lists(), self.meshes.size("environment")),
+            strict=True,
         )
-        while True:
-            try:
-                scores = call_each(
-                    self.environment, "score", env_shards, "environment.score", self.timeout_s
-                )
-                break
-            except RemoteCallError as error:
-                self.recover("environment", error)  # the same completions, scored again
+        # After a lost environment proc, the same completions are scored again.
+        scores, _ = self.call_recovering("environment", "score", list(env_shards))
         rewards = torch.tensor([r for part in scores for r in part])
         rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
         return (
@@ -407,6 +386,20 @@ class Algorithm:
             self._drilled = self._drilled | {(role, rank, step)}
             getattr(self, role).slice(procs=rank).exit_now.call_one()  # never answers
             print(f"faults: killed {role}[{rank}] at step {step}", flush=True)
+
+    def call_recovering(self, role: str, endpoint: str, args_per_rank: list) -> tuple[list, int]:
+        """`call_each` on `role`, replacing its mesh and calling again each time a
+        proc of it is lost (`recover`); returns the results and the retries."""
+        what, retries = f"{role}.{endpoint}", 0
+        while True:
+            try:
+                results = call_each(
+                    getattr(self, role), endpoint, args_per_rank, what, self.timeout_s
+                )
+                return results, retries
+            except RemoteCallError as error:
+                self.recover(role, error)
+                retries += 1
 
     def recover_trainer(self, step: int, error: RemoteCallError) -> int:
         """A trainer proc died during `step`: replace the trainer mesh, restore
@@ -480,8 +473,7 @@ class Algorithm:
 
     def collect(self, futures: list, what: str) -> dict[str, float]:
         """Wait for `start_sharded`'s calls; metrics averaged over the ranks."""
-        per_rank = gather(futures, what, self.timeout_s)
-        return {key: sum(m[key] for m in per_rank) / len(per_rank) for key in per_rank[0]}
+        return mean_metrics(gather(futures, what, self.timeout_s))
 
     def call_rows(self, role: str, endpoint: str, batch: TrainBatch, *args) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs,
@@ -512,8 +504,7 @@ class Algorithm:
 
     def optimize(self, batch: TrainBatch) -> dict[str, float]:
         """Every optimizer step on one batch of rollouts; metrics averaged over them."""
-        steps = [self.train(batch.rows(rows)) for rows in self.minibatches(len(batch))]
-        return {key: sum(m[key] for m in steps) / len(steps) for key in steps[0]}
+        return mean_metrics([self.train(batch.rows(rows)) for rows in self.minibatches(len(batch))])
 
     def sync_weights(self) -> None:
         """Trainer rank 0 publishes its weights; every policy replica pulls them."""
@@ -589,6 +580,11 @@ class Algorithm:
             self.logger.close()
         if self.meshes is not None:
             self.meshes.stop()
+
+
+def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over `records` (ranks of a mesh, optimizer steps of a batch)."""
+    return {key: sum(r[key] for r in records) / len(records) for key in records[0]}
 
 
 def supervised_batch(

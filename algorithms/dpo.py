@@ -33,7 +33,7 @@ from meshrl.config import ConfigError, ModelConfig, OptimConfig, PlacementConfig
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, sequence_logprobs
-from meshrl.mesh import gather, start_each
+from meshrl.mesh import start_each
 from meshrl.types import TrainBatch
 
 SHIPPED_PREFERENCES = os.path.join(
@@ -223,9 +223,7 @@ class DPO(Algorithm):
         for i in range(n):
             rows = torch.arange(i, half, n)
             shards.append((batch.rows(torch.cat([rows, rows + half])),))
-        futures = start_each(self.trainer, endpoint, shards)
-        per_rank = gather(futures, f"trainer.{endpoint}", self.timeout_s)
-        return {key: sum(m[key] for m in per_rank) / n for key in per_rank[0]}
+        return self.collect(start_each(self.trainer, endpoint, shards), f"trainer.{endpoint}")
 
     def evaluate(self) -> dict[str, float]:
         """DPO loss and preference accuracy on the held-out pairs (no update)."""

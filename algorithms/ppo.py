@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main
+from algorithms.base import Algorithm, RLConfig, main, mean_metrics
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.losses import (
     AGGREGATIONS,
@@ -227,7 +227,7 @@ class PPO(Algorithm):
                     **self.collect(value, "critic.train_step"),
                 }
             )
-        return {key: sum(m[key] for m in steps) / len(steps) for key in steps[0]}
+        return mean_metrics(steps)
 
 
 if __name__ == "__main__":
