@@ -15,6 +15,7 @@ from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
+from meshrl.faults import Drillable
 from meshrl.losses import value_loss
 from meshrl.models import completion_values, device_for_this_proc, load_value_model
 from meshrl.optim import build_optimizer
@@ -23,7 +24,7 @@ from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
-class Critic(Actor):
+class Critic(Drillable, Actor):
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -55,6 +56,7 @@ class Critic(Actor):
     @endpoint
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] value of the prefix before each completion token."""
+        self.drill("values")
         with torch.no_grad():
             values = completion_values(
                 self.model,
@@ -68,6 +70,7 @@ class Critic(Actor):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on this rank's shard
         (needs `batch.returns` and `batch.old_values`)."""
+        self.drill("train_step")
         batch = batch.apply(lambda t: t.to(self.device))
         values = completion_values(
             self.module, batch.input_ids, batch.attention_mask, batch.num_completion_tokens
@@ -75,23 +78,34 @@ class Critic(Actor):
         loss, metrics = value_loss(
             values, batch.old_values, batch.returns, batch.completion_mask, self.value_clip
         )
-        metrics["value/grad_norm"] = clipped_step(
+        metrics["value/grad_norm"], skipped = clipped_step(
             loss, self.model, self.optimizer, self.optim_cfg.max_grad_norm
         )
+        metrics["value/nonfinite_skipped"] = float(skipped)
         metrics["value/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return metrics
 
     @endpoint
-    def save_state(self, path: str) -> None:
-        """Rank 0 writes model, optimizer and schedule (a checkpoint part)."""
+    def save_state(self, directory: str) -> None:
+        """Rank 0 writes model, optimizer and schedule: `critic.pt` in the
+        checkpoint `directory`."""
         if self.rank == 0:
-            save_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+            save_state(
+                f"{directory}/critic.pt",
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+            )
 
     @endpoint
-    def load_state(self, path: str) -> None:
+    def load_state(self, directory: str) -> None:
         load_state(
-            path, self.device, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            f"{directory}/critic.pt",
+            self.device,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
         )
 
     @endpoint

@@ -19,6 +19,7 @@ class Environment(Drillable, Actor):
     @endpoint
     def score(self, prompts: list[Prompt], completion_ids: list[list[int]]) -> list[float]:
         """Reward in [0, 1] of each completion (token ids, EOS excluded by decoding)."""
+        self.drill("score")
         if not completion_ids:
             return []
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -31,6 +31,7 @@ class Policy(Drillable, Actor):
     @endpoint
     def generate(self, prompt_ids: list[list[int]], generation: GenerationConfig) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group)."""
+        self.drill("generate")
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(prompt_ids), width)

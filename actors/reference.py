@@ -11,12 +11,13 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig
+from meshrl.faults import Drillable
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
-class Reference(Actor):
+class Reference(Drillable, Actor):
     def __init__(self, model_cfg: ModelConfig, seed: int = 0):
         self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()
@@ -29,19 +30,22 @@ class Reference(Actor):
         return self.weights.version
 
     @endpoint
-    def save_state(self, path: str) -> None:
-        """Rank 0 writes the frozen weights and their version (a checkpoint part)."""
+    def save_state(self, directory: str) -> None:
+        """Rank 0 writes the frozen weights and their version: `reference.pt` in
+        the checkpoint `directory`."""
         if self.rank == 0:
-            save_state(path, model=self.model, version=self.weights.version)
+            save_state(f"{directory}/reference.pt", model=self.model, version=self.weights.version)
 
     @endpoint
-    def load_state(self, path: str) -> int:
+    def load_state(self, directory: str) -> int:
+        path = f"{directory}/reference.pt"
         self.weights.version = load_state(path, self.device, model=self.model)["version"]
         return self.weights.version
 
     @endpoint
     def logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
         """[B, T] log-probs of the batch's completion tokens."""
+        self.drill("logprobs")
         with torch.no_grad():
             logprobs = completion_logprobs(
                 self.model,

@@ -1,8 +1,11 @@
 """Trainer: owns the model and optimizer, runs data-parallel over its procs and
 publishes weights by version.
 
-Every proc of the trainer mesh holds a full replica; gradients are averaged
-with torch.distributed (gloo on CPU, NCCL on GPU) through DDP. The loss is the
+With `placement.sharding=ddp` every proc of the trainer mesh holds a full
+replica and gradients are averaged through DDP; with `fsdp` parameters,
+gradients and optimizer state are sharded over the procs (FSDP2) and
+checkpoints are written shard by shard (torch.distributed.checkpoint). Either
+way torch.distributed runs gloo on CPU, NCCL on GPU. The loss is the
 algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
 given at construction, so this actor has no algorithm branches.
 """
@@ -21,7 +24,15 @@ from meshrl.faults import Drillable
 from meshrl.losses import nll_loss
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
 from meshrl.optim import build_optimizer
-from meshrl.parallel import clipped_step, data_parallel, shutdown
+from meshrl.parallel import (
+    clipped_step,
+    data_parallel,
+    full_parameters,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+    shutdown,
+)
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightPublisher
 
@@ -38,6 +49,7 @@ class Trainer(Drillable, Actor):
         temperature: float = 1.0,
         seed: int = 0,
         master: tuple[str, int] = ("127.0.0.1", 0),
+        sharding: str = "ddp",
     ):
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
@@ -46,8 +58,15 @@ class Trainer(Drillable, Actor):
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
         self.module = data_parallel(
-            self.model, self.device, self.rank, self.world_size, master, sizes.get("procs")
+            self.model,
+            self.device,
+            self.rank,
+            self.world_size,
+            master,
+            sizes.get("procs"),
+            sharding,
         )
+        self.sharded = is_sharded(self.model)
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
@@ -68,15 +87,18 @@ class Trainer(Drillable, Actor):
     def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
         batch = batch.apply(lambda t: t.to(self.device))
         loss, metrics = loss_fn(self._logprobs(self.module, batch), batch)
-        metrics["train/grad_norm"] = clipped_step(
+        metrics["train/grad_norm"], skipped = clipped_step(
             loss, self.model, optimizer, self.optim_cfg.max_grad_norm
         )
         metrics["train/loss"] = loss.item()
+        metrics["train/nonfinite_skipped"] = float(skipped)
         return metrics
 
     @endpoint
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's shard; the version advances."""
+        """One optimizer step on this rank's shard; the version advances (also
+        when a NaN or infinite loss skips the step: `train/nonfinite_skipped`)."""
+        self.drill("train_step")
         metrics = self._step(batch, self.loss_fn, self.optimizer)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -111,46 +133,63 @@ class Trainer(Drillable, Actor):
         return metrics
 
     @endpoint
-    def save_state(self, path: str) -> None:
-        """Rank 0 writes model, optimizer, schedule and version (a checkpoint part)."""
+    def save_state(self, directory: str) -> None:
+        """This role's part of the checkpoint in `directory`: `trainer.pt` (rank 0:
+        schedule and version, and model and optimizer unless sharded) and, when
+        sharded, `trainer_shards/` (every rank its shards)."""
+        if self.sharded:
+            save_sharded(f"{directory}/trainer_shards", self.model, self.optimizer)
+            parts = {}
+        else:
+            parts = {"model": self.model, "optimizer": self.optimizer}
         if self.rank == 0:
             save_state(
-                path,
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                version=self.version,
+                f"{directory}/trainer.pt", scheduler=self.scheduler, version=self.version, **parts
             )
 
     @endpoint
-    def load_state(self, path: str) -> int:
+    def load_state(self, directory: str) -> int:
         """Every rank restores what `save_state` wrote; returns the version."""
+        parts = {} if self.sharded else {"model": self.model, "optimizer": self.optimizer}
+        if self.sharded:
+            load_sharded(f"{directory}/trainer_shards", self.model, self.optimizer)
         extra = load_state(
-            path, self.device, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            f"{directory}/trainer.pt", self.device, scheduler=self.scheduler, **parts
         )
         self.version = extra["version"]
         return self.version
 
     @endpoint
-    def publish(self) -> WeightHandle:
-        """Rank 0: copy the current weights into the RDMA buckets, tagged with the version."""
-        assert self.publisher is not None, "publish is called on trainer rank 0"
-        return self.publisher.publish(self.version)
+    def publish(self) -> WeightHandle | None:
+        """Rank 0 copies the current weights into the RDMA buckets, tagged with the
+        version, and returns the handle. When sharded, every rank must be called:
+        each parameter is all-gathered on the way (the other ranks return None)."""
+        named = full_parameters(self.model) if self.sharded else None
+        if self.publisher is None:
+            for _ in named or ():  # join the all-gathers
+                pass
+            return None
+        return self.publisher.publish(self.version, named)
 
     @endpoint
     def save(self, path: str) -> None:
-        """Rank 0: HF `save_pretrained` of model and tokenizer."""
+        """Rank 0: HF `save_pretrained` of model and tokenizer (every rank must be
+        called when sharded: the parameters are gathered)."""
+        state = None
+        if self.sharded:
+            state = {name: t.detach().cpu() for name, t in full_parameters(self.model)}
         if self.rank == 0:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # keep the controller's console to the run's own bar
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=state)
             load_tokenizer(self.model_cfg).save_pretrained(path)
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of every parameter (for inspection and tests)."""
-        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        """A CPU copy of every full parameter (for inspection and tests; every
+        rank must be called when sharded)."""
+        return {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
 
     def __del__(self):
         shutdown()

@@ -15,6 +15,8 @@ import random
 import signal
 import sys
 import time
+import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,7 @@ from meshrl.mesh import (
     wait,
 )
 from meshrl.metrics import RunLogger, make_run_dir
-from meshrl.models import load_tokenizer
+from meshrl.models import context_length, load_tokenizer
 from meshrl.types import Completions, Prompt, TrainBatch
 from meshrl.weights import rdma_backend
 
@@ -179,16 +181,25 @@ class Algorithm:
         else:  # <run dir>/checkpoints/step_N
             self.run_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.run_dir}/config.yaml")
-        self.timeout_s = cfg.run.call_timeout_s
-        self.rng = random.Random(cfg.run.seed)
-        self.torch_rng = torch.Generator().manual_seed(cfg.run.seed)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.prepare()
         self.meshes = RoleMeshes(self.roles(), cfg.job)
         try:
             self.spawn_actors()
         except BaseException:
             self.shutdown()
             raise
+
+    def prepare(self) -> None:
+        """The controller's own state: random generators, tokenizer, task, sample
+        counts (no process is spawned)."""
+        cfg = self.cfg
+        self.timeout_s = cfg.run.call_timeout_s
+        self.rng = random.Random(cfg.run.seed)
+        self.torch_rng = torch.Generator().manual_seed(cfg.run.seed)
+        self.totals: Counter = Counter()  # samples generated, trained, dropped by reason
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.task = make_task(cfg.task) if hasattr(cfg, "task") else None
+        self.context = context_length(cfg.model)
 
     def find_resume(self) -> str | None:
         """The checkpoint to continue from, per `checkpoint.resume`, or None."""
@@ -201,7 +212,6 @@ class Algorithm:
 
     def spawn_actors(self) -> None:
         """One actor per proc of each role's mesh."""
-        self.task = make_task(self.cfg.task)
         for role in self.meshes.meshes:
             self.spawn_role(role)
 
@@ -237,11 +247,14 @@ class Algorithm:
             temperature=temperature,
             seed=self.cfg.run.seed,
             master=self.meshes.rendezvous("trainer"),
+            sharding=self.cfg.placement.sharding,
         )
 
     def start_logger(self, total_steps: int, first_step: int = 0) -> RunLogger:
         """metrics.jsonl and the progress bar; a resumed run keeps the records of
-        the steps before `first_step` and drops any later ones."""
+        the steps before `first_step` and drops any later ones. The loop starts
+        next: from here Ctrl-C stops at the end of a step (`end_step`)."""
+        StopRequest.loop_running = True
         self.logger = RunLogger(
             self.run_dir,
             total_steps,
@@ -275,37 +288,65 @@ class Algorithm:
 
     def each_stateful_role(self, endpoint: str, directory: str) -> None:
         """`save_state` / `load_state` on every proc of each stateful role, with
-        its part's path in the checkpoint `directory` (`<role>.pt`)."""
+        the checkpoint `directory` (each role's part is `<role>.pt`, and a
+        sharded trainer's shards `trainer_shards/`)."""
         for role in self.stateful_roles():
             call_all(
                 getattr(self, role),
                 endpoint,
-                f"{directory}/{role}.pt",
+                directory,
                 what=f"{role}.{endpoint}",
                 timeout_s=self.timeout_s,
             )
 
-    def maybe_checkpoint(self, steps_done: int) -> None:
-        """Write a checkpoint every `checkpoint.every` steps (atomically)."""
-        ck = self.cfg.checkpoint
-        if not ck.every or steps_done % ck.every:
-            return
-        partial = checkpoint.begin(self.run_dir, steps_done)
-        self.each_stateful_role("save_state", partial)
-        policy_rng = call_all(
-            self.policy, "rng_state", what="policy.rng_state", timeout_s=self.timeout_s
-        )
-        checkpoint.save_state(
-            f"{partial}/controller.pt",
-            step=steps_done,
-            rng=self.rng.getstate(),
-            torch_rng=self.torch_rng.get_state(),
-            policy_rng=policy_rng,
-        )
-        checkpoint.commit(partial, ck.keep)
+    checkpointed_at = -1
 
-    def restore(self, path: str) -> int:
-        """Every role's state from the checkpoint at `path`; returns its step."""
+    def end_step(self, steps_done: int) -> None:
+        """Called by the loop after each step: writes a checkpoint every
+        `checkpoint.every` steps, and stops the run when Ctrl-C or SIGTERM asked
+        for it (`StopRequest`), with a checkpoint first if one is due: checkpoints
+        are on and this step has none yet."""
+        ck = getattr(self.cfg, "checkpoint", None)
+        stop = StopRequest.requested
+        due = ck is not None and ck.every and (steps_done % ck.every == 0 or stop)
+        if due and self.checkpointed_at != steps_done:
+            self.write_checkpoint(steps_done)
+        if stop:
+            saved = f"; checkpoint {checkpoint.latest(self.run_dir)}" if ck and ck.every else ""
+            raise KeyboardInterrupt(f"stopped after {steps_done} steps{saved}")
+
+    def write_checkpoint(self, steps_done: int) -> None:
+        """Every stateful role's part and the controller's, then the atomic commit.
+        A part that cannot be written (full disk, unwritable directory) stops the
+        run with one line; the previous checkpoint stays the newest valid one."""
+        try:
+            partial = checkpoint.begin(self.run_dir, steps_done)
+            self.each_stateful_role("save_state", partial)
+            policy_rng = call_all(
+                self.policy, "rng_state", what="policy.rng_state", timeout_s=self.timeout_s
+            )
+            checkpoint.save_state(
+                f"{partial}/controller.pt",
+                step=steps_done,
+                rng=self.rng.getstate(),
+                torch_rng=self.torch_rng.get_state(),
+                policy_rng=policy_rng,
+                totals=dict(self.totals),
+            )
+            checkpoint.commit(partial, self.cfg.checkpoint.keep)
+        except (OSError, RemoteCallError) as error:
+            if isinstance(error, RemoteCallError) and error.proc_lost:
+                raise
+            raise checkpoint.CheckpointError(
+                f"checkpoint after step {steps_done} could not be written: {one_line(error)} "
+                f"(newest valid checkpoint: {checkpoint.latest(self.run_dir)})"
+            ) from error
+        self.checkpointed_at = steps_done
+
+    def restore(self, path: str, totals: bool = True) -> int:
+        """Every role's state from the checkpoint at `path`; returns its step.
+        `totals`: also the sample counts (a resumed run; a rewind inside the
+        run keeps counting what really happened)."""
         self.each_stateful_role("load_state", path)
         self.sync_weights()  # the replicas take the restored trainer's weights
         state = torch.load(f"{path}/controller.pt", weights_only=False)
@@ -316,6 +357,8 @@ class Algorithm:
             )
         self.rng.setstate(state["rng"])
         self.torch_rng.set_state(state["torch_rng"])
+        if totals:
+            self.totals = Counter(state.get("totals", {}))
         call_each(
             self.policy,
             "set_rng_state",
@@ -324,9 +367,37 @@ class Algorithm:
             self.timeout_s,
         )
         print(f"resumed from {path} at step {state['step']}", flush=True)
+        self.checkpointed_at = state["step"]
         return state["step"]
 
     # --- rollouts ---------------------------------------------------------------------
+
+    skipped_prompts = 0
+
+    def sample_prompts(self, num_prompts: int) -> list[Prompt]:
+        """`num_prompts` prompts from the task that fit the model's context with
+        `generation.max_new_tokens` to spare. A prompt that does not is skipped
+        and another drawn (`samples/skipped_overlong_prompts`), or is an error
+        (`generation.overlong_prompt=error`)."""
+        room = self.context - self.cfg.generation.max_new_tokens
+        prompts: list[Prompt] = []
+        for _ in range(100):  # draws of a batch, before concluding nothing fits
+            for prompt in self.task.sample(num_prompts - len(prompts), self.rng):
+                length = len(self.tokenizer(prompt.text).input_ids)
+                if length <= room:
+                    prompts.append(prompt)
+                    continue
+                message = (
+                    f"a prompt of {length} tokens does not fit the model's context of "
+                    f"{self.context} with generation.max_new_tokens="
+                    f"{self.cfg.generation.max_new_tokens}: {prompt.text[:40]!r}"
+                )
+                if self.cfg.generation.overlong_prompt == "error":
+                    raise PromptTooLong(f"{message} (generation.overlong_prompt=skip skips it)")
+                self.skipped_prompts += 1
+            if len(prompts) == num_prompts:
+                return prompts
+        raise PromptTooLong(f"no prompt fits: {message}")
 
     def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
         """`group_size` completions per prompt from the policy replicas, scored on
@@ -334,18 +405,21 @@ class Algorithm:
         [B] and timings.
 
         A policy or environment proc that dies is replaced within the step
-        (`recover`): generation lost with a policy replica is done again (its
-        completions counted in `samples/dropped`); completions whose scoring
-        was lost with an environment proc are scored again.
+        (`recover`), and a call that raised may be retried (`retry_error`):
+        a failed generation is done again (the completions of the failed call
+        counted in `samples/dropped`); completions whose scoring failed are
+        scored again.
         """
         group = [p for p in prompts for _ in range(self.cfg.group_size)]
         prompt_ids = [self.tokenizer(p.text).input_ids for p in group]
         started = time.perf_counter()
         shards = split(prompt_ids, self.meshes.size("policy"))
-        parts, retries = self.call_recovering(
+        parts, repeats = self.call_recovering(
             "policy", "generate", [(s, self.cfg.generation) for s in shards]
         )
-        lost = retries * len(group)  # in flight on the lost replica and its peers
+        lost = repeats * len(group)  # generated by the failed call on every replica
+        self.totals["generated"] += len(group) + lost
+        self.totals["dropped_policy_lost"] += lost
         completions = Completions.concat(parts, self.tokenizer.pad_token_id)
         scored = time.perf_counter()
         env_shards = zip(
@@ -373,61 +447,104 @@ class Algorithm:
 
     # --- faults -----------------------------------------------------------------------
 
+    @property
+    def fault_cfg(self) -> FaultsConfig:
+        """The `faults:` section (defaults for an algorithm whose config has none)."""
+        return getattr(self.cfg, "faults", None) or FaultsConfig()
+
     recoveries: list[str] = []
+    errors_retried = 0
+    nonfinite_steps = 0
+    nonfinite_in_row = 0
     dropped_on_rewind = 0
     _drilled: frozenset = frozenset()
 
     def inject_faults(self, step: int) -> None:
-        """Drills from `faults.kill`: end the named procs now, as a crash would
-        (each once, also when a recovery brings the loop back over the step)."""
-        for role, rank in self.cfg.faults.kills_at(step):
-            if (role, rank, step) in self._drilled:
+        """Drills from the `faults:` config, each once (also when a recovery brings
+        the loop back over the step): `kill` ends the named procs now, as a crash
+        would; `raise_in` makes the named endpoint raise on its next call in
+        every proc of the role."""
+        faults = self.fault_cfg
+        drills = [("kill", role, rank) for role, rank in faults.kills_at(step)]
+        drills += [("raise", role, name) for role, name in faults.raises_at(step)]
+        for kind, role, target in drills:
+            if (kind, role, target, step) in self._drilled:
                 continue
-            self._drilled = self._drilled | {(role, rank, step)}
-            getattr(self, role).slice(procs=rank).exit_now.call_one()  # never answers
-            print(f"faults: killed {role}[{rank}] at step {step}", flush=True)
+            self._drilled = self._drilled | {(kind, role, target, step)}
+            if role not in self.meshes:
+                raise ConfigError(f"config key 'faults': this run has no {role} mesh to drill")
+            actors = getattr(self, role)
+            if kind == "kill":
+                actors.slice(procs=target).exit_now.call_one()  # never answers
+                print(f"faults: killed {role}[{target}] at step {step}", flush=True)
+            else:
+                call_all(actors, "arm_error", target, what=f"{role}.arm_error", timeout_s=60)
+                print(f"faults: {role}.{target} will raise at step {step}", flush=True)
+
+    def retry_error(self, error: RemoteCallError, tries: int) -> None:
+        """Re-raise `error` unless it is an exception raised in an actor (not a
+        lost proc) and `faults.retry_errors` allows another try."""
+        if error.proc_lost or tries >= self.fault_cfg.retry_errors:
+            raise error
+        self.errors_retried += 1
+        print(f"retrying: {error}", flush=True)
 
     def call_recovering(self, role: str, endpoint: str, args_per_rank: list) -> tuple[list, int]:
-        """`call_each` on `role`, replacing its mesh and calling again each time a
-        proc of it is lost (`recover`); returns the results and the retries."""
-        what, retries = f"{role}.{endpoint}", 0
+        """`call_each` on `role`. A lost proc has its mesh replaced (`recover`), an
+        exception raised there is retried (`retry_error`); each time the call is
+        made again. Returns the results and the number of repeats."""
+        what, repeats, errors = f"{role}.{endpoint}", 0, 0
         while True:
             try:
                 results = call_each(
                     getattr(self, role), endpoint, args_per_rank, what, self.timeout_s
                 )
-                return results, retries
+                return results, repeats
             except RemoteCallError as error:
-                self.recover(role, error)
-                retries += 1
+                if error.proc_lost:
+                    self.recover(role, error)
+                else:
+                    self.retry_error(error, errors)
+                    errors += 1
+                repeats += 1
 
-    def recover_trainer(self, step: int, error: RemoteCallError) -> int:
-        """A trainer proc died during `step`: replace the trainer mesh, restore
-        every role from the newest checkpoint and return its step, where the
-        loop continues. The samples of the steps since are counted as dropped."""
+    def rewind(self, step: int, error: RemoteCallError) -> int:
+        """A trainer or critic proc died during `step`: replace its mesh, restore
+        every role from the newest checkpoint and return its step, where the loop
+        continues. The samples of the steps since are counted as dropped."""
         path = checkpoint.latest(self.run_dir)
-        if error.role != "trainer" or not error.proc_lost or path is None:
-            raise error  # not a lost trainer proc, or no checkpoint (checkpoint.every = 0)
-        if len(self.recoveries) >= self.cfg.faults.max_recoveries:
+        if error.role not in ("trainer", "critic") or not error.proc_lost or path is None:
+            raise error  # not a lost proc, or no checkpoint (checkpoint.every = 0)
+        if len(self.recoveries) >= self.fault_cfg.max_recoveries:
             raise error
-        print(f"recovering trainer from {path}: {error}", flush=True)
-        self.meshes.respawn("trainer")
-        self.spawn_role("trainer")
-        back_to = self.restore(path)
+        print(f"recovering {error.role} from {path}: {error}", flush=True)
+        self.meshes.respawn(error.role)
+        self.spawn_role(error.role)
+        back_to = self.restore(path, totals=False)
         self.logger.rewind(back_to)
-        self.dropped_on_rewind = (
-            (step + 1 - back_to) * self.cfg.prompts_per_step * (self.cfg.group_size)
-        )
-        self.recoveries = [*self.recoveries, f"trainer: {error}"]
+        batch = self.cfg.prompts_per_step * self.cfg.group_size
+        # Steps back_to .. step-1 were trained and are undone; step's samples never were.
+        self.totals["trained"] -= (step - back_to) * batch
+        self.dropped_on_rewind = (step + 1 - back_to) * batch
+        self.totals["dropped_trainer_rewind"] += self.dropped_on_rewind
+        self.recoveries = [*self.recoveries, f"{error.role}: {error}"]
         return back_to
 
     def recover(self, role: str, error: RemoteCallError) -> None:
-        """Replace `role`'s mesh after a failure and bring it to the current state
-        (a policy replica takes the current weight version). An exception raised
-        in the actor (a reward function that fails) is not a lost proc: it ends
-        the run with its one-line error instead."""
-        if not error.proc_lost or len(self.recoveries) >= self.cfg.faults.max_recoveries:
+        """Replace `role`'s mesh after one of its procs was lost and bring it to the
+        current state: a policy replica takes the current weight version, a
+        reference reloads its frozen weights from the newest checkpoint. Trainer
+        and critic state lives only in them: those go through `rewind`."""
+        if not error.proc_lost or role in ("trainer", "critic"):
+            raise error  # an exception raised in the actor is not a lost proc
+        if len(self.recoveries) >= self.fault_cfg.max_recoveries:
             raise error
+        saved = checkpoint.latest(self.run_dir)
+        if role == "reference" and saved is None:
+            raise RemoteCallError(
+                f"{error} (a reference is recovered from a checkpoint: set checkpoint.every)",
+                error.what,
+            ) from error
         print(f"recovering {role}: {error}", flush=True)
         self.meshes.respawn(role)
         self.spawn_role(role)
@@ -440,7 +557,52 @@ class Algorithm:
                 timeout_s=self.timeout_s,
             )
             assert set(versions) == {self.handle.version}, versions
+        elif role == "reference":
+            call_all(
+                self.reference,
+                "load_state",
+                saved,
+                what="reference.load_state",
+                timeout_s=self.timeout_s,
+            )
         self.recoveries = [*self.recoveries, f"{role}: {error}"]
+
+    def guard_finite(self, step: int, train_metrics: dict) -> None:
+        """Count a step whose trainer skipped an update for a NaN or infinite
+        loss or gradient; `faults.max_nonfinite_steps` of them in a row stop the
+        run (the newest checkpoint holds the last good state)."""
+        skipped = any(
+            train_metrics.get(key, 0) > 0
+            for key in ("train/nonfinite_skipped", "value/nonfinite_skipped")
+        )
+        self.nonfinite_steps += skipped
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+        limit = self.fault_cfg.max_nonfinite_steps
+        if self.nonfinite_in_row >= limit:
+            newest = checkpoint.latest(self.run_dir) if self.cfg.checkpoint.every else None
+            raise NonFiniteLoss(
+                f"steps {step - limit + 1}..{step}: {limit} steps in a row had a NaN or "
+                f"infinite loss or gradient and were skipped (faults.max_nonfinite_steps); "
+                f"newest checkpoint: {newest}"
+            )
+
+    # --- sample accounting ------------------------------------------------------------
+
+    def account(self, trained: int) -> dict:
+        """Count `trained` samples of this step; the run's totals so far. Every
+        sample generated is trained on once or dropped with its reason, so
+        `generated_total == trained_total + dropped_total` after every step."""
+        self.totals["trained"] += trained
+        dropped = sum(v for k, v in self.totals.items() if k.startswith("dropped"))
+        return {
+            "samples/trained": trained,
+            "samples/generated_total": self.totals["generated"],
+            "samples/trained_total": self.totals["trained"],
+            "samples/dropped_total": dropped,
+            "faults/errors_retried": self.errors_retried,
+            "faults/nonfinite_steps": self.nonfinite_steps,
+            "samples/skipped_overlong_prompts": self.skipped_prompts,
+        }
 
     def rollout_metrics(self, rewards: torch.Tensor, completions: Completions) -> dict:
         """What every on-policy step logs about its rollouts."""
@@ -460,9 +622,11 @@ class Algorithm:
     def train(self, batch: TrainBatch, endpoint: str = "train_step", *args) -> dict[str, float]:
         """One data-parallel call on the trainer mesh: each rank gets its shard
         of the batch; metrics averaged over ranks."""
-        return self.collect(
-            self.start_sharded("trainer", batch, endpoint, *args), f"trainer.{endpoint}"
-        )
+
+        def start() -> list:
+            return self.start_sharded("trainer", batch, endpoint, *args)
+
+        return self.collect(start(), f"trainer.{endpoint}", again=start)
 
     def start_sharded(self, role: str, batch: TrainBatch, endpoint: str, *args) -> list:
         """Start `endpoint` on every proc of `role`'s mesh, each with its
@@ -471,21 +635,30 @@ class Algorithm:
         actors = getattr(self, role)
         return start_each(actors, endpoint, [(batch.shard(i, n), *args) for i in range(n)])
 
-    def collect(self, futures: list, what: str) -> dict[str, float]:
-        """Wait for `start_sharded`'s calls; metrics averaged over the ranks."""
-        return mean_metrics(gather(futures, what, self.timeout_s))
+    def collect(self, futures: list, what: str, again: Any = None) -> dict[str, float]:
+        """Wait for `start_sharded`'s calls; metrics averaged over the ranks. When
+        the actors raised and `again` is given, `again()` starts the calls anew
+        (`retry_error` decides whether)."""
+        tries = 0
+        while True:
+            try:
+                return mean_metrics(gather(futures, what, self.timeout_s))
+            except RemoteCallError as error:
+                if again is None:
+                    raise
+                self.retry_error(error, tries)
+                tries += 1
+                futures = again()
 
     def call_rows(self, role: str, endpoint: str, batch: TrainBatch, *args) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs,
         results concatenated in row order (reference log-probs, critic values)."""
         n = self.meshes.size(role)
         size = len(batch) // n
-        parts = call_each(
-            getattr(self, role),
+        parts, _ = self.call_recovering(
+            role,
             endpoint,
             [(batch.rows(slice(i * size, (i + 1) * size)), *args) for i in range(n)],
-            f"{role}.{endpoint}",
-            self.timeout_s,
         )
         return torch.cat(parts)
 
@@ -508,9 +681,10 @@ class Algorithm:
 
     def sync_weights(self) -> None:
         """Trainer rank 0 publishes its weights; every policy replica pulls them."""
-        self.handle = wait(
-            self.trainer.slice(procs=0).publish.call_one(), "trainer.publish", self.timeout_s
-        )
+        # Every rank joins: a sharded trainer gathers each parameter on the way.
+        self.handle = call_all(
+            self.trainer, "publish", what="trainer.publish", timeout_s=self.timeout_s
+        )[0]
         if "policy" not in self.meshes:
             return
         versions = call_all(
@@ -544,7 +718,7 @@ class Algorithm:
         losses = []
         with open(f"{self.run_dir}/warm_start.jsonl", "w") as log:
             for step in range(cfg.steps):
-                prompts = self.task.sample(cfg.batch_size, self.rng)
+                prompts = self.sample_prompts(cfg.batch_size)
                 prompt_ids = [self.tokenizer(p.text).input_ids for p in prompts]
                 targets = [
                     self.tokenizer(self.task.demonstration(p), add_special_tokens=False).input_ids
@@ -576,10 +750,19 @@ class Algorithm:
 
     def shutdown(self) -> None:
         """Stop every proc this run spawned (safe to call twice)."""
+        StopRequest.loop_running = StopRequest.requested = False
         if self.logger is not None:
             self.logger.close()
         if self.meshes is not None:
             self.meshes.stop()
+
+
+class PromptTooLong(ValueError):
+    """A prompt does not fit the model's context; one line."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many steps in a row with a NaN or infinite loss; one line."""
 
 
 def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
@@ -601,25 +784,68 @@ def supervised_batch(
     return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+class StopRequest:
+    """Ctrl-C and SIGTERM in a command-line run (`main`).
+
+    While a loop is stepping (`Algorithm.stepping`), the first signal asks it to
+    stop at the end of the step: `Algorithm.end_step` then writes a
+    checkpoint if one is due and stops the run. Outside the loop (spawning,
+    warm-start), or on a second signal, the run stops at once.
+    """
+
+    requested = False
+    loop_running = False
+
+    @classmethod
+    def handle(cls, signum: int, frame: Any) -> None:
+        if cls.loop_running and not cls.requested:
+            cls.requested = True
+            print(
+                f"\n{signal.Signals(signum).name}: stopping at the end of this step "
+                "(again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        raise KeyboardInterrupt
+
+
+def one_line(error: BaseException) -> str:
+    """The error as one line: its own message for meshrl's errors (which name the
+    key, file or call), else its type and first line."""
+    if isinstance(error, (ConfigError, RemoteCallError, OSError)):
+        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:
-    """`python -m algorithms.X --config FILE key=value ...` for any algorithm."""
-    cfg = parse_cli(schema, argv)
-    # A scheduler's SIGTERM (preemption, scancel) stops the run like Ctrl-C: every
-    # proc is stopped; the newest checkpoint is what `checkpoint.resume=auto` uses.
-    signal.signal(signal.SIGTERM, _interrupt)
+    """`python -m algorithms.X --config FILE key=value ... [--debug]` for any algorithm.
+
+    A failure prints one line, `error: ...`; `--debug` (or MESHRL_DEBUG=1) adds
+    the full traceback, the remote one included.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("MESHRL_DEBUG", "") not in ("", "0")
+    cfg = parse_cli(schema, [a for a in args if a != "--debug"])
+    # A scheduler's SIGTERM (preemption, scancel) stops the run like Ctrl-C.
+    signal.signal(signal.SIGTERM, StopRequest.handle)
+    signal.signal(signal.SIGINT, StopRequest.handle)
     try:
         algorithm(cfg).run()
-    except KeyboardInterrupt:
-        print("interrupted: every proc stopped", file=sys.stderr)  # Ctrl-C or SIGTERM
+    except KeyboardInterrupt as stop:
+        if debug:
+            traceback.print_exc()
+        print(f"interrupted: {stop or 'every proc stopped'}", file=sys.stderr)
         return 130
-    except ConfigError as error:  # found once the run reads its data files
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except (RemoteCallError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except Exception as error:  # noqa: BLE001 - the CLI's last word: one line, not a wall
+        if debug:
+            traceback.print_exc()
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        if not debug:
+            print("(run again with --debug for the full traceback)", file=sys.stderr)
+        return 2 if isinstance(error, ConfigError) else 1
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 0

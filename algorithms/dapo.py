@@ -54,7 +54,7 @@ class DAPO(GRPO):
         rounds = 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
             if rounds:
-                prompts = self.task.sample(cfg.prompts_per_step, self.rng)
+                prompts = self.sample_prompts(cfg.prompts_per_step)
             completions, rewards, round_times = self.generate_and_score(prompts)
             for key, value in round_times.items():  # summed over rounds; a count is the last
                 times[key] = value if key.startswith("faults/") else times.get(key, 0) + value
@@ -68,6 +68,8 @@ class DAPO(GRPO):
         groups = (kept + dropped[:topped_up])[: cfg.prompts_per_step]
         completions = Completions.concat([c for c, _ in groups], self.tokenizer.pad_token_id)
         sampled = torch.cat(all_rewards)
+        # Groups sampled but not in the batch are dropped (sample accounting).
+        self.totals["dropped_filtered"] += len(sampled) - len(groups) * k
         return (
             completions,
             torch.cat([r for _, r in groups]),

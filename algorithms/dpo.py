@@ -150,6 +150,7 @@ class DPO(Algorithm):
                 if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
                     record.update(self.evaluate())
                 self.logger.log(record)
+                self.end_step(step + 1)  # stops here on Ctrl-C
             self.finish()
         finally:
             self.shutdown()

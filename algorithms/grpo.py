@@ -95,7 +95,7 @@ class GRPO(Algorithm):
             while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
-                prompts = self.task.sample(cfg.prompts_per_step, self.rng)
+                prompts = self.sample_prompts(cfg.prompts_per_step)
                 completions, rewards, rollout_info = self.rollout(prompts)
                 batch = TrainBatch.from_completions(completions)
                 if "reference" in self.meshes:
@@ -108,9 +108,10 @@ class GRPO(Algorithm):
                     sync_started = time.perf_counter()
                     self.sync_weights()
                 except RemoteCallError as error:
-                    step = self.recover_trainer(step, error)  # back to the newest checkpoint
+                    step = self.rewind(step, error)  # lost trainer: back to the newest checkpoint
                     continue
                 finished = time.perf_counter()
+                self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
 
                 self.after_step(
                     step,
@@ -119,12 +120,13 @@ class GRPO(Algorithm):
                         **self.rollout_metrics(rewards, completions),
                         **rollout_info,  # after the reward keys: a rollout may refine them
                         **train_metrics,
+                        **self.account(trained=len(batch)),
                         "time/train_s": sync_started - train_started,
                         "time/weight_sync_s": finished - sync_started,
                         "time/step_s": finished - started,
                     },
                 )
-                self.maybe_checkpoint(step + 1)
+                self.end_step(step + 1)  # checkpoint when due; stop on Ctrl-C
                 step += 1
             self.finish()
         finally:

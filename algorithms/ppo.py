@@ -99,23 +99,24 @@ class PPO(Algorithm):
             while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
-                prompts = self.task.sample(cfg.prompts_per_step, self.rng)
+                prompts = self.sample_prompts(cfg.prompts_per_step)
                 completions, scores, rollout_info = self.generate_and_score(prompts)
                 batch = TrainBatch.from_completions(completions)
                 if "reference" in self.meshes:
                     batch.ref_logprobs = self.reference_logprobs(batch)
-                batch.old_values = self.call_rows("critic", "values", batch)
-                advantage_info = self.compute_advantages(scores, batch)
 
                 train_started = time.perf_counter()
                 try:
+                    batch.old_values = self.call_rows("critic", "values", batch)
+                    advantage_info = self.compute_advantages(scores, batch)
                     train_metrics = self.optimize(batch)
                     sync_started = time.perf_counter()
                     self.sync_weights()
                 except RemoteCallError as error:
-                    step = self.recover_trainer(step, error)  # back to the newest checkpoint
+                    step = self.rewind(step, error)  # lost trainer/critic: back to a checkpoint
                     continue
                 finished = time.perf_counter()
+                self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
 
                 self.logger.log(
                     {
@@ -124,12 +125,13 @@ class PPO(Algorithm):
                         **advantage_info,
                         **rollout_info,
                         **train_metrics,
+                        **self.account(trained=len(batch)),
                         "time/train_s": sync_started - train_started,
                         "time/weight_sync_s": finished - sync_started,
                         "time/step_s": finished - started,
                     }
                 )
-                self.maybe_checkpoint(step + 1)
+                self.end_step(step + 1)  # checkpoint when due; stop on Ctrl-C
                 step += 1
             self.finish()
         finally:
@@ -181,10 +183,11 @@ class PPO(Algorithm):
     def roles(self) -> dict[str, int]:
         return {**super().roles(), "critic": self.cfg.placement.critic}
 
-    def spawn_actors(self) -> None:
+    def spawn_role(self, role: str) -> None:
+        if role != "critic":
+            return super().spawn_role(role)
         from actors.critic import Critic
 
-        super().spawn_actors()
         cfg = self.cfg
         self.critic = self.meshes.spawn(
             "critic",
@@ -219,12 +222,18 @@ class PPO(Algorithm):
         steps = []
         for rows in self.minibatches(len(batch)):
             part = batch.rows(rows)
-            policy = self.start_sharded("trainer", part, "train_step")
-            value = self.start_sharded("critic", part, "train_step")
+
+            def policy_step(part=part) -> list:
+                return self.start_sharded("trainer", part, "train_step")
+
+            def value_step(part=part) -> list:
+                return self.start_sharded("critic", part, "train_step")
+
+            policy, value = policy_step(), value_step()
             steps.append(
                 {
-                    **self.collect(policy, "trainer.train_step"),
-                    **self.collect(value, "critic.train_step"),
+                    **self.collect(policy, "trainer.train_step", again=policy_step),
+                    **self.collect(value, "critic.train_step", again=value_step),
                 }
             )
         return mean_metrics(steps)

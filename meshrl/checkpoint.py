@@ -20,6 +20,12 @@ from dataclasses import dataclass
 from meshrl.config import ConfigError
 
 COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message is one line."""
+
+
 _NAME = re.compile(r"^step_(\d{8})$")
 
 

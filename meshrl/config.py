@@ -50,6 +50,8 @@ class ModelConfig:
     """Embedded model only: MLP width."""
     dtype: str = "float32"
     """Parameter dtype on every role: float32 or bfloat16."""
+    max_positions: int = 256
+    """Embedded model only: its context window in tokens."""
 
     def validate(self, prefix: str = "model") -> None:
         _check(
@@ -64,13 +66,39 @@ class ModelConfig:
                 f"{prefix}.path",
                 f"{self.path} has no config.json (expected a save_pretrained directory)",
             )
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _check_tokenizer_fits(self.path, f"{prefix}.path")
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "max_positions",
+        ):
             _check(getattr(self, name) > 0, f"{prefix}.{name}", "must be > 0")
         _check(
             self.hidden_size % self.num_heads == 0,
             f"{prefix}.num_heads",
             f"hidden_size {self.hidden_size} is not divisible by {self.num_heads} heads",
         )
+
+
+def _check_tokenizer_fits(path: str, key: str) -> None:
+    """The tokenizer saved with a model must not have ids past the model's
+    embedding table (every id it can emit must index a row)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"config key '{key}': cannot load {path}: {first}") from None
+    _check(
+        len(tokenizer) <= vocab,
+        key,
+        f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary "
+        f"(vocab_size in config.json) has {vocab}",
+    )
 
 
 @dataclass
@@ -83,11 +111,19 @@ class GenerationConfig:
     """Softmax temperature; the trainer scores tokens at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 samples from the full distribution."""
+    overlong_prompt: str = "skip"
+    """A prompt whose tokens plus max_new_tokens exceed the model's context:
+    skip (draw another, counted in samples/skipped_overlong_prompts) or error."""
 
     def validate(self) -> None:
         _check(self.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
         _check(self.temperature > 0, "generation.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+        _check(
+            self.overlong_prompt in ("skip", "error"),
+            "generation.overlong_prompt",
+            f"'{self.overlong_prompt}' is not one of skip, error",
+        )
 
 
 @dataclass
@@ -130,10 +166,19 @@ class PlacementConfig:
     """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
     critic: int = 1
     """Spawned only by algorithms with a critic (PPO)."""
+    sharding: str = "ddp"
+    """How the trainer's procs split the work: ddp (a full replica each) or fsdp
+    (parameters, gradients and optimizer state sharded with FSDP2; checkpoints
+    sharded through torch.distributed.checkpoint). The critic runs ddp."""
 
     def validate(self) -> None:
         for role in ("policy", "trainer", "environment", "reference", "critic"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
+        _check(
+            self.sharding in ("ddp", "fsdp"),
+            "placement.sharding",
+            f"'{self.sharding}' is not one of ddp, fsdp",
+        )
 
 
 @dataclass
@@ -144,12 +189,20 @@ class TaskConfig:
     """Task name in meshrl.envs.TASKS."""
     num_digits: int = 3
     """reverse_digits: digits per prompt."""
+    max_digits: int = 0
+    """reverse_digits: when above num_digits, each prompt has num_digits to
+    max_digits digits (drawn uniformly)."""
 
     def validate(self) -> None:
         from meshrl.envs import TASKS
 
         _check(self.name in TASKS, "task.name", f"'{self.name}' is not one of {sorted(TASKS)}")
         _check(self.num_digits >= 1, "task.num_digits", "must be >= 1")
+        _check(
+            self.max_digits == 0 or self.max_digits >= self.num_digits,
+            "task.max_digits",
+            "must be 0 or >= task.num_digits",
+        )
 
 
 @dataclass

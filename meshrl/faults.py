@@ -1,12 +1,17 @@
-"""Fault injection for tests and drills, and the endpoint that makes it real.
+"""Fault injection for tests and drills, and the endpoints that make it real.
 
 `faults.kill` lists procs to kill as `role:rank@step` (e.g.
 `environment:0@5`): at the start of that RL step the controller tells that
-proc to exit at once (`os._exit`), as a crash or an OOM kill would. What the
-run does about it is the algorithm's recovery (see `algorithms/base.py`): a
-policy or environment mesh is replaced within the step; a trainer mesh is
-replaced and the run goes back to its newest checkpoint (`checkpoint.every`
-must be set).
+proc to exit at once (`os._exit`), as a crash or an OOM kill would.
+`faults.raise_in` lists endpoints to fail as `role.endpoint@step` (e.g.
+`environment.score@7`): in that step the endpoint raises `InjectedError` on
+every proc of the role, as a bug or a transient error would.
+
+What the run does about it is the algorithm's (see `algorithms/base.py`): a
+lost policy, environment or reference proc is replaced within the step; a lost
+trainer or critic proc sends the run back to its newest checkpoint
+(`checkpoint.every` must be set); an exception is retried up to
+`faults.retry_errors` times, then ends the run with its one-line error.
 Every actor that can be drilled mixes in `Drillable`.
 """
 
@@ -21,26 +26,64 @@ from monarch.actor import endpoint
 from meshrl.config import ConfigError
 
 _KILL = re.compile(r"^([a-z_]+):(\d+)@(\d+)$")
+_RAISE = re.compile(r"^([a-z_]+)\.([a-z_]+)@(\d+)$")
+
+ROLES = ("policy", "environment", "reference", "trainer", "critic")
+DRILLED_ENDPOINTS = {
+    "policy": ("generate",),
+    "environment": ("score",),
+    "reference": ("logprobs",),
+    "trainer": ("train_step",),
+    "critic": ("values", "train_step"),
+}
+"""The endpoints `faults.raise_in` can fail; each calls `Drillable.drill` first."""
+
+
+class InjectedError(RuntimeError):
+    """Raised inside an endpoint by a `faults.raise_in` drill."""
 
 
 @dataclass
 class FaultsConfig:
     kill: list[str] = field(default_factory=list)
     """Procs to kill, as role:rank@step, e.g. ["environment:0@5", "policy:1@9"]."""
+    raise_in: list[str] = field(default_factory=list)
+    """Endpoints to fail, as role.endpoint@step, e.g. ["environment.score@7"]."""
     max_recoveries: int = 10
-    """Recoveries allowed in a run before it gives up with the error."""
+    """Recoveries of lost procs allowed in a run before it gives up with the error."""
+    retry_errors: int = 0
+    """Times a call whose actor raised is made again before the run ends with the
+    error (for transient errors and `raise_in` drills); 0: the first ends it."""
+    max_nonfinite_steps: int = 3
+    """Trainer steps in a row whose loss or gradient is NaN or infinite (each is
+    skipped and counted) before the run stops; the newest checkpoint is kept."""
 
-    def validate(self, roles: tuple[str, ...] = ("policy", "environment", "trainer")) -> None:
+    def validate(self) -> None:
         for item in self.kill:
             match = _KILL.match(item)
             if not match:
                 raise ConfigError(f"config key 'faults.kill': '{item}' is not role:rank@step")
-            if match.group(1) not in roles:
+            if match.group(1) not in ROLES:
                 raise ConfigError(
-                    f"config key 'faults.kill': '{item}': in-job recovery covers {', '.join(roles)}"
+                    f"config key 'faults.kill': '{item}': the roles are {', '.join(ROLES)}"
                 )
-        if self.max_recoveries < 0:
-            raise ConfigError("config key 'faults.max_recoveries': must be >= 0")
+        for item in self.raise_in:
+            match = _RAISE.match(item)
+            if not match:
+                raise ConfigError(
+                    f"config key 'faults.raise_in': '{item}' is not role.endpoint@step"
+                )
+            role, name = match.group(1), match.group(2)
+            if name not in DRILLED_ENDPOINTS.get(role, ()):
+                known = ", ".join(f"{r}.{e}" for r, es in DRILLED_ENDPOINTS.items() for e in es)
+                raise ConfigError(
+                    f"config key 'faults.raise_in': '{item}': the endpoints are {known}"
+                )
+        for key in ("max_recoveries", "retry_errors"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"config key 'faults.{key}': must be >= 0")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError("config key 'faults.max_nonfinite_steps': must be >= 1")
 
     def kills_at(self, step: int) -> list[tuple[str, int]]:
         """(role, rank) of the procs to kill at the start of `step`."""
@@ -51,10 +94,33 @@ class FaultsConfig:
                 found.append((role, int(rank)))
         return found
 
+    def raises_at(self, step: int) -> list[tuple[str, str]]:
+        """(role, endpoint) of the endpoints to fail during `step`."""
+        found = []
+        for item in self.raise_in:
+            role, name, at = _RAISE.match(item).groups()
+            if int(at) == step:
+                found.append((role, name))
+        return found
+
 
 class Drillable:
-    """Mixed into actors: lets a drill end this proc as a crash would."""
+    """Mixed into actors: lets a drill end this proc as a crash would, or make
+    its next call of an endpoint raise."""
+
+    _armed: frozenset = frozenset()
 
     @endpoint
     def exit_now(self, code: int = 17) -> None:
         os._exit(code)
+
+    @endpoint
+    def arm_error(self, endpoint_name: str) -> None:
+        """The next call of `endpoint_name` raises `InjectedError`."""
+        self._armed = self._armed | {endpoint_name}
+
+    def drill(self, endpoint_name: str) -> None:
+        """First line of a drillable endpoint: raise if a drill armed it."""
+        if endpoint_name in self._armed:
+            self._armed = self._armed - {endpoint_name}
+            raise InjectedError(f"faults.raise_in: injected error in {endpoint_name}")

@@ -55,7 +55,7 @@ def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=1,
@@ -71,6 +71,15 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def context_length(cfg: ModelConfig) -> int:
+    """Tokens the model attends over (prompt + completion), from its config."""
+    if cfg.path is None:
+        return cfg.max_positions
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.path).max_position_embeddings
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:

@@ -1,7 +1,11 @@
 """Data parallelism inside one role's mesh (trainer, critic).
 
 Each proc of the mesh is one rank; the process group is local to the mesh
-(gloo on CPU, NCCL when every rank has a GPU of its own).
+(gloo on CPU, NCCL when every rank has a GPU of its own). `ddp` keeps a full
+replica per rank and averages gradients; `fsdp` shards parameters, gradients
+and optimizer state over the ranks with FSDP2 (`fully_shard`, one unit per
+decoder layer plus the root), and checkpoints go through
+torch.distributed.checkpoint, each rank writing its own shards.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ def data_parallel(
     world_size: int,
     master: tuple[str, int],
     ranks_per_host: int | None = None,
+    sharding: str = "ddp",
 ) -> torch.nn.Module:
-    """`model` wrapped in DDP over this mesh's procs (itself when there is one
-    proc); `master` is rank 0's (address, port)."""
+    """`model` made data-parallel over this mesh's procs: wrapped in DDP, or
+    sharded in place with FSDP2 (`sharding="fsdp"`); itself when there is one
+    proc. `master` is rank 0's (address, port). Returns the module to call."""
     if world_size == 1:
         return model
     os.environ["MASTER_ADDR"], port = master[0], master[1]
@@ -42,7 +48,54 @@ def data_parallel(
     # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.
     own_gpus = device.type == "cuda" and (ranks_per_host or world_size) <= torch.cuda.device_count()
     dist.init_process_group("nccl" if own_gpus else "gloo", rank=rank, world_size=world_size)
+    if sharding == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module)
+        fully_shard(model)
+        return model
     return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when FSDP2 has sharded `model`'s parameters (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_parameters(model: torch.nn.Module):
+    """(name, full tensor) of every parameter, one at a time. For a sharded
+    model each is all-gathered: every rank must iterate, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """torch.distributed.checkpoint of model and optimizer into directory `path`,
+    each rank writing its own shards (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what `save_sharded` wrote, resharding if the world size changed (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
 
 
 def shutdown() -> None:
@@ -55,10 +108,23 @@ def clipped_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
-) -> float:
-    """Backward, clip the gradient norm, step; returns the norm before clipping."""
+) -> tuple[float, bool]:
+    """Backward, clip the gradient norm, step. Returns the norm before clipping
+    and whether the step was skipped: a NaN or infinite loss or gradient on any
+    rank skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
-    optimizer.step()
-    return grad_norm.item()
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
+        grad_norm = grad_norm.full_tensor()
+    bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float().reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        # Each rank's own loss may differ; the ranks must still agree to skip.
+        bad = bad.to(grad_norm.device)
+        dist.all_reduce(bad)
+    skipped = bool(bad.item() > 0)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return grad_norm.item(), skipped

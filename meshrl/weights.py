@@ -14,6 +14,7 @@ path taken is reported by `rdma_backend()`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -96,12 +97,15 @@ class WeightPublisher:
         self._buffers: list | None = None  # registered lazily: needs a Monarch actor context
 
     @torch.no_grad()
-    def publish(self, version: int) -> WeightHandle:
-        for slot in self.slots:
+    def publish(self, version: int, named: Iterable | None = None) -> WeightHandle:
+        """Copy the parameters into the buckets as `version`. `named` yields
+        (name, tensor) in `named_parameters` order instead of reading the
+        parameters (a sharded trainer passes them all-gathered)."""
+        tensors = named if named is not None else self.params.items()
+        for slot, (name, tensor) in zip(self.slots, tensors, strict=True):
+            assert name == slot.name, (name, slot.name)
             start = slot.offset
-            self.buckets[slot.bucket][start : start + slot.num_bytes].copy_(
-                _as_bytes(self.params[slot.name])
-            )
+            self.buckets[slot.bucket][start : start + slot.num_bytes].copy_(_as_bytes(tensor))
         if self._buffers is None:
             from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 

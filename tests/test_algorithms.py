@@ -69,12 +69,15 @@ LEARNERS = {
 @pytest.mark.parametrize("name", sorted(LEARNERS))
 def test_algorithm_learns_from_the_command_line(name, tmp_path, no_stray_procs):
     module, config = LEARNERS[name]
-    records = run_cli(module, config, tmp_path, "steps=120")
-    assert [r["step"] for r in records] == list(range(120))
+    # The critic starts from nothing and fits the returns only once the policy's
+    # reward settles (measured: explained variance ~0.05 until step 120, ~0.5 by 200).
+    steps = 200 if name == "ppo" else 120
+    records = run_cli(module, config, tmp_path, f"steps={steps}")
+    assert [r["step"] for r in records] == list(range(steps))
     first, last = first_last(records)
     assert first < 0.25 and last - first >= 0.3, (first, last)
     if name == "ppo":
-        ev = [r["value/explained_variance"] for r in records[-20:]]
+        ev = [r["value/explained_variance"] for r in records[-40:]]
         assert all(math.isfinite(v) for v in ev) and sum(ev) / len(ev) > 0.2, ev
         assert all(r["value/grad_norm"] > 0 for r in records)  # the critic trains every step
         assert all(r["policy/kl_ref"] >= -1e-6 for r in records[1:])

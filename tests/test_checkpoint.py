@@ -44,8 +44,8 @@ class StopAtStep(GRPO):
 class PPOStopAtStep(PPO):
     stop_at = 2
 
-    def maybe_checkpoint(self, steps_done):
-        super().maybe_checkpoint(steps_done)
+    def end_step(self, steps_done):
+        super().end_step(steps_done)
         if steps_done == self.stop_at:
             raise KeyboardInterrupt
 
@@ -55,17 +55,17 @@ class CountingGRPO(GRPO):
 
     steps_run = 0
 
-    def maybe_checkpoint(self, steps_done):
+    def end_step(self, steps_done):
         type(self).steps_run += 1
-        super().maybe_checkpoint(steps_done)
+        super().end_step(steps_done)
 
 
 class CountingPPO(PPO):
     steps_run = 0
 
-    def maybe_checkpoint(self, steps_done):
+    def end_step(self, steps_done):
         type(self).steps_run += 1
-        super().maybe_checkpoint(steps_done)
+        super().end_step(steps_done)
 
 
 def configure(schema, config, tmp_path, name, *overrides):
@@ -95,8 +95,16 @@ def metrics(path):
     [
         (CountingGRPO, StopAtStep, GRPOConfig, "grpo_default.yaml", ["steps=6", "kl_coef=0.01"], 3),
         (CountingPPO, PPOStopAtStep, PPOConfig, "ppo.yaml", ["steps=4", "prompts_per_step=16"], 2),
+        (
+            CountingGRPO,
+            StopAtStep,
+            GRPOConfig,
+            "grpo_default.yaml",
+            ["steps=5", "placement.trainer=2", "placement.sharding=fsdp"],
+            3,
+        ),
     ],
-    ids=["grpo_with_reference", "ppo_with_critic"],
+    ids=["grpo_with_reference", "ppo_with_critic", "grpo_fsdp_sharded"],
 )
 def test_resumed_run_equals_uninterrupted_run(
     algorithm, interrupted, schema, config, overrides, stop, tmp_path, no_stray_procs

@@ -56,6 +56,9 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["optim.schedule=sometimes"], "optim.schedule"),
         (["placement.trainer=3"], "placement.trainer"),
         (["task.name=chess"], "task.name"),
+        (["task.max_digits=2"], "task.max_digits"),
+        (["generation.overlong_prompt=truncate"], "generation.overlong_prompt"),
+        (["model.max_positions=0"], "model.max_positions"),
         (["model.path=/no/such/dir"], "/no/such/dir"),
         (["steps"], "key=value"),
     ],
@@ -152,3 +155,38 @@ def test_ppo_keys_are_checked():
         load_config(PPOConfig, None, ["prompts_per_step=6", "minibatches=4"])
     with pytest.raises(ConfigError, match="critic_optim.lr"):
         load_config(PPOConfig, None, ["critic_optim.lr=0"])
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from meshrl.config import ModelConfig
+    from meshrl.models import build_char_tokenizer, tiny_llama_config
+
+    tokenizer = build_char_tokenizer()
+    small = tiny_llama_config(ModelConfig(), vocab_size=len(tokenizer) - 10)
+    LlamaForCausalLM(small).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"'model.path': the tokenizer in .* has 98 tokens but"):
+        load_config(GRPOConfig, None, [f"model.path={tmp_path}"])
+
+
+def test_overlong_prompts_are_skipped_and_counted_or_refused():
+    from algorithms.base import PromptTooLong
+    from algorithms.grpo import GRPO
+
+    # Prompts of 3 to 6 digits are 5 to 8 tokens; the context leaves room for 6.
+    keys = ["task.max_digits=6", "model.max_positions=11", "generation.max_new_tokens=5"]
+    algo = GRPO(load_config(GRPOConfig, DEFAULT_CONFIG, keys))
+    algo.prepare()
+    prompts = algo.sample_prompts(64)
+    assert len(prompts) == 64
+    assert {len(p.answer) for p in prompts} == {3, 4}
+    assert algo.skipped_prompts > 0
+
+    algo = GRPO(
+        load_config(GRPOConfig, DEFAULT_CONFIG, [*keys, "generation.overlong_prompt=error"])
+    )
+    algo.prepare()
+    with pytest.raises(PromptTooLong, match="a prompt of [78] tokens does not fit .* of 11"):
+        algo.sample_prompts(64)

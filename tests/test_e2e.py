@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from algorithms.grpo import GRPO, GRPOConfig
+from meshrl import checkpoint
 from meshrl.config import load_config
 from meshrl.models import load_model
 from tests.conftest import DEFAULT_CONFIG, REPO
@@ -132,7 +133,10 @@ def test_multi_proc_placement_with_kl_in_process(tmp_path, no_stray_procs):
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_stops_the_run_and_every_proc(stop_signal, tmp_path, no_stray_procs):
     process = subprocess.Popen(
-        grpo_command(tmp_path, "interrupted", "steps=100000", "warm_start.steps=0"),
+        # A checkpoint every 100000 steps: none is due until the stop asks for one.
+        grpo_command(
+            tmp_path, "interrupted", "steps=100000", "warm_start.steps=0", "checkpoint.every=100000"
+        ),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -153,11 +157,13 @@ def test_ctrl_c_stops_the_run_and_every_proc(stop_signal, tmp_path, no_stray_pro
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130, stderr[-2000:]
-    assert "interrupted" in stderr
-    # what was logged before Ctrl-C is intact
-    assert all(
-        json.loads(line)["step"] == i for i, line in enumerate(metrics.read_text().splitlines())
-    )
+    assert "interrupted: stopped after" in stderr
+    # The step under way finished; what was logged is intact, and a checkpoint of
+    # exactly those steps was written on the way out.
+    lines = metrics.read_text().splitlines()
+    assert all(json.loads(line)["step"] == i for i, line in enumerate(lines))
+    saved = checkpoint.latest(str(tmp_path / "interrupted"))
+    assert saved is not None and checkpoint.step_of(saved) == len(lines), stderr[-2000:]
 
 
 def test_default_run_learns_the_task(tmp_path, no_stray_procs):

@@ -2,14 +2,22 @@
 finishes every step."""
 
 import json
+import os
+import subprocess
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from algorithms.base import NonFiniteLoss
 from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.ppo import PPO, PPOConfig
+from meshrl import checkpoint
+from meshrl.checkpoint import CheckpointError
 from meshrl.config import ConfigError, load_config
-from meshrl.mesh import RemoteCallError
-from tests.conftest import DEFAULT_CONFIG
+from meshrl.mesh import RemoteCallError, call_all
+from tests.conftest import DEFAULT_CONFIG, REPO
+from tests.test_e2e import grpo_command
 
 
 @pytest.mark.e2e
@@ -55,8 +63,14 @@ def test_an_exception_in_an_actor_is_not_recovered_but_reported():
 def test_fault_drill_keys_are_checked():
     with pytest.raises(ConfigError, match="faults.kill"):
         load_config(GRPOConfig, None, ["faults.kill=[policy@3]"])
-    with pytest.raises(ConfigError, match="in-job recovery covers"):
-        load_config(GRPOConfig, None, ["faults.kill=[reference:0@3]"])
+    with pytest.raises(ConfigError, match="the roles are"):
+        load_config(GRPOConfig, None, ["faults.kill=[learner:0@3]"])
+    with pytest.raises(ConfigError, match="is not role.endpoint@step"):
+        load_config(GRPOConfig, None, ["faults.raise_in=[environment:0@3]"])
+    with pytest.raises(ConfigError, match="the endpoints are .*environment.score"):
+        load_config(GRPOConfig, None, ["faults.raise_in=[environment.reward@3]"])
+    with pytest.raises(ConfigError, match="faults.max_nonfinite_steps"):
+        load_config(GRPOConfig, None, ["faults.max_nonfinite_steps=0"])
 
 
 @pytest.mark.e2e
@@ -101,3 +115,182 @@ def test_killed_trainer_goes_back_to_the_checkpoint_and_ends_as_if_unharmed(
         assert {k: v for k, v in got.items() if not k.startswith(plain)} == {
             k: v for k, v in want.items() if not k.startswith(plain)
         }
+
+
+# --- raised errors, reference and critic recovery, accounting -------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
+    cfg = load_config(
+        PPOConfig,
+        os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
+        [
+            "steps=6",
+            "prompts_per_step=16",
+            "warm_start.steps=2",
+            "kl_coef=0.01",
+            "checkpoint.every=2",
+            "faults.retry_errors=1",
+            "faults.kill=[reference:0@2,critic:0@3]",
+            "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
+            "reference.logprobs@4,critic.values@5,critic.train_step@5]",
+            f"run.dir={tmp_path}",
+            "run.name=drill",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    algo = PPO(cfg)
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(6))  # every step completed
+    # The reference reloads from the checkpoint; a lost critic sends the run back
+    # to the checkpoint after 2 steps, so step 2 runs twice and 16 samples of
+    # step 2 (trained, undone) and 16 of step 3 (never trained) are dropped.
+    assert [r.split(":")[0] for r in algo.recoveries] == ["reference", "critic"]
+    assert history[2]["samples/dropped_trainer_rewind"] == 2 * 16
+    # Every raise was retried once and the step went on; a failed generation
+    # drops what that call generated.
+    assert history[-1]["faults/errors_retried"] == 6
+    assert history[1]["samples/dropped_policy_lost"] == 16
+    for record in history:  # every sample is trained on once or dropped with its reason
+        assert record["samples/generated_total"] == (
+            record["samples/trained_total"] + record["samples/dropped_total"]
+        )
+    assert history[-1]["samples/trained_total"] == 6 * 16
+    assert history[-1]["samples/dropped_total"] == 16 + 2 * 16
+
+
+@pytest.mark.e2e
+def test_a_raising_reward_function_ends_the_run_with_one_line(tmp_path, no_stray_procs):
+    run = subprocess.run(
+        [
+            *grpo_command(tmp_path, "raises", "steps=3", "warm_start.steps=0"),
+            "faults.raise_in=[environment.score@0]",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: environment.score[0] failed: "
+        "meshrl.faults.InjectedError: faults.raise_in: injected error in score"
+    ], run.stderr[-2000:]
+    assert "--debug" in run.stderr
+
+
+@pytest.mark.e2e
+def test_debug_flag_shows_the_traceback_of_a_prompt_too_long(tmp_path, no_stray_procs):
+    run = subprocess.run(
+        [
+            *grpo_command(tmp_path, "long", "warm_start.steps=0", "model.max_positions=8"),
+            "generation.overlong_prompt=error",
+            "--debug",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Traceback" in run.stderr and "PromptTooLong" in run.stderr
+    assert "error: PromptTooLong: a prompt of 5 tokens does not fit the model's context of 8" in (
+        run.stderr
+    )
+
+
+# --- NaN losses --------------------------------------------------------------------------
+
+
+class NaNOnRankOne(GRPO):
+    """Trainer rank 1 only sees a NaN loss at the steps in `nan_at` (counted per
+    trainer proc): the ranks must still agree to skip."""
+
+    nan_at = (2, 4, 5, 6)
+    calls = 0
+    params: list = []
+
+    def loss(self, logprobs, batch):
+        loss, metrics = super().loss(logprobs, batch)
+        step, type(self).calls = type(self).calls, type(self).calls + 1
+        if step in self.nan_at and torch.distributed.get_rank() == 1:
+            loss = loss * float("nan")
+        return loss, metrics
+
+    def after_step(self, step, metrics):
+        if step in (1, 2, 3):
+            per_rank = call_all(self.trainer, "parameters", what="parameters", timeout_s=60)
+            type(self).params.append(per_rank)
+        super().after_step(step, metrics)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_nan_loss_steps_are_skipped_on_every_rank_and_too_many_stop(tmp_path, no_stray_procs):
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=10",
+            "warm_start.steps=0",
+            "placement.trainer=2",
+            "checkpoint.every=2",
+            "faults.max_nonfinite_steps=3",
+            f"run.dir={tmp_path}",
+            "run.name=nan",
+            "run.progress=false",
+        ],
+    )
+    algo = NaNOnRankOne(cfg)
+    with pytest.raises(NonFiniteLoss, match=r"steps 4\.\.6: 3 steps in a row .*step_00000006"):
+        algo.run()
+    history = algo.logger.history
+    assert [r["train/nonfinite_skipped"] for r in history] == [0, 0, 1, 0, 1, 1]
+    assert [r["faults/nonfinite_steps"] for r in history] == [0, 0, 1, 1, 2, 3]
+    after_1, after_2, after_3 = NaNOnRankOne.params
+    for per_rank in (after_1, after_2, after_3):  # the ranks stay equal
+        assert all((per_rank[0][k] == per_rank[1][k]).all() for k in per_rank[0])
+    # The skipped step 2 left the weights as they were; step 3 changed them.
+    assert all((after_2[0][k] == after_1[0][k]).all() for k in after_1[0])
+    assert any((after_3[0][k] != after_2[0][k]).any() for k in after_2[0])
+    assert checkpoint.latest(str(tmp_path / "nan")).endswith("step_00000006")
+
+
+# --- a full disk at checkpoint time --------------------------------------------------------
+
+
+class FullDiskAtStep4(GRPO):
+    """The trainer's checkpoint part after step 4 goes to /dev/full, as on a full disk."""
+
+    def each_stateful_role(self, endpoint, directory):
+        if endpoint == "save_state" and directory.endswith("step_00000004"):
+            os.symlink("/dev/full", f"{directory}/trainer.pt.tmp")
+        super().each_stateful_role(endpoint, directory)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intact(
+    tmp_path, no_stray_procs
+):
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=6",
+            "warm_start.steps=0",
+            "checkpoint.every=2",
+            f"run.dir={tmp_path}",
+            "run.name=full",
+            "run.progress=false",
+        ],
+    )
+    with pytest.raises(CheckpointError, match="checkpoint after step 4 could not be written"):
+        FullDiskAtStep4(cfg).run()
+    assert checkpoint.latest(str(tmp_path / "full")).endswith("step_00000002")
+    assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 4

@@ -40,11 +40,15 @@ def positional_match(completion: str, answer: str) -> float:
 class ReverseDigits(Task):
     def __init__(self, cfg):
         self.num_digits = cfg.num_digits
+        self.max_digits = max(cfg.num_digits, getattr(cfg, "max_digits", 0))
 
     def sample(self, num_prompts: int, rng: random.Random) -> list[Prompt]:
         prompts = []
         for _ in range(num_prompts):
-            digits = "".join(rng.choice("0123456789") for _ in range(self.num_digits))
+            length = self.num_digits
+            if self.max_digits > self.num_digits:
+                length = rng.randint(self.num_digits, self.max_digits)
+            digits = "".join(rng.choice("0123456789") for _ in range(length))
             prompts.append(Prompt(text=f"{digits}>", answer=digits[::-1]))
         return prompts
 

@@ -1,0 +1,135 @@
+"""Soak: a long PPO run (policy, environment, reference, critic and trainer meshes)
+with random faults of every kind, and the sample accounting at the end.
+
+    python benchmarks/soak.py                       # 300 steps, 24 faults
+    python benchmarks/soak.py --steps 1000 --faults 80 --seed 3
+    python benchmarks/soak.py --algo grpo           # no critic
+
+Each fault is a drill from the `faults:` config, at a random step after the
+first checkpoint: a proc of a random role killed (`faults.kill`), or a random
+drillable endpoint made to raise on every proc of its role (`faults.raise_in`,
+retried once). Prints the faults injected and recovered, the samples
+generated, trained and dropped (by reason), and any sample unaccounted for
+("lost"), then one JSON object of the figures as its last line.
+
+Not part of `make test` (it takes minutes); `make soak` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from algorithms.ppo import PPO, PPOConfig  # noqa: E402
+from meshrl.config import load_config  # noqa: E402
+from meshrl.faults import DRILLED_ENDPOINTS  # noqa: E402
+
+PLACEMENT = {"policy": 2, "environment": 2, "trainer": 2, "reference": 1, "critic": 1}
+
+
+def fault_schedule(
+    rng: random.Random, steps: int, count: int, first: int, roles: list[str]
+) -> tuple[list[str], list[str]]:
+    """`count` drills at distinct random steps in [first, steps): (kill, raise_in)."""
+    kills, raises = [], []
+    for step in sorted(rng.sample(range(first, steps), count)):
+        role = rng.choice(roles)
+        if rng.random() < 0.5:
+            kills.append(f"{role}:{rng.randrange(PLACEMENT[role])}@{step}")
+        else:
+            raises.append(f"{role}.{rng.choice(DRILLED_ENDPOINTS[role])}@{step}")
+    return kills, raises
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--faults", type=int, default=24)
+    parser.add_argument("--every", type=int, default=10, help="checkpoint.every")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
+    args = parser.parse_args()
+
+    roles = ["policy", "environment", "reference", "trainer"]
+    if args.algo == "ppo":
+        roles.append("critic")
+        algorithm, schema, config = PPO, PPOConfig, "ppo.yaml"
+    else:
+        algorithm, schema, config = GRPO, GRPOConfig, "grpo_default.yaml"
+    kills, raises = fault_schedule(
+        random.Random(args.seed), args.steps, args.faults, args.every, roles
+    )
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="meshrl-soak-")
+    overrides = [
+        f"steps={args.steps}",
+        "kl_coef=0.01",
+        *(f"placement.{role}={n}" for role, n in PLACEMENT.items()),
+        f"checkpoint.every={args.every}",
+        f"faults.kill=[{','.join(kills)}]",
+        f"faults.raise_in=[{','.join(raises)}]",
+        "faults.retry_errors=1",
+        f"faults.max_recoveries={args.faults + 1}",
+        f"run.dir={run_dir}",
+        f"run.name=soak-{args.algo}-{args.seed}",
+        "run.progress=false",
+        "run.save_final=false",
+    ]
+    if args.algo == "grpo":
+        overrides.append("prompts_per_step=16")
+    cfg = load_config(schema, os.path.join(REPO, "algorithms", "configs", config), overrides)
+    algo = algorithm(cfg)
+    started = time.perf_counter()
+    history = algo.run()
+    wall = time.perf_counter() - started
+
+    last = history[-1]
+    dropped = {k: v for k, v in sorted(algo.totals.items()) if k.startswith("dropped")}
+    lost = last["samples/generated_total"] - last["samples/trained_total"] - sum(dropped.values())
+    recovered = Counter(r.split(":")[0] for r in algo.recoveries)
+    rewards = [r["reward/mean"] for r in history]
+    figures = {
+        "algo": args.algo,
+        "steps": len(history),
+        "steps_planned": args.steps,
+        "faults_injected": len(kills) + len(raises),
+        "kills_injected": len(kills),
+        "raises_injected": len(raises),
+        "procs_recovered": sum(recovered.values()),
+        "recovered_by_role": dict(recovered),
+        "errors_retried": last["faults/errors_retried"],
+        "samples_generated": last["samples/generated_total"],
+        "samples_trained": last["samples/trained_total"],
+        "samples_dropped": dict(dropped),
+        "samples_lost": lost,
+        "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
+        "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
+        "wall_s": round(wall, 1),
+    }
+    print()
+    print(f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, run dir {algo.run_dir}")
+    print(f"  kills     {', '.join(kills) or '-'}")
+    print(f"  raise_in  {', '.join(raises) or '-'}")
+    print(f"{'figure':<22}{'value':>12}")
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        print(f"{key:<22}{value!s:>12}")
+    print(json.dumps(figures))
+    return 0 if lost == 0 and len(history) == args.steps else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
