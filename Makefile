@@ -1,5 +1,6 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
+# `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test lint clean
+.PHONY: run test lint soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
