@@ -28,22 +28,28 @@ GEN = GenerationConfig(max_new_tokens=5)
 grpo_like_loss = GRPO(GRPOConfig()).loss
 
 
+def spawn_trainer(meshes, **kwargs):
+    """A trainer actor on every proc of `meshes["trainer"]` (lr 1e-2, 10 steps)."""
+    return meshes["trainer"].spawn(
+        "trainer",
+        Trainer,
+        MODEL,
+        OptimConfig(lr=1e-2),
+        grpo_like_loss,
+        10,
+        1.0,
+        0,
+        local_master(),
+        **kwargs,
+    )
+
+
 @pytest.fixture(scope="module")
 def actors():
     meshes = RoleMeshes({"policy": 2, "trainer": 2, "environment": 1, "reference": 1})
     try:
         handles = {
-            "trainer": meshes["trainer"].spawn(
-                "trainer",
-                Trainer,
-                MODEL,
-                OptimConfig(lr=1e-2),
-                grpo_like_loss,
-                10,
-                1.0,
-                0,
-                local_master(),
-            ),
+            "trainer": spawn_trainer(meshes),
             # Another seed than the trainer: equality below comes from the sync alone.
             "policy": meshes["policy"].spawn("policy", Policy, MODEL, 7),
             "environment": meshes["environment"].spawn(
@@ -197,18 +203,7 @@ def test_fsdp_trainer_syncs_full_weights_and_checkpoints_its_shards(
     weights bitwise; each rank writes its own shards and loads them back exactly."""
     meshes = RoleMeshes({"trainer": 2})
     try:
-        trainer = meshes["trainer"].spawn(
-            "trainer",
-            Trainer,
-            MODEL,
-            OptimConfig(lr=1e-2),
-            grpo_like_loss,
-            10,
-            1.0,
-            0,
-            local_master(),
-            sharding="fsdp",
-        )
+        trainer = spawn_trainer(meshes, sharding="fsdp")
         _, completions = rollout(actors)
         batch = TrainBatch.from_completions(completions)
         batch.advantages = torch.linspace(-1, 1, len(batch))

@@ -3,7 +3,6 @@ finishes every step."""
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -17,26 +16,30 @@ from meshrl.checkpoint import CheckpointError
 from meshrl.config import ConfigError, load_config
 from meshrl.mesh import RemoteCallError, call_all
 from tests.conftest import DEFAULT_CONFIG, REPO
-from tests.test_e2e import grpo_command
+from tests.test_e2e import run_grpo
+
+
+def configure(tmp_path, name, *overrides, schema=GRPOConfig, path=DEFAULT_CONFIG):
+    """A quiet run named `name` under `tmp_path` with `overrides`."""
+    return load_config(
+        schema,
+        path,
+        [*overrides, f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false"],
+    )
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_killed_environment_and_policy_procs_are_replaced(tmp_path, no_stray_procs):
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=6",
-            "warm_start.steps=2",
-            "placement.policy=2",
-            "placement.environment=2",
-            "faults.kill=[environment:1@2,policy:0@4]",
-            f"run.dir={tmp_path}",
-            "run.name=drill",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    cfg = configure(
+        tmp_path,
+        "drill",
+        "steps=6",
+        "warm_start.steps=2",
+        "placement.policy=2",
+        "placement.environment=2",
+        "faults.kill=[environment:1@2,policy:0@4]",
+        "run.save_final=false",
     )
     algo = GRPO(cfg)
     history = algo.run()
@@ -79,18 +82,8 @@ def test_killed_trainer_goes_back_to_the_checkpoint_and_ends_as_if_unharmed(
     tmp_path, no_stray_procs
 ):
     def config(name, *extra):
-        return load_config(
-            GRPOConfig,
-            DEFAULT_CONFIG,
-            [
-                "steps=6",
-                "warm_start.steps=2",
-                "checkpoint.every=2",
-                f"run.dir={tmp_path}",
-                f"run.name={name}",
-                "run.progress=false",
-                *extra,
-            ],
+        return configure(
+            tmp_path, name, "steps=6", "warm_start.steps=2", "checkpoint.every=2", *extra
         )
 
     GRPO(config("straight")).run()
@@ -123,24 +116,21 @@ def test_killed_trainer_goes_back_to_the_checkpoint_and_ends_as_if_unharmed(
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
-    cfg = load_config(
-        PPOConfig,
-        os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
-        [
-            "steps=6",
-            "prompts_per_step=16",
-            "warm_start.steps=2",
-            "kl_coef=0.01",
-            "checkpoint.every=2",
-            "faults.retry_errors=1",
-            "faults.kill=[reference:0@2,critic:0@3]",
-            "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
-            "reference.logprobs@4,critic.values@5,critic.train_step@5]",
-            f"run.dir={tmp_path}",
-            "run.name=drill",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    cfg = configure(
+        tmp_path,
+        "drill",
+        "steps=6",
+        "prompts_per_step=16",
+        "warm_start.steps=2",
+        "kl_coef=0.01",
+        "checkpoint.every=2",
+        "faults.retry_errors=1",
+        "faults.kill=[reference:0@2,critic:0@3]",
+        "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
+        "reference.logprobs@4,critic.values@5,critic.train_step@5]",
+        "run.save_final=false",
+        schema=PPOConfig,
+        path=os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
     )
     algo = PPO(cfg)
     history = algo.run()
@@ -164,15 +154,8 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
 
 @pytest.mark.e2e
 def test_a_raising_reward_function_ends_the_run_with_one_line(tmp_path, no_stray_procs):
-    run = subprocess.run(
-        [
-            *grpo_command(tmp_path, "raises", "steps=3", "warm_start.steps=0"),
-            "faults.raise_in=[environment.score@0]",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = run_grpo(
+        tmp_path, "raises", "steps=3", "warm_start.steps=0", "faults.raise_in=[environment.score@0]"
     )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
@@ -186,16 +169,13 @@ def test_a_raising_reward_function_ends_the_run_with_one_line(tmp_path, no_stray
 
 @pytest.mark.e2e
 def test_debug_flag_shows_the_traceback_of_a_prompt_too_long(tmp_path, no_stray_procs):
-    run = subprocess.run(
-        [
-            *grpo_command(tmp_path, "long", "warm_start.steps=0", "model.max_positions=8"),
-            "generation.overlong_prompt=error",
-            "--debug",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = run_grpo(
+        tmp_path,
+        "long",
+        "warm_start.steps=0",
+        "model.max_positions=8",
+        "generation.overlong_prompt=error",
+        "--debug",
     )
     assert run.returncode == 1, run.stderr[-2000:]
     assert "Traceback" in run.stderr and "PromptTooLong" in run.stderr
@@ -232,19 +212,14 @@ class NaNOnRankOne(GRPO):
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_nan_loss_steps_are_skipped_on_every_rank_and_too_many_stop(tmp_path, no_stray_procs):
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=10",
-            "warm_start.steps=0",
-            "placement.trainer=2",
-            "checkpoint.every=2",
-            "faults.max_nonfinite_steps=3",
-            f"run.dir={tmp_path}",
-            "run.name=nan",
-            "run.progress=false",
-        ],
+    cfg = configure(
+        tmp_path,
+        "nan",
+        "steps=10",
+        "warm_start.steps=0",
+        "placement.trainer=2",
+        "checkpoint.every=2",
+        "faults.max_nonfinite_steps=3",
     )
     algo = NaNOnRankOne(cfg)
     with pytest.raises(NonFiniteLoss, match=r"steps 4\.\.6: 3 steps in a row .*step_00000006"):
@@ -278,18 +253,7 @@ class FullDiskAtStep4(GRPO):
 def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intact(
     tmp_path, no_stray_procs
 ):
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=6",
-            "warm_start.steps=0",
-            "checkpoint.every=2",
-            f"run.dir={tmp_path}",
-            "run.name=full",
-            "run.progress=false",
-        ],
-    )
+    cfg = configure(tmp_path, "full", "steps=6", "warm_start.steps=0", "checkpoint.every=2")
     with pytest.raises(CheckpointError, match="checkpoint after step 4 could not be written"):
         FullDiskAtStep4(cfg).run()
     assert checkpoint.latest(str(tmp_path / "full")).endswith("step_00000002")
