@@ -274,7 +274,9 @@ class Algorithm:
         Resumed: every role's state from the checkpoint.
         """
         if self.resume_from is not None:
-            return self.restore(self.resume_from)
+            step = self.restore(self.resume_from)
+            print(f"resumed from {self.resume_from} at step {step}", flush=True)
+            return step
         self.sync_weights()  # version 0: every replica starts from the trainer's weights
         if self.cfg.warm_start.steps:
             self.warm_start()
@@ -366,7 +368,6 @@ class Algorithm:
             "policy.set_rng_state",
             self.timeout_s,
         )
-        print(f"resumed from {path} at step {state['step']}", flush=True)
         self.checkpointed_at = state["step"]
         return state["step"]
 

@@ -99,8 +99,22 @@ def start_each(actors: Any, endpoint: str, args_per_rank: Sequence[tuple]) -> li
 
 
 def gather(futures: Sequence, what: str, timeout_s: float) -> list:
-    """The results of `start_each`'s futures in rank order."""
-    return [wait(f, f"{what}[{i}]", timeout_s) for i, f in enumerate(futures)]
+    """The results of `start_each`'s futures in rank order.
+
+    When calls fail, every future is still waited for, and a lost proc is
+    reported before an exception: when one rank of a torch.distributed group
+    dies, its peers fail first with a connection error of their own, but
+    what happened is the lost proc.
+    """
+    results, errors = [], []
+    for i, future in enumerate(futures):
+        try:
+            results.append(wait(future, f"{what}[{i}]", timeout_s))
+        except RemoteCallError as error:
+            errors.append(error)
+    if errors:
+        raise next((e for e in errors if e.proc_lost), errors[0])
+    return results
 
 
 def call_each(
