@@ -1,5 +1,6 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
+# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -9,7 +10,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test lint soak clean
+.PHONY: run test lint bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,12 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python benchmarks/weight_sync.py
+	$(BIN)/python benchmarks/step_breakdown.py
+	$(BIN)/python benchmarks/grpo_vs_trl.py
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)

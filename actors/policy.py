@@ -32,6 +32,8 @@ class Policy(Drillable, Actor):
     def generate(self, prompt_ids: list[list[int]], generation: GenerationConfig) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group)."""
         self.drill("generate")
+        if self.weights.torn:
+            raise RuntimeError("the last weight pull failed: pull a complete version first")
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(prompt_ids), width)
@@ -59,10 +61,11 @@ class Policy(Drillable, Actor):
         )
 
     @endpoint
-    def load_weights(self, handle: WeightHandle) -> int:
-        """Pull a published version into this replica; returns the version now served."""
+    def load_weights(self, handle: WeightHandle) -> tuple[int, str]:
+        """Pull a published version into this replica; returns the version now
+        served and how it came ('shm' or 'rdma')."""
         self.weights.pull(handle)
-        return self.weights.version
+        return self.weights.version, self.weights.path
 
     @endpoint
     def rng_state(self) -> torch.Tensor:

@@ -50,6 +50,7 @@ class Trainer(Drillable, Actor):
         seed: int = 0,
         master: tuple[str, int] = ("127.0.0.1", 0),
         sharding: str = "ddp",
+        shm_prefix: str | None = None,
     ):
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
@@ -71,7 +72,9 @@ class Trainer(Drillable, Actor):
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
         self.temperature = temperature
-        self.publisher = WeightPublisher(self.model) if self.rank == 0 else None
+        # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards.
+        owns = self.rank == 0 or self.sharded
+        self.publisher = WeightPublisher(self.model, shm_prefix) if owns else None
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
 
@@ -161,15 +164,13 @@ class Trainer(Drillable, Actor):
 
     @endpoint
     def publish(self) -> WeightHandle | None:
-        """Rank 0 copies the current weights into the RDMA buckets, tagged with the
-        version, and returns the handle. When sharded, every rank must be called:
-        each parameter is all-gathered on the way (the other ranks return None)."""
-        named = full_parameters(self.model) if self.sharded else None
+        """Write the current weights, tagged with the version, where replicas pull
+        them (`meshrl.weights`); returns this rank's handle, or None on a rank
+        that owns no weights (ranks > 0 of a replicated trainer). Merge the
+        ranks' handles with `WeightHandle.merge`."""
         if self.publisher is None:
-            for _ in named or ():  # join the all-gathers
-                pass
             return None
-        return self.publisher.publish(self.version, named)
+        return self.publisher.publish(self.version)
 
     @endpoint
     def save(self, path: str) -> None:
@@ -192,4 +193,6 @@ class Trainer(Drillable, Actor):
         return {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
 
     def __del__(self):
+        if self.publisher is not None:
+            self.publisher.close()
         shutdown()

@@ -9,6 +9,7 @@ decides what is trained on; that is the algorithm's.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +54,7 @@ from meshrl.mesh import (
 from meshrl.metrics import RunLogger, make_run_dir
 from meshrl.models import context_length, load_tokenizer
 from meshrl.types import Completions, Prompt, TrainBatch
-from meshrl.weights import rdma_backend
+from meshrl.weights import SHM_DIR, WeightHandle, rdma_backend
 
 
 @dataclass
@@ -73,6 +75,9 @@ class RLConfig:
     """Weight of the KL to the reference model; 0 spawns no reference."""
     kl_kind: str = "k3"
     """KL estimator: k1, k2 or k3 (meshrl.losses.kl_estimate)."""
+    max_staleness: int = 0
+    """Weight versions generation may run ahead of training: the batches of steps
+    s+1..s+k are generated while step s trains. 0 is the synchronous on-policy loop."""
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -112,6 +117,8 @@ class RLConfig:
             raise ConfigError(f"config key 'kl_kind': '{self.kl_kind}' is not one of k1, k2, k3")
         if self.kl_coef < 0:
             raise ConfigError("config key 'kl_coef': must be >= 0")
+        if self.max_staleness < 0:
+            raise ConfigError("config key 'max_staleness': must be >= 0")
         batch = self.prompts_per_step * self.group_size
         for role in ("policy", "reference", "trainer"):
             if batch % self.ranks(role):
@@ -127,12 +134,29 @@ class RLConfig:
 
     def ranks(self, role: str) -> int:
         """Procs of a role over all its hosts."""
+        if role == "policy" and self.placement.colocate:
+            return self.ranks("trainer")
         return getattr(self.placement, role) * self.job.hosts_for(role)
 
     @property
     def total_updates(self) -> int:
         """Optimizer steps over the whole run (for the learning-rate schedule)."""
         return self.steps * self.epochs * self.minibatches
+
+
+@dataclass
+class PendingBatch:
+    """One step's generation: sent to the policy replicas, collected later."""
+
+    prompts: list[Prompt]
+    group: list[Prompt]  # each prompt group_size times
+    args: list[tuple]  # per replica: (prompt ids, generation config)
+    futures: list | None
+    respawns: int  # policy mesh replacements when it was sent
+    published: int  # weight versions published when it was sent
+    started: float
+    completions: Completions | None = None
+    lost: int = 0
 
 
 class Algorithm:
@@ -170,7 +194,14 @@ class Algorithm:
         }
         if cfg.kl_coef > 0:
             counts["reference"] = cfg.placement.reference
+        if cfg.placement.colocate:
+            del counts["policy"]  # in the trainer's procs (`shared_roles`)
         return counts
+
+    def shared_roles(self) -> dict[str, str]:
+        """Roles that run in another role's procs (`placement.colocate`)."""
+        placement = getattr(self.cfg, "placement", None)
+        return {"policy": "trainer"} if placement is not None and placement.colocate else {}
 
     def setup(self) -> None:
         """Run directory, meshes and actors."""
@@ -182,7 +213,7 @@ class Algorithm:
             self.run_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.run_dir}/config.yaml")
         self.prepare()
-        self.meshes = RoleMeshes(self.roles(), cfg.job)
+        self.meshes = RoleMeshes(self.roles(), cfg.job, share=self.shared_roles())
         try:
             self.spawn_actors()
         except BaseException:
@@ -197,9 +228,16 @@ class Algorithm:
         self.rng = random.Random(cfg.run.seed)
         self.torch_rng = torch.Generator().manual_seed(cfg.run.seed)
         self.totals: Counter = Counter()  # samples generated, trained, dropped by reason
+        self.pending: list[PendingBatch] = []  # generation under way for the next steps
+        self.published = 0  # weight versions published so far
+        self.respawns: Counter = Counter()  # mesh replacements per role
+        self.pulls: Any = None  # replicas' pulls of the newest version, not yet waited for
+        self.sync_paths: list[str] = []
         self.tokenizer = load_tokenizer(cfg.model)
         self.task = make_task(cfg.task) if hasattr(cfg, "task") else None
         self.context = context_length(cfg.model)
+        # Shared-memory weight files of this run's trainers, removed at shutdown.
+        self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def find_resume(self) -> str | None:
         """The checkpoint to continue from, per `checkpoint.resume`, or None."""
@@ -212,7 +250,7 @@ class Algorithm:
 
     def spawn_actors(self) -> None:
         """One actor per proc of each role's mesh."""
-        for role in self.meshes.meshes:
+        for role in self.meshes.roles:
             self.spawn_role(role)
 
     def spawn_role(self, role: str) -> None:
@@ -248,6 +286,7 @@ class Algorithm:
             seed=self.cfg.run.seed,
             master=self.meshes.rendezvous("trainer"),
             sharding=self.cfg.placement.sharding,
+            shm_prefix=self.shm_prefix,
         )
 
     def start_logger(self, total_steps: int, first_step: int = 0) -> RunLogger:
@@ -321,6 +360,12 @@ class Algorithm:
         """Every stateful role's part and the controller's, then the atomic commit.
         A part that cannot be written (full disk, unwritable directory) stops the
         run with one line; the previous checkpoint stays the newest valid one."""
+        # Generation under way for the next steps is part of the state: collected
+        # now and saved, so a resumed run trains on exactly these samples.
+        pending = [
+            (b.prompts, self.finish_generation(b)[0], self.published - b.published)
+            for b in self.pending
+        ]
         try:
             partial = checkpoint.begin(self.run_dir, steps_done)
             self.each_stateful_role("save_state", partial)
@@ -334,6 +379,7 @@ class Algorithm:
                 torch_rng=self.torch_rng.get_state(),
                 policy_rng=policy_rng,
                 totals=dict(self.totals),
+                pending=pending,
             )
             checkpoint.commit(partial, self.cfg.checkpoint.keep)
         except (OSError, RemoteCallError) as error:
@@ -361,6 +407,13 @@ class Algorithm:
         self.torch_rng.set_state(state["torch_rng"])
         if totals:
             self.totals = Counter(state.get("totals", {}))
+        self.pending = []
+        for prompts, completions, behind in state.get("pending", []):
+            batch = self.start_generation(prompts, send=False)
+            batch.completions, batch.published = completions, self.published - behind
+            self.pending.append(batch)
+            if not totals:  # a rewind trains these again: counted as generated again
+                self.totals["generated"] += len(batch.group)
         call_each(
             self.policy,
             "set_rng_state",
@@ -400,47 +453,99 @@ class Algorithm:
                 return prompts
         raise PromptTooLong(f"no prompt fits: {message}")
 
-    def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
-        """`group_size` completions per prompt from the policy replicas, scored on
-        the environment mesh. Returns completions [B = prompts x group], rewards
-        [B] and timings.
+    def next_rollout(self) -> tuple[Completions, torch.Tensor, dict]:
+        """The next step's batch, scored, with the generation of the `max_staleness`
+        batches after it under way (in order, so prompts and sampling streams are
+        those of the synchronous loop). A batch generated more than
+        `max_staleness` weight versions ago is dropped (`samples/dropped_stale`)
+        and generated again."""
+        k = getattr(self.cfg, "max_staleness", 0)
+        while len(self.pending) <= k:
+            self.pending.append(
+                self.start_generation(self.sample_prompts(self.cfg.prompts_per_step))
+            )
+        batch = self.pending.pop(0)
+        completions, info = self.finish_generation(batch)
+        staleness = self.published - batch.published
+        if staleness > k:
+            self.totals["dropped_stale"] += len(batch.group)
+            info["samples/dropped_stale"] = len(batch.group)
+            batch = self.start_generation(batch.prompts)
+            completions, _ = self.finish_generation(batch)
+            staleness = 0
+        info["weights/staleness"] = staleness
+        return self.score(batch, completions, info)
 
-        A policy or environment proc that dies is replaced within the step
-        (`recover`), and a call that raised may be retried (`retry_error`):
-        a failed generation is done again (the completions of the failed call
-        counted in `samples/dropped`); completions whose scoring failed are
-        scored again.
-        """
+    def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
+        """`group_size` completions per prompt, generated now and scored (the
+        synchronous path; DAPO's sampling rounds use it)."""
+        batch = self.start_generation(prompts)
+        completions, info = self.finish_generation(batch)
+        return self.score(batch, completions, info)
+
+    def start_generation(self, prompts: list[Prompt], send: bool = True) -> PendingBatch:
+        """Send `group_size` completions per prompt to the policy replicas (split
+        evenly); `finish_generation` collects them. `send=False`: only the batch's
+        layout (its completions come from elsewhere: a checkpoint)."""
         group = [p for p in prompts for _ in range(self.cfg.group_size)]
-        prompt_ids = [self.tokenizer(p.text).input_ids for p in group]
-        started = time.perf_counter()
-        shards = split(prompt_ids, self.meshes.size("policy"))
-        parts, repeats = self.call_recovering(
-            "policy", "generate", [(s, self.cfg.generation) for s in shards]
+        shards = split(
+            [self.tokenizer(p.text).input_ids for p in group], self.meshes.size("policy")
         )
-        lost = repeats * len(group)  # generated by the failed call on every replica
-        self.totals["generated"] += len(group) + lost
-        self.totals["dropped_policy_lost"] += lost
-        completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+        args = [(s, self.cfg.generation) for s in shards]
+        return PendingBatch(
+            prompts,
+            group,
+            args,
+            start_each(self.policy, "generate", args) if send else None,
+            self.respawns["policy"],
+            self.published,
+            time.perf_counter(),
+        )
+
+    def finish_generation(self, batch: PendingBatch) -> tuple[Completions, dict]:
+        """Collect a batch's completions. A policy proc that dies is replaced
+        (`recover`) and a call that raised may be retried (`retry_error`): the
+        generation is done again, the completions of the failed call counted in
+        `samples/dropped_policy_lost`."""
+        if batch.completions is None:
+            parts, repeats = self.call_recovering(
+                "policy", "generate", batch.args, (batch.futures, batch.respawns)
+            )
+            lost = repeats * len(batch.group)  # generated by the failed call on every replica
+            self.totals["generated"] += len(batch.group) + lost
+            self.totals["dropped_policy_lost"] += lost
+            batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+            batch.lost = lost
+        return batch.completions, {
+            "time/generate_s": time.perf_counter() - batch.started,
+            "samples/dropped_policy_lost": batch.lost,
+        }
+
+    def score(
+        self, batch: PendingBatch, completions: Completions, info: dict
+    ) -> tuple[Completions, torch.Tensor, dict]:
+        """Rewards of a batch's completions from the environment mesh. Scoring that
+        failed (a lost environment proc, a retried error) is done again on the
+        same completions: nothing is lost."""
         scored = time.perf_counter()
         env_shards = zip(
-            split(group, self.meshes.size("environment")),
+            split(batch.group, self.meshes.size("environment")),
             split(completions.completion_lists(), self.meshes.size("environment")),
             strict=True,
         )
-        # After a lost environment proc, the same completions are scored again.
         scores, _ = self.call_recovering("environment", "score", list(env_shards))
         rewards = torch.tensor([r for part in scores for r in part])
         rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
+        lost, stale = info["samples/dropped_policy_lost"], info.get("samples/dropped_stale", 0)
         return (
             completions,
             rewards,
             {
-                "time/generate_s": scored - started,
+                **info,
                 "time/score_s": time.perf_counter() - scored,
                 # Every sample is trained on once or counted here, by reason.
-                "samples/dropped": lost + rewound,
-                "samples/dropped_policy_lost": lost,
+                "samples/dropped": lost + rewound + stale,
+                "samples/dropped_stale": stale,
                 "samples/dropped_trainer_rewind": rewound,
                 "faults/recoveries": len(self.recoveries),
             },
@@ -490,20 +595,26 @@ class Algorithm:
         self.errors_retried += 1
         print(f"retrying: {error}", flush=True)
 
-    def call_recovering(self, role: str, endpoint: str, args_per_rank: list) -> tuple[list, int]:
+    def call_recovering(
+        self, role: str, endpoint: str, args_per_rank: list, started: tuple | None = None
+    ) -> tuple[list, int]:
         """`call_each` on `role`. A lost proc has its mesh replaced (`recover`), an
         exception raised there is retried (`retry_error`); each time the call is
-        made again. Returns the results and the number of repeats."""
+        made again. `started`: (futures, respawns) of the call already sent.
+        Returns the results and the number of repeats."""
         what, repeats, errors = f"{role}.{endpoint}", 0, 0
+        futures, respawns = started or (None, None)
         while True:
             try:
-                results = call_each(
-                    getattr(self, role), endpoint, args_per_rank, what, self.timeout_s
-                )
-                return results, repeats
+                if futures is None:
+                    futures = start_each(getattr(self, role), endpoint, args_per_rank)
+                    respawns = self.respawns[role]
+                return gather(futures, what, self.timeout_s), repeats
             except RemoteCallError as error:
+                futures = None
                 if error.proc_lost:
-                    self.recover(role, error)
+                    if respawns == self.respawns[role]:  # else: replaced since it was sent
+                        self.recover(role, error)
                 else:
                     self.retry_error(error, errors)
                     errors += 1
@@ -520,13 +631,19 @@ class Algorithm:
             raise error
         print(f"recovering {error.role} from {path}: {error}", flush=True)
         self.meshes.respawn(error.role)
+        self.respawns[error.role] += 1
         self.spawn_role(error.role)
+        for role, host in self.shared_roles().items():  # they died with its procs
+            if host == error.role:
+                self.respawns[role] += 1
+                self.spawn_role(role)
+        in_flight = self.drop_pending()  # generation for the steps being undone
         back_to = self.restore(path, totals=False)
         self.logger.rewind(back_to)
         batch = self.cfg.prompts_per_step * self.cfg.group_size
         # Steps back_to .. step-1 were trained and are undone; step's samples never were.
         self.totals["trained"] -= (step - back_to) * batch
-        self.dropped_on_rewind = (step + 1 - back_to) * batch
+        self.dropped_on_rewind = (step + 1 - back_to) * batch + in_flight
         self.totals["dropped_trainer_rewind"] += self.dropped_on_rewind
         self.recoveries = [*self.recoveries, f"{error.role}: {error}"]
         return back_to
@@ -536,8 +653,8 @@ class Algorithm:
         current state: a policy replica takes the current weight version, a
         reference reloads its frozen weights from the newest checkpoint. Trainer
         and critic state lives only in them: those go through `rewind`."""
-        if not error.proc_lost or role in ("trainer", "critic"):
-            raise error  # an exception raised in the actor is not a lost proc
+        if not error.proc_lost or role in ("trainer", "critic", *self.shared_roles()):
+            raise error  # not a lost proc; or its state is restored by `rewind` only
         if len(self.recoveries) >= self.fault_cfg.max_recoveries:
             raise error
         saved = checkpoint.latest(self.run_dir)
@@ -548,16 +665,10 @@ class Algorithm:
             ) from error
         print(f"recovering {role}: {error}", flush=True)
         self.meshes.respawn(role)
+        self.respawns[role] += 1
         self.spawn_role(role)
         if role == "policy":
-            versions = call_all(
-                self.policy,
-                "load_weights",
-                self.handle,
-                what="policy.load_weights",
-                timeout_s=self.timeout_s,
-            )
-            assert set(versions) == {self.handle.version}, versions
+            self.pull_weights()
         elif role == "reference":
             call_all(
                 self.reference,
@@ -615,6 +726,8 @@ class Algorithm:
             "tokens/generated": int(mask.sum().item()),
             "completion/mean_length": mask.sum(1).mean().item(),
             "weights/version": self.handle.version,
+            "weights/shm_replicas": self.sync_paths.count("shm"),
+            "weights/rdma_replicas": self.sync_paths.count("rdma"),
             "weights/generated_with": completions.weight_version,
         }
 
@@ -678,24 +791,54 @@ class Algorithm:
 
     def optimize(self, batch: TrainBatch) -> dict[str, float]:
         """Every optimizer step on one batch of rollouts; metrics averaged over them."""
-        return mean_metrics([self.train(batch.rows(rows)) for rows in self.minibatches(len(batch))])
+        return step_metrics([self.train(batch.rows(rows)) for rows in self.minibatches(len(batch))])
 
     def sync_weights(self) -> None:
-        """Trainer rank 0 publishes its weights; every policy replica pulls them."""
-        # Every rank joins: a sharded trainer gathers each parameter on the way.
-        self.handle = call_all(
-            self.trainer, "publish", what="trainer.publish", timeout_s=self.timeout_s
-        )[0]
+        """The trainer publishes its weights (every owning rank writes its part);
+        every policy replica pulls them, from shared memory on the trainer's host
+        and over RDMA elsewhere (`weights/shm_replicas`, `weights/rdma_replicas`).
+
+        With `max_staleness > 0` the pulls are not waited for: each replica takes
+        the version after the generation it is running, and the loop goes on.
+        They are waited for before the next publish, which keeps the slot a
+        replica may still read intact (`meshrl.weights`: double buffering)."""
+        self.wait_pulls()
+        self.handle = WeightHandle.merge(
+            call_all(self.trainer, "publish", what="trainer.publish", timeout_s=self.timeout_s)
+        )
+        self.published += 1
         if "policy" not in self.meshes:
             return
-        versions = call_all(
-            self.policy,
-            "load_weights",
-            self.handle,
-            what="policy.load_weights",
-            timeout_s=self.timeout_s,
-        )
-        assert set(versions) == {self.handle.version}, f"replicas at {versions}"
+        self.pulls = self.policy.load_weights.call(self.handle)
+        if not getattr(self.cfg, "max_staleness", 0):
+            self.wait_pulls()
+
+    def wait_pulls(self) -> None:
+        """Wait until every replica serves the newest version; a replica lost on
+        the way is replaced (and pulls it then)."""
+        pulls, self.pulls = self.pulls, None
+        if pulls is None:
+            return
+        try:
+            pulled = [v for _, v in wait(pulls, "policy.load_weights", self.timeout_s).items()]
+        except RemoteCallError as error:
+            self.recover("policy", error)  # the new replicas pull the newest version
+            return
+        assert {v for v, _ in pulled} == {self.handle.version}, f"replicas at {pulled}"
+        self.sync_paths = [path for _, path in pulled]
+
+    def pull_weights(self) -> None:
+        """Every policy replica takes the current version (`self.handle`), now."""
+        self.pulls = self.policy.load_weights.call(self.handle)
+        self.wait_pulls()
+
+    def drop_pending(self) -> int:
+        """Forget the generation under way for later steps (a rewind); returns
+        its samples, counted as generated (and, by the caller, dropped)."""
+        dropped = sum(len(batch.group) for batch in self.pending)
+        self.totals["generated"] += dropped
+        self.pending = []
+        return dropped
 
     def load_reference(self) -> None:
         """The reference takes the weights RL starts from (the last published
@@ -756,6 +899,9 @@ class Algorithm:
             self.logger.close()
         if self.meshes is not None:
             self.meshes.stop()
+        # A proc that was killed could not remove its shared-memory files.
+        for path in glob.glob(f"{SHM_DIR}/{getattr(self, 'shm_prefix', None)}-*"):
+            os.unlink(path)
 
 
 class PromptTooLong(ValueError):
@@ -769,6 +915,14 @@ class NonFiniteLoss(RuntimeError):
 def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
     """Each key's mean over `records` (ranks of a mesh, optimizer steps of a batch)."""
     return {key: sum(r[key] for r in records) / len(records) for key in records[0]}
+
+
+def step_metrics(optimizer_steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one RL step's optimizer steps: means, except `sampling/`
+    keys, taken from the first step (before the batch moved the weights)."""
+    merged = mean_metrics(optimizer_steps)
+    merged.update({k: v for k, v in optimizer_steps[0].items() if k.startswith("sampling/")})
+    return merged
 
 
 def supervised_batch(

@@ -28,7 +28,7 @@ import torch
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError
-from meshrl.types import Completions, Prompt
+from meshrl.types import Completions
 
 
 @dataclass
@@ -42,19 +42,20 @@ class DAPOConfig(GRPOConfig):
         super().validate()
         if self.max_sampling_rounds < 1:
             raise ConfigError("config key 'max_sampling_rounds': must be >= 1")
+        if self.max_staleness:
+            raise ConfigError("config key 'max_staleness': DAPO samples synchronously (0)")
 
 
 class DAPO(GRPO):
     name = "dapo"
 
-    def rollout(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
+    def rollout(self) -> tuple[Completions, torch.Tensor, dict]:
         """Dynamic sampling: keep only groups whose rewards vary, refill, repeat."""
         cfg, k = self.cfg, self.cfg.group_size
         kept, dropped, all_rewards, times = [], [], [], {}
         rounds = 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
-            if rounds:
-                prompts = self.sample_prompts(cfg.prompts_per_step)
+            prompts = self.sample_prompts(cfg.prompts_per_step)
             completions, rewards, round_times = self.generate_and_score(prompts)
             for key, value in round_times.items():  # summed over rounds; a count is the last
                 times[key] = value if key.startswith("faults/") else times.get(key, 0) + value

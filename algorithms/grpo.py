@@ -39,7 +39,7 @@ from algorithms.base import Algorithm, RLConfig, main
 from meshrl.config import ConfigError
 from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, masked_mean, policy_loss
 from meshrl.mesh import RemoteCallError
-from meshrl.types import Completions, Prompt, TrainBatch
+from meshrl.types import Completions, TrainBatch
 
 
 @dataclass
@@ -95,11 +95,12 @@ class GRPO(Algorithm):
             while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
-                prompts = self.sample_prompts(cfg.prompts_per_step)
-                completions, rewards, rollout_info = self.rollout(prompts)
+                completions, rewards, rollout_info = self.rollout()
                 batch = TrainBatch.from_completions(completions)
+                reference_started = time.perf_counter()
                 if "reference" in self.meshes:
                     batch.ref_logprobs = self.reference_logprobs(batch)
+                reference_s = time.perf_counter() - reference_started
                 batch.advantages = self.compute_advantages(rewards, batch)
 
                 train_started = time.perf_counter()
@@ -121,6 +122,7 @@ class GRPO(Algorithm):
                         **rollout_info,  # after the reward keys: a rollout may refine them
                         **train_metrics,
                         **self.account(trained=len(batch)),
+                        "time/reference_s": reference_s,
                         "time/train_s": sync_started - train_started,
                         "time/weight_sync_s": finished - sync_started,
                         "time/step_s": finished - started,
@@ -135,12 +137,13 @@ class GRPO(Algorithm):
 
     # --- hooks: override one of these for a variant ---------------------------------
 
-    def rollout(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
-        """Generate `group_size` completions per prompt and score them.
+    def rollout(self) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's `prompts_per_step` prompts with `group_size` completions each,
+        scored (generated ahead when `max_staleness > 0`).
 
         Returns completions [B = prompts x group], rewards [B] and metrics to log.
         """
-        return self.generate_and_score(prompts)
+        return self.next_rollout()
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).

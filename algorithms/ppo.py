@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main, mean_metrics
+from algorithms.base import Algorithm, RLConfig, main, step_metrics
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.losses import (
     AGGREGATIONS,
@@ -99,8 +99,7 @@ class PPO(Algorithm):
             while step < cfg.steps:
                 self.inject_faults(step)  # drills from the `faults:` config, if any
                 started = time.perf_counter()
-                prompts = self.sample_prompts(cfg.prompts_per_step)
-                completions, scores, rollout_info = self.generate_and_score(prompts)
+                completions, scores, rollout_info = self.next_rollout()
                 batch = TrainBatch.from_completions(completions)
                 if "reference" in self.meshes:
                     batch.ref_logprobs = self.reference_logprobs(batch)
@@ -236,7 +235,7 @@ class PPO(Algorithm):
                     **self.collect(value, "critic.train_step", again=value_step),
                 }
             )
-        return mean_metrics(steps)
+        return step_metrics(steps)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,9 @@ class PlacementConfig:
     """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
     critic: int = 1
     """Spawned only by algorithms with a critic (PPO)."""
+    colocate: bool = False
+    """Run the policy replicas in the trainer's procs (one per trainer proc,
+    time-shared with training) instead of a policy mesh of their own."""
     sharding: str = "ddp"
     """How the trainer's procs split the work: ddp (a full replica each) or fsdp
     (parameters, gradients and optimizer state sharded with FSDP2; checkpoints

@@ -123,6 +123,13 @@ def policy_loss(
             # k3 estimate of KL(old || new) from samples of old (Schulman 2020).
             "policy/approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask).item(),
             "policy/ratio_mean": masked_mean(ratio, mask).item(),
+            # Sampler vs trainer on the same tokens, per token. On a batch's first
+            # optimizer step this is the generation/training mismatch (numerics,
+            # and staleness when generation runs ahead); later steps add the updates.
+            "sampling/logprob_abs_diff": masked_mean((logprobs - old_logprobs).abs(), mask).item(),
+            "sampling/kl": masked_mean(
+                kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask
+            ).item(),
         }
     return loss, metrics
 

@@ -195,6 +195,8 @@ class RoleMeshes:
     flattened to one dimension, `procs`, so callers slice it the same way on
     one host or many. On a GPU host a host's roles take consecutive GPUs in
     the order given (policy 0.., then trainer ..), except `cpu_roles`.
+    `share` maps a role to another whose procs it runs on (e.g. {"policy":
+    "trainer"}: policy actors in the trainer's procs); it has no mesh of its own.
     Use as a context manager, or call `stop()`.
     """
 
@@ -204,12 +206,14 @@ class RoleMeshes:
         job: Any = None,
         threads_per_proc: int | None = None,
         cpu_roles: tuple[str, ...] = ("environment",),
+        share: dict[str, str] | None = None,
     ):
         from meshrl.job import JobConfig, build_job, host_meshes
 
         install_fault_hook()
         self.job_cfg = job if job is not None else JobConfig()
         self.counts = dict(counts)
+        self.share = dict(share or {})
         self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
         self.job: Any = None
@@ -241,10 +245,20 @@ class RoleMeshes:
             name=role,
         )
 
+    @property
+    def roles(self) -> list[str]:
+        """Every role, those sharing another's procs included."""
+        return [*self.counts, *self.share]
+
+    def _own(self, role: str) -> str:
+        return self.share.get(role, role)
+
     def respawn(self, role: str, timeout_s: float = 20.0) -> None:
         """Replace a role's proc mesh (after one of its procs died): stop what is
         left of it and spawn a fresh one on the same hosts. Actors must be spawned
-        on it again."""
+        on it again, also those of roles sharing its procs."""
+        if role in self.share:
+            raise RuntimeError(f"{role} runs in the {self.share[role]} procs: respawn those")
         old = self.meshes.pop(role)
         try:
             old.stop().get(timeout=timeout_s)
@@ -253,18 +267,18 @@ class RoleMeshes:
         self._spawn_procs(role)
 
     def __getitem__(self, role: str) -> Any:
-        return self.meshes[role]
+        return self.meshes[self._own(role)]
 
     def __contains__(self, role: str) -> bool:
-        return role in self.meshes
+        return self._own(role) in self.meshes
 
     def size(self, role: str) -> int:
         """Ranks of a role: hosts x procs per host."""
-        return self.counts[role] * self.hosts[role]
+        return self.counts[self._own(role)] * self.hosts[self._own(role)]
 
     def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
         """One `actor_class` per proc of `role`, as a mesh with one dimension, `procs`."""
-        actors = self.meshes[role].spawn(name, actor_class, *args, **kwargs)
+        actors = self[role].spawn(name, actor_class, *args, **kwargs)
         return actors.flatten("procs") if "hosts" in actors.sizes else actors
 
     def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:

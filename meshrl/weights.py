@@ -1,80 +1,131 @@
-"""Versioned weight publishing and pulling over Monarch RDMA buffers.
+"""Versioned weight publishing and pulling: shared memory on one host, Monarch
+RDMA buffers across hosts.
 
-The trainer packs its parameters into a few large contiguous byte buckets,
-registers each bucket once as an `RDMABuffer`, and on every publish copies the
-current parameters into the buckets and hands out a `WeightHandle` (version,
-layout, buffers). A policy replica pulls every bucket in one `RDMAAction` into a
-local staging area and only then copies into its parameters and adopts the
-version: a replica never serves a half-updated model.
+Each trainer proc that owns weights (rank 0 of a replicated trainer, every rank
+of an FSDP2-sharded one) lays its parameters (its shards, when sharded) out
+once in a few byte slots: files in /dev/shm, mapped by the trainer and
+registered once as `RDMABuffer`s. There are two slots (double buffering):
+version v is written into slot v % 2, so replicas may still be reading
+version v - 1 while the trainer writes v.
 
-On hosts without ibverbs Monarch carries RDMA over TCP (it warns once); the
-path taken is reported by `rdma_backend()`.
+Every slot starts with a header that makes versions safe to read (a seqlock):
+the trainer sets it to 2v + 1 before writing version v and to 2v + 2 after. A
+reader checks the header before and after copying; a version overwritten
+while it was read is detected and never served (`TornWeights`).
+
+A replica pulls every source (one per owning trainer proc) of a
+`WeightHandle`: from the shared-memory file when it runs on the same host
+(one memcpy), else with one `RDMAAction` of all reads, over ibverbs where the
+host has it and Monarch's TCP fallback otherwise. A sharded trainer's
+replicas take each shard straight from the proc that owns it; nothing is
+gathered on one proc first. `WeightReceiver.path` says which way the last
+pull went.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import socket
+import uuid
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_MB = 256
+HEADER_BYTES = 64
+SLOTS = 2
+SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """This machine: host name and boot id (shared memory is per boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class TornWeights(RuntimeError):
+    """A version was overwritten while a replica read it."""
 
 
 @dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives inside the buckets."""
+class ParamPiece:
+    """Where (a dim-0 block of) one parameter lives in a source's slots."""
 
     name: str
-    bucket: int
-    offset: int  # bytes into the bucket
-    shape: tuple[int, ...]
+    offset: int  # bytes into the slot's data
+    shape: tuple[int, ...]  # of this piece
     dtype: torch.dtype
+    row: int  # first dim-0 row of the full parameter this piece holds
+    full_shape: tuple[int, ...]
 
     @property
     def num_bytes(self) -> int:
-        return _numel(self.shape) * _itemsize(self.dtype)
+        n = torch.Size(self.shape).numel()
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class WeightSource:
+    """One trainer proc's published bytes (small to pickle)."""
+
+    host: str
+    paths: list[str]  # one shared-memory file per slot
+    buffers: list  # one RDMABuffer per slot (header + data)
+    headers: list  # one RDMABuffer per slot's header, to read it again after the data
+    pieces: list[ParamPiece]
+    data_bytes: int
 
 
 @dataclass
 class WeightHandle:
-    """A published version: small to pickle, points at the trainer's buckets."""
+    """A published version: where each owning proc's bytes are."""
 
     version: int
-    slots: list[ParamSlot]
-    bucket_sizes: list[int]
-    buffers: list  # list[RDMABuffer], one per bucket
+    sources: list[WeightSource]
 
+    @property
+    def slot(self) -> int:
+        return self.version % SLOTS
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    @staticmethod
+    def merge(handles: list[WeightHandle | None]) -> WeightHandle:
+        """One handle from the per-rank handles of a trainer's publish (ranks that
+        own nothing return None)."""
+        owned = [h for h in handles if h is not None]
+        versions = {h.version for h in owned}
+        assert len(versions) == 1, f"trainer ranks published versions {versions}"
+        return WeightHandle(owned[0].version, [s for h in owned for s in h.sources])
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def plan_buckets(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> tuple[list[ParamSlot], list[int]]:
-    """Assign parameters, in order, to buckets of at most `bucket_bytes`
-    (a single larger parameter gets a bucket of its own)."""
-    slots, sizes = [], [0]
-    for name, tensor in named:
-        num_bytes = tensor.numel() * tensor.element_size()
-        if sizes[-1] and sizes[-1] + num_bytes > bucket_bytes:
-            sizes.append(0)
-        slots.append(ParamSlot(name, len(sizes) - 1, sizes[-1], tuple(tensor.shape), tensor.dtype))
-        sizes[-1] += num_bytes
-    return slots, sizes
+def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This proc's part of `param` and its first dim-0 row: the whole tensor, or
+    an FSDP2 shard (`Shard(0)`, split like `torch.chunk`)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.detach(), 0
+    local = param.to_local().detach()
+    mesh = param.device_mesh
+    rows = param.shape[0]
+    chunk = -(-rows // mesh.size())
+    row = min(mesh.get_local_rank() * chunk, rows)
+    assert local.shape[0] == max(0, min(chunk, rows - row)), (name, local.shape, row)
+    return local, row
+
+
+def _map_file(path: str, size: int) -> torch.Tensor:
+    """The shared-memory file at `path` as a uint8 tensor (mapped, shared)."""
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
 def rdma_backend() -> str:
@@ -85,79 +136,167 @@ def rdma_backend() -> str:
 
 
 class WeightPublisher:
-    """Trainer side. Call `publish(version)` after an optimizer step."""
+    """Trainer side: `publish(version)` after an optimizer step. Every proc that
+    owns weights has one; `close()` (or process exit) removes its files."""
 
-    def __init__(self, model: torch.nn.Module, bucket_mb: int = DEFAULT_BUCKET_MB):
-        self.params = dict(model.named_parameters())
-        self.slots, self.bucket_sizes = plan_buckets(
-            list(self.params.items()), bucket_mb * 1024 * 1024
-        )
-        device = next(iter(self.params.values())).device
-        self.buckets = [torch.empty(n, dtype=torch.uint8, device=device) for n in self.bucket_sizes]
-        self._buffers: list | None = None  # registered lazily: needs a Monarch actor context
+    def __init__(self, model: torch.nn.Module, prefix: str | None = None, rdma: bool = True):
+        self.params = list(model.named_parameters())
+        self.pieces, offset = [], 0
+        for name, param in self.params:
+            local, row = _local_piece(name, param)
+            piece = ParamPiece(
+                name, offset, tuple(local.shape), local.dtype, row, tuple(param.shape)
+            )
+            self.pieces.append(piece)
+            offset += piece.num_bytes
+        self.data_bytes = offset
+        prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.paths = [f"{SHM_DIR}/{prefix}-{uuid.uuid4().hex[:6]}-slot{i}" for i in range(SLOTS)]
+        self.slots = []
+        for path in self.paths:
+            with open(path, "wb") as f:
+                f.truncate(HEADER_BYTES + self.data_bytes)
+            self.slots.append(_map_file(path, HEADER_BYTES + self.data_bytes))
+        atexit.register(self.close)
+        # Registered lazily (needs a Monarch actor context); rdma=False: same host only.
+        self._buffers: list | None = None if rdma else []
+        self._headers: list = []
+        self.host = host_id()
+
+    def header(self, slot: int) -> torch.Tensor:
+        return self.slots[slot][:8].view(torch.int64)
 
     @torch.no_grad()
-    def publish(self, version: int, named: Iterable | None = None) -> WeightHandle:
-        """Copy the parameters into the buckets as `version`. `named` yields
-        (name, tensor) in `named_parameters` order instead of reading the
-        parameters (a sharded trainer passes them all-gathered)."""
-        tensors = named if named is not None else self.params.items()
-        for slot, (name, tensor) in zip(self.slots, tensors, strict=True):
-            assert name == slot.name, (name, slot.name)
-            start = slot.offset
-            self.buckets[slot.bucket][start : start + slot.num_bytes].copy_(_as_bytes(tensor))
+    def publish(self, version: int) -> WeightHandle:
+        """Write `version` into slot version % 2 and return its handle."""
+        slot = version % SLOTS
+        data = self.slots[slot][HEADER_BYTES:]
+        self.header(slot).fill_(2 * version + 1)  # writing
+        for piece, (_, param) in zip(self.pieces, self.params, strict=True):
+            local, _ = _local_piece(piece.name, param)
+            data[piece.offset : piece.offset + piece.num_bytes].copy_(_as_bytes(local))
+        self.header(slot).fill_(2 * version + 2)  # complete
         if self._buffers is None:
             from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
             with warnings.catch_warnings():
                 # Reported once through rdma_backend() in the run metrics instead.
                 warnings.simplefilter("ignore", RDMATcpFallbackWarning)
-                self._buffers = [RDMABuffer(b) for b in self.buckets]
-        return WeightHandle(version, self.slots, self.bucket_sizes, self._buffers)
+                self._buffers = [RDMABuffer(s) for s in self.slots]
+                self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
+        source = WeightSource(
+            self.host, self.paths, self._buffers, self._headers, self.pieces, self.data_bytes
+        )
+        return WeightHandle(version, [source])
+
+    def close(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class WeightReceiver:
-    """Policy side. `pull(handle)` makes the local model equal to that version."""
+    """Replica side. `pull(handle)` makes the local model equal to that version."""
 
-    def __init__(self, model: torch.nn.Module, timeout_s: int = 120, prefix: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        timeout_s: int = 120,
+        prefix: str | None = None,
+        shared_memory: bool = True,
+    ):
         # With `prefix`, `model` is a part of the published one (a critic's backbone
         # is the policy's `model.` submodule): only the names under it are taken.
+        # shared_memory=False pulls over RDMA even on the trainer's host (to measure it).
+        self.shared_memory = shared_memory
         self.partial = prefix is not None
         self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
         self.version = -1
+        self.torn = False
+        """True while a pull is under way or after one failed: the model may be
+        mixed, and must not be served."""
+        self.path = ""
+        """How the last pull went: 'shm' (same host) or 'rdma'."""
         self.timeout_s = timeout_s
-        self._staging: list[torch.Tensor] = []
+        self.host = host_id()
+        self._mapped: dict[str, torch.Tensor] = {}
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def _check_layout(self, handle: WeightHandle) -> None:
+        published = {p.name for s in handle.sources for p in s.pieces}
+        missing = set(self.params) - published
+        if not self.partial:
+            missing |= published - set(self.params)
+        if missing:
+            raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
 
     @torch.no_grad()
     def pull(self, handle: WeightHandle) -> None:
-        from monarch.rdma import RDMAAction
+        self._check_layout(handle)
+        self.version, self.torn = -1, True  # until every byte of the new version is in
+        local = [
+            s
+            for s in handle.sources
+            if self.shared_memory and s.host == self.host and os.path.exists(s.paths[0])
+        ]
+        remote = [s for s in handle.sources if s not in local]
+        for source in local:
+            self._copy(source, self._shared(source, handle.slot), handle.version, torn_check=True)
+        if remote:
+            self._pull_rdma(remote, handle)
+        self.path = "rdma" if remote else "shm"
+        self.version, self.torn = handle.version, False
 
-        published = [s.name for s in handle.slots]
-        if self.partial:
-            missing = set(self.params) - set(published)
-        else:
-            missing = set() if published == list(self.params) else set(self.params) ^ set(published)
-        if missing:
-            raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
-        if [t.numel() for t in self._staging] != handle.bucket_sizes:
-            device = next(iter(self.params.values())).device
-            self._staging = [
-                torch.empty(n, dtype=torch.uint8, device=device) for n in handle.bucket_sizes
-            ]
-        action = RDMAAction()
-        for local, remote in zip(self._staging, handle.buffers, strict=True):
-            action.read_remote(local, remote)
-        action.submit(timeout=self.timeout_s).get()
-        # All bytes are here: now switch the model over in one pass.
-        for slot in handle.slots:
-            param = self.params.get(slot.name)
+    def _shared(self, source: WeightSource, slot: int) -> torch.Tensor:
+        path = source.paths[slot]
+        if path not in self._mapped:
+            self._mapped[path] = _map_file(path, HEADER_BYTES + source.data_bytes)
+        return self._mapped[path]
+
+    def _copy(
+        self, source: WeightSource, slot: torch.Tensor, version: int, torn_check: bool
+    ) -> None:
+        """Copy a source's pieces from `slot` (header + data) into the parameters."""
+        header = slot[:8].view(torch.int64)
+        if int(header.item()) != 2 * version + 2:
+            raise TornWeights(f"version {version} is not complete in its slot")
+        data = slot[HEADER_BYTES:]
+        for piece in source.pieces:
+            param = self.params.get(piece.name)
             if param is None:  # partial receiver: not part of this model
                 continue
-            if tuple(param.shape) != slot.shape or param.dtype != slot.dtype:
+            if tuple(param.shape) != piece.full_shape or param.dtype != piece.dtype:
                 raise ValueError(
-                    f"parameter {slot.name}: local {tuple(param.shape)} {param.dtype}, "
-                    f"published {slot.shape} {slot.dtype}"
+                    f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
+                    f"published {piece.full_shape} {piece.dtype}"
                 )
-            start = slot.offset
-            _as_bytes(param).copy_(self._staging[slot.bucket][start : start + slot.num_bytes])
-        self.version = handle.version
+            target = param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param
+            _as_bytes(target).copy_(data[piece.offset : piece.offset + piece.num_bytes])
+        if torn_check and int(header.item()) != 2 * version + 2:
+            raise TornWeights(f"version {version} was overwritten while it was read")
+
+    def _pull_rdma(self, sources: list[WeightSource], handle: WeightHandle) -> None:
+        """Every remote source's slot in one RDMA action into staging, checked,
+        then into the parameters."""
+        from monarch.rdma import RDMAAction
+
+        action = RDMAAction()
+        device = next(iter(self.params.values())).device
+        staged = []
+        for i, source in enumerate(sources):
+            size = HEADER_BYTES + source.data_bytes
+            if i not in self._staging or self._staging[i].numel() != size:
+                self._staging[i] = torch.empty(size, dtype=torch.uint8, device=device)
+            action.read_remote(self._staging[i], source.buffers[handle.slot])
+            staged.append((source, self._staging[i]))
+        action.submit(timeout=self.timeout_s).get()
+        # The headers again, after the data: a version overwritten meanwhile shows.
+        again = RDMAAction()
+        headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device) for _ in staged]
+        for (source, _), header in zip(staged, headers, strict=True):
+            again.read_remote(header, source.headers[handle.slot])
+        again.submit(timeout=self.timeout_s).get()
+        for (source, slot), header in zip(staged, headers, strict=True):
+            if not torch.equal(header[:8], slot[:8]):
+                raise TornWeights(f"version {handle.version} was overwritten while it was read")
+            self._copy(source, slot, handle.version, torn_check=False)

@@ -15,6 +15,7 @@ from meshrl.envs import make_task
 from meshrl.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
 from meshrl.models import build_char_tokenizer
 from meshrl.types import Completions, TrainBatch
+from meshrl.weights import WeightHandle
 from tests.conftest import local_master
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
@@ -73,9 +74,12 @@ def rollout(actors, num_prompts=8):
 
 
 def sync(actors):
-    handle = call_all(actors["trainer"], "publish", what="publish", timeout_s=TIMEOUT)[0]
-    versions = call_all(actors["policy"], "load_weights", handle, what="load", timeout_s=TIMEOUT)
-    return handle, versions
+    handle = WeightHandle.merge(
+        call_all(actors["trainer"], "publish", what="publish", timeout_s=TIMEOUT)
+    )
+    pulled = call_all(actors["policy"], "load_weights", handle, what="load", timeout_s=TIMEOUT)
+    assert [path for _, path in pulled] == ["shm", "shm"]  # same host: shared memory
+    return handle, [version for version, _ in pulled]
 
 
 def test_weight_sync_is_bitwise_and_versioned(actors):
@@ -214,7 +218,10 @@ def test_fsdp_trainer_syncs_full_weights_and_checkpoints_its_shards(
             )
 
         step()
-        handle = call_all(trainer, "publish", what="publish", timeout_s=TIMEOUT)[0]
+        # Each rank publishes its own shards; the replicas pull every rank's.
+        handles = call_all(trainer, "publish", what="publish", timeout_s=TIMEOUT)
+        assert all(h is not None for h in handles)
+        handle = WeightHandle.merge(handles)
         call_all(actors["policy"], "load_weights", handle, what="load", timeout_s=TIMEOUT)
         full = call_all(trainer, "parameters", what="params", timeout_s=TIMEOUT)
         replicas = call_all(actors["policy"], "parameters", what="params", timeout_s=TIMEOUT)

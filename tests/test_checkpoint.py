@@ -103,8 +103,17 @@ def metrics(path):
             ["steps=5", "placement.trainer=2", "placement.sharding=fsdp"],
             3,
         ),
+        # Generation one version ahead: the batch under way is saved and trained on.
+        (
+            CountingGRPO,
+            StopAtStep,
+            GRPOConfig,
+            "grpo_default.yaml",
+            ["steps=5", "max_staleness=1"],
+            3,
+        ),
     ],
-    ids=["grpo_with_reference", "ppo_with_critic", "grpo_fsdp_sharded"],
+    ids=["grpo_with_reference", "ppo_with_critic", "grpo_fsdp_sharded", "grpo_one_version_ahead"],
 )
 def test_resumed_run_equals_uninterrupted_run(
     algorithm, interrupted, schema, config, overrides, stop, tmp_path, no_stray_procs

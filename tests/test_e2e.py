@@ -84,6 +84,10 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     versions = [r["weights/version"] for r in records]
     assert versions == list(range(versions[0], versions[0] + 4))
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in records)
+    # The replica (same host: shared memory) samples from exactly the trainer's weights:
+    # its log-probs and the trainer's recomputed ones agree to float32 rounding.
+    assert all(r["weights/shm_replicas"] == 1 for r in records)
+    assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in records), records
 
     cfg = load_config(GRPOConfig, str(run_dir / "config.yaml"))
     assert cfg.steps == 4 and cfg.run.name == "e2e"

@@ -1,5 +1,8 @@
 """Models, tokenizer and sampling without processes."""
 
+import os
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -9,7 +12,7 @@ from meshrl.envs import make_task
 from meshrl.envs.digits import positional_match
 from meshrl.generation import sample, top_p_filter
 from meshrl.models import build_char_tokenizer, completion_logprobs, load_model, load_tokenizer
-from meshrl.weights import plan_buckets
+from meshrl.weights import TornWeights, WeightPublisher, WeightReceiver
 
 pytestmark = pytest.mark.unit
 
@@ -100,15 +103,62 @@ def test_reverse_digits_reward_depends_on_prompt():
     assert positional_match("", "174") == 0.0
 
 
-def test_bucket_plan_respects_bound_and_order():
-    named = [
-        ("a", torch.zeros(10)),
-        ("b", torch.zeros(30)),
-        ("c", torch.zeros(5)),
-        ("d", torch.zeros(100)),
-    ]
-    slots, sizes = plan_buckets(named, bucket_bytes=160)
-    assert [s.name for s in slots] == ["a", "b", "c", "d"]
-    assert [s.bucket for s in slots] == [0, 0, 1, 2]
-    assert sizes == [160, 20, 400]
-    assert [s.offset for s in slots] == [0, 40, 0, 0]
+def test_shared_memory_pull_is_bitwise_and_versioned():
+    source, replica = load_model(ModelConfig(), seed=0), load_model(ModelConfig(), seed=1)
+    publisher = WeightPublisher(source, rdma=False)
+    receiver = WeightReceiver(replica)
+    try:
+        for version in range(3):
+            with torch.no_grad():
+                for p in source.parameters():
+                    p.add_(0.5)
+            receiver.pull(publisher.publish(version))
+            assert (receiver.version, receiver.path) == (version, "shm")
+            pairs = zip(source.parameters(), replica.parameters(), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
+    finally:
+        publisher.close()
+    assert not any(os.path.exists(p) for p in publisher.paths)
+
+
+def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_version():
+    """A publisher thread writes versions 0..N (every parameter of version v equal
+    to v) while the replica pulls the newest handle again and again: each pull
+    either ends with one whole version or raises TornWeights."""
+    cfg = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=4)
+    source, replica = load_model(cfg), load_model(cfg)
+    publisher = WeightPublisher(source, rdma=False)
+    receiver = WeightReceiver(replica)
+    latest: list = []
+    done = threading.Event()
+
+    def publish():
+        for version in range(200):
+            with torch.no_grad():
+                for p in source.parameters():
+                    p.fill_(version)
+            latest.append(publisher.publish(version))
+        done.set()
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    outcomes = {"whole": 0, "torn": 0}
+    try:
+        while not done.is_set():
+            if not latest:
+                continue
+            handle = latest[-1]
+            try:
+                receiver.pull(handle)
+            except TornWeights:
+                outcomes["torn"] += 1
+                assert receiver.torn and receiver.version == -1
+                continue
+            outcomes["whole"] += 1
+            values = {p.detach().flatten()[0].item() for p in replica.parameters()}
+            assert values == {float(handle.version)}, values  # one version, all of it
+            assert all((p == handle.version).all() for p in replica.parameters())
+    finally:
+        thread.join()
+        publisher.close()
+    assert outcomes["whole"] > 0, outcomes

@@ -1,0 +1,52 @@
+"""One script, several placements: colocated policy and trainer, and generation
+running ahead of training (`max_staleness`)."""
+
+import pytest
+
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import load_config
+from tests.conftest import DEFAULT_CONFIG
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def run(tmp_path, name, *overrides):
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "warm_start.steps=2",
+            *overrides,
+            f"run.dir={tmp_path}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    algo = GRPO(cfg)
+    return algo, algo.run()
+
+
+def test_colocated_policy_runs_in_the_trainer_procs(tmp_path, no_stray_procs):
+    algo, history = run(
+        tmp_path, "colocated", "steps=4", "placement.trainer=2", "placement.colocate=true"
+    )
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    assert "policy" not in algo.roles()  # no policy mesh: a replica in each trainer proc
+    assert all(r["weights/shm_replicas"] == 2 for r in history)
+    assert all(r["weights/staleness"] == 0 for r in history)
+    assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history)
+
+
+def test_generation_runs_one_version_ahead_and_every_sample_is_accounted(tmp_path, no_stray_procs):
+    _, history = run(tmp_path, "ahead", "steps=6", "placement.policy=2", "max_staleness=1")
+    assert [r["step"] for r in history] == list(range(6))
+    # Step 0's batch was generated before any update; every later batch while the
+    # step before it trained: one version behind.
+    assert [r["weights/staleness"] for r in history] == [0, 1, 1, 1, 1, 1]
+    assert history[0]["sampling/logprob_abs_diff"] < 1e-4
+    assert all(r["sampling/logprob_abs_diff"] > 1e-4 for r in history[1:])  # off-policy now
+    for record in history:
+        assert record["samples/generated_total"] == (
+            record["samples/trained_total"] + record["samples/dropped_total"]
+        )
