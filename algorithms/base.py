@@ -436,8 +436,9 @@ class Algorithm:
         room = self.context - self.cfg.generation.max_new_tokens
         prompts: list[Prompt] = []
         for _ in range(100):  # draws of a batch, before concluding nothing fits
-            for prompt in self.task.sample(num_prompts - len(prompts), self.rng):
-                length = len(self.tokenizer(prompt.text).input_ids)
+            drawn = self.task.sample(num_prompts - len(prompts), self.rng)
+            lengths = map(len, self.tokenizer([p.text for p in drawn]).input_ids)  # one batch call
+            for prompt, length in zip(drawn, lengths, strict=True):
                 if length <= room:
                     prompts.append(prompt)
                     continue
@@ -487,10 +488,10 @@ class Algorithm:
         """Send `group_size` completions per prompt to the policy replicas (split
         evenly); `finish_generation` collects them. `send=False`: only the batch's
         layout (its completions come from elsewhere: a checkpoint)."""
-        group = [p for p in prompts for _ in range(self.cfg.group_size)]
-        shards = split(
-            [self.tokenizer(p.text).input_ids for p in group], self.meshes.size("policy")
-        )
+        k = self.cfg.group_size
+        group = [p for p in prompts for _ in range(k)]
+        ids = [i for i in self.tokenizer([p.text for p in prompts]).input_ids for _ in range(k)]
+        shards = split(ids, self.meshes.size("policy"))
         args = [(s, self.cfg.generation) for s in shards]
         return PendingBatch(
             prompts,

@@ -102,7 +102,6 @@ class Holder(Actor):
     """The trainer's side: the weights, registered once."""
 
     def __init__(self, total_mb: int):
-        torch.set_num_threads(1)
         self.model = weights(total_mb, fill=1.0)
         self.version = 0
         self.publisher = None
@@ -121,7 +120,14 @@ class Holder(Actor):
         if self.publisher is None:
             self.publisher = WeightPublisher(self.model)
         self.version += 1
-        return self.publisher.publish(self.version)
+        started = time.perf_counter()
+        handle = self.publisher.publish(self.version)
+        self.publish_s = time.perf_counter() - started
+        return handle
+
+    @endpoint
+    def last_publish_s(self) -> float:
+        return self.publish_s
 
     @endpoint
     def close(self) -> None:
@@ -133,7 +139,6 @@ class Reader(Actor):
     """The replica's side."""
 
     def __init__(self, total_mb: int):
-        torch.set_num_threads(1)
         self.model = weights(total_mb)
         self.receivers = {
             True: WeightReceiver(self.model),
@@ -148,34 +153,50 @@ class Reader(Actor):
         return time.perf_counter() - started
 
     @endpoint
-    def pull(self, handle: WeightHandle, shared_memory: bool) -> str:
+    def pull(self, handle: WeightHandle, shared_memory: bool) -> tuple[str, float]:
         receiver = self.receivers[shared_memory]
+        started = time.perf_counter()
         receiver.pull(handle)
+        return receiver.path, time.perf_counter() - started
+
+    @endpoint
+    def check_and_clear(self) -> None:
         assert all(bool((p == 1).all()) for p in self.model.parameters())
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()  # the next pull must move every byte again
-        return receiver.path
 
 
 def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
-    with RoleMeshes({"trainer": 1, "policy": 1}, threads_per_proc=1) as meshes:
+    # Publish and pull never run at once here: each proc may use every core.
+    with RoleMeshes({"trainer": 1, "policy": 1}, threads_per_proc=os.cpu_count()) as meshes:
         holder = meshes.spawn("trainer", "holder", Holder, total_mb)
         reader = meshes.spawn("policy", "reader", Reader, total_mb)
         buffers = wait(holder.tensor_buffers.call_one(), "buffers", 300)
         rdma = min(wait(reader.read_each.call_one(buffers), "read", 300) for _ in range(repeats))
 
-        def sync(shared_memory: bool) -> str:
+        def sync(shared_memory: bool) -> tuple[str, float, float, float]:
+            """One publish and pull timed from the controller (the data checked after):
+            path, total, publish inside the trainer, pull inside the replica."""
+            started = time.perf_counter()
             handle = wait(holder.publish.call_one(), "publish", 300)
-            return wait(reader.pull.call_one(handle, shared_memory), "pull", 300)
+            path, pull_s = wait(reader.pull.call_one(handle, shared_memory), "pull", 300)
+            total = time.perf_counter() - started
+            wait(reader.check_and_clear.call_one(), "check", 300)
+            return path, total, wait(holder.last_publish_s.call_one(), "t", 60), pull_s
 
-        assert (
-            sync(True) == "shm" and sync(False) == "rdma"
-        )  # warm: files mapped, buffers registered
-        shm = best(lambda: sync(True), repeats)
-        over_rdma = best(lambda: sync(False), repeats)
+        # Warm-up: files mapped, buffers registered, both slots written.
+        assert [sync(True)[0], sync(False)[0]] == ["shm", "rdma"]
+        shm = min((sync(True) for _ in range(repeats)), key=lambda t: t[1])
+        over_rdma = min((sync(False) for _ in range(repeats)), key=lambda t: t[1])
         wait(holder.close.call_one(), "close", 60)
-    return {"rdma_s": rdma, "meshrl_s": shm, "meshrl_rdma_s": over_rdma}
+    return {
+        "rdma_s": rdma,
+        "meshrl_s": shm[1],
+        "meshrl_publish_s": shm[2],
+        "meshrl_pull_s": shm[3],
+        "meshrl_rdma_s": over_rdma[1],
+    }
 
 
 def main() -> int:
@@ -198,6 +219,8 @@ def main() -> int:
             "gloo_s": round(gloo, 5),
             "rdma_per_tensor_s": round(timings["rdma_s"], 5),
             "sync_over_rdma_s": round(timings["meshrl_rdma_s"], 5),
+            "publish_s": round(timings["meshrl_publish_s"], 5),
+            "pull_s": round(timings["meshrl_pull_s"], 5),
         }
     print(
         f"{'size':>6} {'memcpy':>9} {'gloo':>9} {'rdma':>9} {'meshrl':>9} {'meshrl/rdma':>12}"
