@@ -198,6 +198,15 @@ class Algorithm:
             del counts["policy"]  # in the trainer's procs (`shared_roles`)
         return counts
 
+    def busy_together(self) -> list[tuple[str, ...]]:
+        """Groups of roles whose procs compute at the same time: the loop runs one
+        role at a time, and with `max_staleness > 0` generation runs while the
+        trainer trains. A host's cores are shared over the largest group."""
+        groups = [(role,) for role in self.roles()]
+        if getattr(self.cfg, "max_staleness", 0):
+            groups.append(("policy", "trainer"))
+        return groups
+
     def shared_roles(self) -> dict[str, str]:
         """Roles that run in another role's procs (`placement.colocate`)."""
         placement = getattr(self.cfg, "placement", None)
@@ -213,7 +222,13 @@ class Algorithm:
             self.run_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.run_dir}/config.yaml")
         self.prepare()
-        self.meshes = RoleMeshes(self.roles(), cfg.job, share=self.shared_roles())
+        self.meshes = RoleMeshes(
+            self.roles(),
+            cfg.job,
+            threads_per_proc=cfg.placement.threads_per_proc or None,
+            share=self.shared_roles(),
+            busy_together=self.busy_together(),
+        )
         try:
             self.spawn_actors()
         except BaseException:

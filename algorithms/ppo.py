@@ -182,6 +182,11 @@ class PPO(Algorithm):
     def roles(self) -> dict[str, int]:
         return {**super().roles(), "critic": self.cfg.placement.critic}
 
+    def busy_together(self) -> list[tuple[str, ...]]:
+        # The policy and value steps run at the same time (`optimize`).
+        ahead = ("policy",) if self.cfg.max_staleness else ()
+        return [*super().busy_together(), ("trainer", "critic", *ahead)]
+
     def spawn_role(self, role: str) -> None:
         if role != "critic":
             return super().spawn_role(role)

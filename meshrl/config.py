@@ -166,6 +166,9 @@ class PlacementConfig:
     """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
     critic: int = 1
     """Spawned only by algorithms with a critic (PPO)."""
+    threads_per_proc: int = 0
+    """torch threads in each proc; 0 shares this host's cores among the procs that
+    compute at the same time (one role at a time in the synchronous loop)."""
     colocate: bool = False
     """Run the policy replicas in the trainer's procs (one per trainer proc,
     time-shared with training) instead of a policy mesh of their own."""
@@ -177,6 +180,7 @@ class PlacementConfig:
     def validate(self) -> None:
         for role in ("policy", "trainer", "environment", "reference", "critic"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
+        _check(self.threads_per_proc >= 0, "placement.threads_per_proc", "must be >= 0")
         _check(
             self.sharding in ("ddp", "fsdp"),
             "placement.sharding",

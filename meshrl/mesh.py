@@ -166,6 +166,7 @@ def monarch_pids() -> set[int]:
 
 
 DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
+RDMA_CHUNK_MB = 64
 
 
 def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int) -> None:
@@ -176,7 +177,12 @@ def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int
     # RDMA registration of CUDA memory wants expandable segments; the allocator
     # reads this at its first CUDA allocation, which comes later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import monarch
     import torch
+
+    # Large RDMA chunks: a replica's one RDMAAction of weight reads ran about twice
+    # as fast with 64 MB chunks as with the default over the TCP fallback.
+    monarch.configure(rdma_max_chunk_size_mb=RDMA_CHUNK_MB)
 
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
@@ -197,6 +203,8 @@ class RoleMeshes:
     the order given (policy 0.., then trainer ..), except `cpu_roles`.
     `share` maps a role to another whose procs it runs on (e.g. {"policy":
     "trainer"}: policy actors in the trainer's procs); it has no mesh of its own.
+    `busy_together` lists groups of roles whose procs compute at the same time
+    (default: all of them); each proc gets the cores over the largest group.
     Use as a context manager, or call `stop()`.
     """
 
@@ -207,6 +215,7 @@ class RoleMeshes:
         threads_per_proc: int | None = None,
         cpu_roles: tuple[str, ...] = ("environment",),
         share: dict[str, str] | None = None,
+        busy_together: list[tuple[str, ...]] | None = None,
     ):
         from meshrl.job import JobConfig, build_job, host_meshes
 
@@ -217,11 +226,19 @@ class RoleMeshes:
         self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
         self.job: Any = None
-        # On one machine (local, process) every proc shares its cores; elsewhere
-        # each proc takes its share of its own host's cores.
+        # On one machine (local, process) the procs that compute at the same time
+        # share its cores; elsewhere each proc takes its share of its own host's.
         shared = self.job_cfg.kind in ("local", "process")
-        total = sum(n * self.hosts[role] for role, n in self.counts.items())
-        threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // total) if shared else None)
+        groups = busy_together or [tuple(self.counts)]
+        busy = max(
+            sum(
+                self.counts[r] * self.hosts[r]
+                for r in {self._own(r) for r in g}
+                if r in self.counts
+            )
+            for g in groups
+        )
+        threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // busy) if shared else None)
         device_offset = 0
         self._spawn_args: dict[str, tuple] = {}
         try:
