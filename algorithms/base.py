@@ -825,7 +825,7 @@ class Algorithm:
         self.published += 1
         if "policy" not in self.meshes:
             return
-        self.pulls = self.policy.load_weights.call(self.handle)
+        self.pulls = (self.policy.load_weights.call(self.handle), self.respawns["policy"])
         if not getattr(self.cfg, "max_staleness", 0):
             self.wait_pulls()
 
@@ -835,17 +835,19 @@ class Algorithm:
         pulls, self.pulls = self.pulls, None
         if pulls is None:
             return
+        future, respawns = pulls
         try:
-            pulled = [v for _, v in wait(pulls, "policy.load_weights", self.timeout_s).items()]
+            pulled = [v for _, v in wait(future, "policy.load_weights", self.timeout_s).items()]
         except RemoteCallError as error:
-            self.recover("policy", error)  # the new replicas pull the newest version
+            if respawns == self.respawns["policy"]:  # else: replaced (and pulled) since
+                self.recover("policy", error)  # the new replicas pull the newest version
             return
         assert {v for v, _ in pulled} == {self.handle.version}, f"replicas at {pulled}"
         self.sync_paths = [path for _, path in pulled]
 
     def pull_weights(self) -> None:
         """Every policy replica takes the current version (`self.handle`), now."""
-        self.pulls = self.policy.load_weights.call(self.handle)
+        self.pulls = (self.policy.load_weights.call(self.handle), self.respawns["policy"])
         self.wait_pulls()
 
     def drop_pending(self) -> int:

@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=24)
     parser.add_argument("--every", type=int, default=10, help="checkpoint.every")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--staleness", type=int, default=0, help="max_staleness")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
 
@@ -74,6 +75,7 @@ def main() -> int:
     overrides = [
         f"steps={args.steps}",
         "kl_coef=0.01",
+        f"max_staleness={args.staleness}",
         *(f"placement.{role}={n}" for role, n in PLACEMENT.items()),
         f"checkpoint.every={args.every}",
         f"faults.kill=[{','.join(kills)}]",
@@ -100,6 +102,7 @@ def main() -> int:
     rewards = [r["reward/mean"] for r in history]
     figures = {
         "algo": args.algo,
+        "max_staleness": args.staleness,
         "steps": len(history),
         "steps_planned": args.steps,
         "faults_injected": len(kills) + len(raises),
