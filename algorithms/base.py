@@ -316,6 +316,7 @@ class Algorithm:
             desc=self.name,
             headline=self.headline,
             first_step=first_step,
+            sinks=tuple(self.cfg.run.sinks),
         )
         return self.logger
 
@@ -731,6 +732,32 @@ class Algorithm:
             "faults/nonfinite_steps": self.nonfinite_steps,
             "samples/skipped_overlong_prompts": self.skipped_prompts,
         }
+
+    def record_samples(self, step: int, completions: Completions, rewards, advantages) -> None:
+        """Every `run.samples_every` steps: the step's prompts, completions, rewards
+        and advantages (a per-token advantage as its mean) in samples.jsonl."""
+        every = self.cfg.run.samples_every
+        if not every or step % every:
+            return
+        tok = self.tokenizer
+        prompts = tok.batch_decode(
+            [
+                ids[m.bool()].tolist()
+                for ids, m in zip(completions.prompt_ids, completions.prompt_mask, strict=True)
+            ],
+            skip_special_tokens=True,
+        )
+        texts = tok.batch_decode(completions.completion_lists(), skip_special_tokens=True)
+        mask = completions.completion_mask
+        if advantages.dim() == 2:
+            advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        self.logger.log_samples(
+            step,
+            [
+                {"prompt": p, "completion": c, "reward": float(r), "advantage": float(a)}
+                for p, c, r, a in zip(prompts, texts, rewards, advantages, strict=True)
+            ],
+        )
 
     def rollout_metrics(self, rewards: torch.Tensor, completions: Completions) -> dict:
         """What every on-policy step logs about its rollouts."""

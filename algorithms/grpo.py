@@ -113,6 +113,7 @@ class GRPO(Algorithm):
                     continue
                 finished = time.perf_counter()
                 self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
+                self.record_samples(step, completions, rewards, batch.advantages)
 
                 self.after_step(
                     step,

@@ -116,6 +116,7 @@ class PPO(Algorithm):
                     continue
                 finished = time.perf_counter()
                 self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
+                self.record_samples(step, completions, scores, batch.advantages)
 
                 self.logger.log(
                     {

@@ -240,11 +240,28 @@ class RunConfig:
     naming the role and endpoint."""
     progress: bool = True
     """Show a console progress bar."""
+    sinks: list[str] = field(default_factory=list)
+    """Where metrics go besides metrics.jsonl: tensorboard (`<run dir>/tensorboard`;
+    needs the `tensorboard` extra)."""
+    samples_every: int = 25
+    """Every this many steps, write the step's prompts, completions, rewards and
+    advantages to `samples.jsonl` (0: never)."""
     save_final: bool = True
     """Write the trained model and tokenizer to `<run dir>/final/`."""
 
     def validate(self) -> None:
         _check(self.call_timeout_s > 0, "run.call_timeout_s", "must be > 0")
+        _check(self.samples_every >= 0, "run.samples_every", "must be >= 0")
+        import importlib.util
+
+        modules = {"tensorboard": "tensorboard"}
+        for sink in self.sinks:
+            _check(sink in modules, "run.sinks", f"'{sink}' is not one of {', '.join(modules)}")
+            _check(
+                importlib.util.find_spec(modules[sink]) is not None,
+                "run.sinks",
+                f"{sink} is not installed: pip install -e '.[{sink}]'",
+            )
         _check("/" not in self.name, "run.name", f"'{self.name}' must not contain '/'")
 
 

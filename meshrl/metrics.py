@@ -35,6 +35,7 @@ class RunLogger:
         desc: str = "grpo",
         headline: str = "reward/mean",
         first_step: int = 0,
+        sinks: tuple[str, ...] = (),
     ):
         """`headline` is the metric the bar, the plot and the summary show. With
         `first_step` > 0 (a resumed run) the records of earlier steps are kept
@@ -44,10 +45,12 @@ class RunLogger:
         self.history: list[dict[str, Any]] = []
         self._bar = None
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(run_dir, "samples.jsonl")
         if first_step and os.path.exists(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
         self._file = open(self.path, "a")  # noqa: SIM115
+        self.sinks = [SINKS[name](run_dir) for name in sinks]
         if first_step:
             self.rewind(first_step)
         if progress:
@@ -68,6 +71,8 @@ class RunLogger:
         self.history.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for sink in self.sinks:
+            sink.log(record)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(
@@ -76,9 +81,22 @@ class RunLogger:
                 refresh=False,
             )
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append one step's sample rows (prompt, completion, reward, ...) to
+        samples.jsonl, one JSON object per row with its step."""
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+
     def rewind(self, step: int) -> None:
         """Forget the records of `step` and later (a run going back to a checkpoint)."""
+        if os.path.exists(self.samples_path):
+            with open(self.samples_path) as f:
+                kept = [line for line in f if json.loads(line)["step"] < step]
+            with open(self.samples_path, "w") as f:
+                f.writelines(kept)
         self.history = [r for r in self.history if r.get("step", 0) < step]
+        for sink in self.sinks:
+            sink.rewind(step)
         self._file.close()
         with open(self.path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
@@ -94,6 +112,9 @@ class RunLogger:
             self._bar = None
         if not self._file.closed:
             self._file.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def series(self, key: str) -> list[float]:
         return [r[key] for r in self.history if key in r]
@@ -140,6 +161,36 @@ class RunLogger:
             f"last-{k} mean {sum(last) / len(last):.3f} | mean step {sum(steps) / len(steps):.3f}s | "
             f"run dir {self.run_dir}"
         )
+
+
+class TensorBoardSink:
+    """Every numeric metric as a scalar at its step, in `<run dir>/tensorboard`."""
+
+    def __init__(self, run_dir: str):
+        self.dir = os.path.join(run_dir, "tensorboard")
+        self.writer = self._open(None)
+
+    def _open(self, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(self.dir, purge_step=purge_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, record["step"])
+        self.writer.flush()
+
+    def rewind(self, step: int) -> None:
+        """Events at `step` and later are dropped (TensorBoard's purge_step)."""
+        self.writer.close()
+        self.writer = self._open(step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+SINKS = {"tensorboard": TensorBoardSink}
 
 
 def _plain(value: Any) -> Any:

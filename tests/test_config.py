@@ -59,6 +59,7 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["task.max_digits=2"], "task.max_digits"),
         (["generation.overlong_prompt=truncate"], "generation.overlong_prompt"),
         (["model.max_positions=0"], "model.max_positions"),
+        (["run.sinks=[neptune]"], "run.sinks"),
         (["model.path=/no/such/dir"], "/no/such/dir"),
         (["steps"], "key=value"),
     ],

@@ -64,7 +64,15 @@ def read_metrics(run_dir):
 
 
 def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray_procs):
-    result = run_grpo(tmp_path, "e2e", "steps=4", "warm_start.steps=2", timeout=300)
+    result = run_grpo(
+        tmp_path,
+        "e2e",
+        "steps=4",
+        "warm_start.steps=2",
+        "run.samples_every=2",
+        "run.sinks=[tensorboard]",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "e2e"
     assert {"config.yaml", "metrics.jsonl", "warm_start.jsonl", "reward.png", "final"} <= set(
@@ -88,6 +96,32 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     # its log-probs and the trainer's recomputed ones agree to float32 rounding.
     assert all(r["weights/shm_replicas"] == 1 for r in records)
     assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in records), records
+
+    # Every 2 steps the whole batch's samples: prompt, completion, reward, advantage.
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [0, 2] and len(samples) == 2 * 16 * 8
+    assert all(s["prompt"].endswith(">") and 0 <= s["reward"] <= 1 for s in samples)
+    rewards = {r["step"]: r["reward/mean"] for r in records}
+    assert abs(sum(s["reward"] for s in samples if s["step"] == 2) / 128 - rewards[2]) < 1e-6
+
+    # The same figures in TensorBoard's event file, read back with its reader.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("reward/mean")
+    assert [e.step for e in scalars] == [0, 1, 2, 3]
+    assert all(abs(e.value - rewards[e.step]) < 1e-6 for e in scalars)
+
+    # `meshrl report`: the installed command prints the key figures and draws the plots.
+    meshrl = os.path.join(os.path.dirname(sys.executable), "meshrl")
+    report = subprocess.run([meshrl, "report", str(run_dir)], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert "reward/mean" in report.stdout and "time/train_s" in report.stdout
+    for png in ("report_reward.png", "report_length.png", "report_time.png"):
+        assert (run_dir / png).stat().st_size > 0, png
+    missing = subprocess.run([meshrl, "report", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 1 and "has no metrics.jsonl" in missing.stderr
 
     cfg = load_config(GRPOConfig, str(run_dir / "config.yaml"))
     assert cfg.steps == 4 and cfg.run.name == "e2e"
