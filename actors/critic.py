@@ -20,11 +20,17 @@ from meshrl.losses import value_loss
 from meshrl.models import completion_values, device_for_this_proc, load_value_model
 from meshrl.optim import build_optimizer
 from meshrl.parallel import clipped_step, data_parallel, shutdown
+from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
 class Critic(Drillable, Actor):
+    role = "critic"
+
+    def weight_version(self) -> int:
+        return self.weights.version
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -48,12 +54,14 @@ class Critic(Drillable, Actor):
         self.value_clip = value_clip
 
     @endpoint
+    @observed
     def load_backbone(self, handle: WeightHandle) -> int:
         """Take the backbone of a published policy version (the head is kept)."""
         self.weights.pull(handle)
         return self.weights.version
 
     @endpoint
+    @observed
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] value of the prefix before each completion token."""
         self.drill("values")
@@ -67,6 +75,7 @@ class Critic(Drillable, Actor):
         return values.cpu()
 
     @endpoint
+    @observed
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on this rank's shard
         (needs `batch.returns` and `batch.old_values`)."""

@@ -1,26 +1,144 @@
-"""Environment: scores completions of the task's prompts with verifiable rewards."""
+"""Environment: scores completions and steps episodes, many at once.
+
+`score` rewards single-turn completions; `step` advances multi-turn episodes
+by one model turn each. For an environment that is `threaded` (tools,
+sandboxed programs, multi-turn episodes) both run their items concurrently in
+a thread pool (`task.env_workers`), so a slow tool holds up only its own
+episode, and a step past `task.step_timeout_s` fails. A reward or step that
+raises or returns garbage fails only that episode, with the reason.
+"""
 
 from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from monarch.actor import Actor, endpoint
 
 from meshrl.config import ModelConfig, TaskConfig
-from meshrl.envs import make_task
+from meshrl.envs import Episode, Step, make_task
 from meshrl.faults import Drillable
 from meshrl.models import load_tokenizer
+from meshrl.telemetry import observed, record
 from meshrl.types import Prompt
 
 
 class Environment(Drillable, Actor):
+    role = "environment"
+
     def __init__(self, task_cfg: TaskConfig, model_cfg: ModelConfig):
         self.task = make_task(task_cfg)
         self.tokenizer = load_tokenizer(model_cfg)
+        self.timeout_s = task_cfg.step_timeout_s
+        self.workers = task_cfg.env_workers
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="episode")
+        self.episodes: dict[str, Episode] = {}
+
+    def _run_all(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, str]]:
+        """Run `calls` in the pool (inline for an environment that is not
+        `threaded`: cheap rewards, where threads only add overhead); (result,
+        '') or (None, reason) each."""
+        if not self.task.in_threads:
+            return self._count([_contained(call) for call in calls])
+        futures = [self.pool.submit(call) for call in calls]
+        # Items beyond the pool's width wait for a thread: each wave gets the timeout.
+        waves = -(-len(calls) // self.workers)
+        deadline = time.monotonic() + self.timeout_s * max(1, waves)
+        results = []
+        for future in futures:
+            try:
+                results.append((future.result(timeout=max(0.0, deadline - time.monotonic())), ""))
+            except FutureTimeout:
+                results.append((None, f"timeout: no answer within {self.timeout_s:g}s"))
+            except Exception as error:  # noqa: BLE001 - contained: the episode fails, not the actor
+                results.append((None, _reason(error)))
+        return self._count(results)
+
+    @staticmethod
+    def _count(results: list[tuple[Any, str]]) -> list[tuple[Any, str]]:
+        failed = sum(1 for _, reason in results if reason)
+        if failed:
+            record("env/failed", failed, "sum")
+        return results
 
     @endpoint
-    def score(self, prompts: list[Prompt], completion_ids: list[list[int]]) -> list[float]:
-        """Reward in [0, 1] of each completion (token ids, EOS excluded by decoding)."""
+    @observed
+    def score(
+        self, prompts: list[Prompt], completion_ids: list[list[int]]
+    ) -> tuple[list[float], dict[int, str]]:
+        """Reward of each completion (token ids, EOS excluded by decoding), and the
+        reasons of those that failed (their reward reads 0)."""
         self.drill("score")
         if not completion_ids:
-            return []
+            return [], {}
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return [self.task.reward(p, t) for p, t in zip(prompts, texts, strict=True)]
+        results = self._run_all(
+            [
+                (lambda p=p, t=t: _checked(self.task.reward(p, t)))
+                for p, t in zip(prompts, texts, strict=True)
+            ]
+        )
+        failures = {i: reason for i, (_, reason) in enumerate(results) if reason}
+        return [0.0 if reason else value for value, reason in results], failures
+
+    @endpoint
+    @observed
+    def step(
+        self, items: list[tuple[str, Prompt, str, bool]]
+    ) -> list[tuple[str, Step | None, str]]:
+        """One turn of each episode: (key, prompt, the model's action text, final).
+        An episode starts at its first step and is forgotten when done, failed or
+        final. Returns (key, step, failure reason) each."""
+        calls = []
+        for key, prompt, action, _ in items:
+            episode = self.episodes.get(key)
+            if episode is None:
+                episode = self.episodes[key] = self.task.episode(prompt)
+            calls.append(lambda e=episode, a=action: _checked_step(e.step(a)))
+        out = []
+        for (key, _, _, final), (step, reason) in zip(items, self._run_all(calls), strict=True):
+            if reason or final or step.done:
+                self.episodes.pop(key, None)
+            if step is not None:
+                for name, value in step.info.items():
+                    record(f"env/{name}", value, "sum")
+            out.append((key, step, reason))
+        return out
+
+    def __del__(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"raised {type(error).__name__}: {text[0] if text else ''}"
+
+
+def _contained(call: Callable[[], Any]) -> tuple[Any, str]:
+    try:
+        return call(), ""
+    except Exception as error:  # noqa: BLE001 - contained: the episode fails, not the actor
+        return None, _reason(error)
+
+
+def _checked(reward: Any) -> float:
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+    ):
+        raise TypeError(f"garbage reward {reward!r} (expected a finite number)")
+    return float(reward)
+
+
+def _checked_step(step: Any) -> Step:
+    if not isinstance(step, Step):
+        raise TypeError(f"garbage step {step!r:.80} (expected meshrl.envs.Step)")
+    if not isinstance(step.observation, str):
+        raise TypeError(f"garbage observation {step.observation!r:.80} (expected text)")
+    step.reward = _checked(step.reward)
+    return step

@@ -7,50 +7,82 @@ token and the weight version that produced them.
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.config import GenerationConfig, ModelConfig
+from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
+from meshrl.engines import make_engine
 from meshrl.faults import Drillable
-from meshrl.generation import sample
 from meshrl.models import device_for_this_proc, load_model, load_tokenizer
+from meshrl.telemetry import observed, record
 from meshrl.types import Completions
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
 class Policy(Drillable, Actor):
-    def __init__(self, model_cfg: ModelConfig, seed: int = 0):
+    role = "policy"
+
+    def weight_version(self) -> int:
+        return self.weights.version
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        seed: int = 0,
+        policy_cfg: PolicyConfig | None = None,
+        context: int = 2048,
+    ):
+        """`context`: prompt + completion tokens the engine must hold (vllm)."""
+        policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        # Every engine's weights come through this model: pulled in place by version.
         self.weights = WeightReceiver(self.model)
-        # Each replica samples its own stream, reproducibly.
-        self.generator = torch.Generator(self.device).manual_seed(seed * 1009 + current_rank().rank)
+        self.engine = make_engine(
+            policy_cfg.engine,
+            self.model,
+            model_cfg,
+            self.pad_id,
+            self.eos_id,
+            seed,
+            policy_cfg.gpu_memory_utilization,
+            context,
+        )
+        # Each replica samples its own stream, reproducibly. (On the CPU: vLLM
+        # takes its requests' seeds from it.)
+        device = self.device if policy_cfg.engine == "hf" else "cpu"
+        self.generator = torch.Generator(device).manual_seed(seed * 1009 + current_rank().rank)
 
     @endpoint
+    @observed
     def generate(self, prompt_ids: list[list[int]], generation: GenerationConfig) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group)."""
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
+        started = time.perf_counter()
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(prompt_ids), width)
         for row, prompt in enumerate(prompt_ids):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        tokens, logprobs, completion_mask = sample(
-            self.model,
-            ids.to(self.device),
-            mask.to(self.device),
-            max_new_tokens=generation.max_new_tokens,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            temperature=generation.temperature,
-            top_p=generation.top_p,
-            generator=self.generator,
+        stats: dict = {}
+        tokens, logprobs, completion_mask = self.engine.generate(
+            ids.to(self.device), mask.to(self.device), prompt_ids, generation, self.generator, stats
         )
+        tokens_out = completion_mask.sum().item()
+        if math.isfinite(stats["entropy_sum"]):
+            record("policy/entropy", stats["entropy_sum"] / max(tokens_out, 1), "mean")
+        record("policy/completion_tokens", tokens_out, "sum")
+        record("time/policy/tokens_per_s", tokens_out / (time.perf_counter() - started), "mean")
+        record("policy/longest_completion", completion_mask.sum(1).max().item(), "max")
+        record("policy/shortest_completion", completion_mask.sum(1).min().item(), "min")
         return Completions(
             prompt_ids=ids,
             prompt_mask=mask,
@@ -61,10 +93,12 @@ class Policy(Drillable, Actor):
         )
 
     @endpoint
+    @observed
     def load_weights(self, handle: WeightHandle) -> tuple[int, str]:
         """Pull a published version into this replica; returns the version now
         served and how it came ('shm' or 'rdma')."""
         self.weights.pull(handle)
+        self.engine.weights_changed()
         return self.weights.version, self.weights.path
 
     @endpoint

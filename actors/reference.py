@@ -13,11 +13,17 @@ from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig
 from meshrl.faults import Drillable
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model
+from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightReceiver
 
 
 class Reference(Drillable, Actor):
+    role = "reference"
+
+    def weight_version(self) -> int:
+        return self.weights.version
+
     def __init__(self, model_cfg: ModelConfig, seed: int = 0):
         self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()
@@ -25,6 +31,7 @@ class Reference(Drillable, Actor):
         self.weights = WeightReceiver(self.model)
 
     @endpoint
+    @observed
     def load_weights(self, handle: WeightHandle) -> int:
         self.weights.pull(handle)
         return self.weights.version
@@ -43,6 +50,7 @@ class Reference(Drillable, Actor):
         return self.weights.version
 
     @endpoint
+    @observed
     def logprobs(self, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
         """[B, T] log-probs of the batch's completion tokens."""
         self.drill("logprobs")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
+from meshrl import lora
 from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.faults import Drillable
@@ -33,6 +34,7 @@ from meshrl.parallel import (
     save_sharded,
     shutdown,
 )
+from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightPublisher
 
@@ -40,6 +42,8 @@ LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, floa
 
 
 class Trainer(Drillable, Actor):
+    role = "trainer"
+
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -58,6 +62,8 @@ class Trainer(Drillable, Actor):
         self.device = device_for_this_proc()
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
+        if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
+            self.model = lora.wrap(self.model, model_cfg.lora, seed)
         self.module = data_parallel(
             self.model,
             self.device,
@@ -74,9 +80,18 @@ class Trainer(Drillable, Actor):
         self.temperature = temperature
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards.
         owns = self.rank == 0 or self.sharded
-        self.publisher = WeightPublisher(self.model, shm_prefix) if owns else None
+        self.publisher = (
+            WeightPublisher(self.model, shm_prefix, parameters=self.served_parameters)
+            if owns
+            else None
+        )
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
+
+    def served_parameters(self):
+        """(HF name, tensor) of what replicas serve: the parameters (a shard of
+        each when sharded), with LoRA adapters merged in."""
+        return lora.merged_parameters(self.model)
 
     def _logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         return completion_logprobs(
@@ -98,6 +113,7 @@ class Trainer(Drillable, Actor):
         return metrics
 
     @endpoint
+    @observed
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard; the version advances (also
         when a NaN or infinite loss skips the step: `train/nonfinite_skipped`)."""
@@ -109,6 +125,7 @@ class Trainer(Drillable, Actor):
         return metrics
 
     @endpoint
+    @observed
     def warm_start_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
         """One supervised step (NLL of the completion tokens) with its own AdamW."""
         if self.warm_start_optimizer is None:
@@ -124,6 +141,7 @@ class Trainer(Drillable, Actor):
         return metrics
 
     @endpoint
+    @observed
     def eval_step(self, batch: TrainBatch) -> dict[str, float]:
         """The loss and its metrics on this rank's shard, without a gradient step
         (held-out evaluation)."""
@@ -136,6 +154,7 @@ class Trainer(Drillable, Actor):
         return metrics
 
     @endpoint
+    @observed
     def save_state(self, directory: str) -> None:
         """This role's part of the checkpoint in `directory`: `trainer.pt` (rank 0:
         schedule and version, and model and optimizer unless sharded) and, when
@@ -151,6 +170,7 @@ class Trainer(Drillable, Actor):
             )
 
     @endpoint
+    @observed
     def load_state(self, directory: str) -> int:
         """Every rank restores what `save_state` wrote; returns the version."""
         parts = {} if self.sharded else {"model": self.model, "optimizer": self.optimizer}
@@ -163,6 +183,7 @@ class Trainer(Drillable, Actor):
         return self.version
 
     @endpoint
+    @observed
     def publish(self) -> WeightHandle | None:
         """Write the current weights, tagged with the version, where replicas pull
         them (`meshrl.weights`); returns this rank's handle, or None on a rank
@@ -173,23 +194,37 @@ class Trainer(Drillable, Actor):
         return self.publisher.publish(self.version)
 
     @endpoint
+    @observed
     def save(self, path: str) -> None:
         """Rank 0: HF `save_pretrained` of model and tokenizer (every rank must be
-        called when sharded: the parameters are gathered)."""
+        called when sharded: the parameters are gathered). With LoRA, per
+        `model.lora.save`: the merged model in `path`, the adapter in
+        `path/adapter`, or both."""
         state = None
         if self.sharded:
             state = {name: t.detach().cpu() for name, t in full_parameters(self.model)}
-        if self.rank == 0:
-            from transformers.utils import logging as hf_logging
+        if self.rank != 0:
+            return
+        from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()  # keep the controller's console to the run's own bar
+        hf_logging.disable_progress_bar()  # keep the controller's console to the run's own bar
+        load_tokenizer(self.model_cfg).save_pretrained(path)
+        if not lora.is_lora(self.model):
             self.model.save_pretrained(path, state_dict=state)
-            load_tokenizer(self.model_cfg).save_pretrained(path)
+            return
+        save = self.model_cfg.lora.save
+        if save in ("merged", "both"):  # a plain HF model: transformers and vLLM load it
+            merged = {name: t.detach().cpu().clone() for name, t in self.served_parameters()}
+            self.model.get_base_model().save_pretrained(path, state_dict=merged)
+        if save in ("adapter", "both"):  # peft's files, on top of the base model
+            self.model.save_pretrained(f"{path}/adapter")
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of every full parameter (for inspection and tests; every
-        rank must be called when sharded)."""
+        """A CPU copy of every full parameter, LoRA adapters merged (for
+        inspection and tests; every rank must be called when sharded)."""
+        if lora.is_lora(self.model):
+            return {name: t.detach().cpu().clone() for name, t in self.served_parameters()}
         return {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
 
     def __del__(self):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import random
 import signal
@@ -32,12 +33,16 @@ from meshrl.config import (
     ModelConfig,
     OptimConfig,
     PlacementConfig,
+    PolicyConfig,
+    RewardModelConfig,
     RunConfig,
     TaskConfig,
     WarmStartConfig,
+    check_lora_placement,
     parse_cli,
     save_config,
 )
+from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
@@ -53,8 +58,13 @@ from meshrl.mesh import (
 )
 from meshrl.metrics import RunLogger, make_run_dir
 from meshrl.models import context_length, load_tokenizer
+from meshrl.rollout import ChatFormat, run_episodes, to_completions
+from meshrl.status import StatusFile
+from meshrl.status import table as status_table
 from meshrl.types import Completions, Prompt, TrainBatch
 from meshrl.weights import SHM_DIR, WeightHandle, rdma_backend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +90,8 @@ class RLConfig:
     s+1..s+k are generated while step s trains. 0 is the synchronous on-policy loop."""
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -95,6 +107,8 @@ class RLConfig:
         for section in (
             self.model,
             self.generation,
+            self.policy,
+            self.reward_model,
             self.optim,
             self.placement,
             self.task,
@@ -119,6 +133,16 @@ class RLConfig:
             raise ConfigError("config key 'kl_coef': must be >= 0")
         if self.max_staleness < 0:
             raise ConfigError("config key 'max_staleness': must be >= 0")
+        check_lora_placement(self.model, self.placement)
+        if self.max_staleness and make_task(self.task).multi_turn:
+            raise ConfigError(
+                f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "
+                "run with max_staleness=0"
+            )
+        if self.policy.engine == "vllm" and self.job.kind in ("local", "process"):
+            missing = vllm_missing()  # the replicas run on this machine: say so now
+            if missing:
+                raise ConfigError(f"config key 'policy.engine': {missing}")
         batch = self.prompts_per_step * self.group_size
         for role in ("policy", "reference", "trainer"):
             if batch % self.ranks(role):
@@ -169,11 +193,12 @@ class Algorithm:
         self.cfg = cfg
         self.meshes: RoleMeshes | None = None
         self.logger: RunLogger | None = None
+        self.status: StatusFile | None = None
 
     def __getstate__(self) -> dict:
         # The algorithm travels to the trainer procs so that its `loss` hook runs
         # there; only the config goes with it, never the mesh handles.
-        return {"cfg": self.cfg, "meshes": None, "logger": None}
+        return {"cfg": self.cfg, "meshes": None, "logger": None, "status": None}
 
     def run(self) -> list[dict]:
         raise NotImplementedError
@@ -194,6 +219,8 @@ class Algorithm:
         }
         if cfg.kl_coef > 0:
             counts["reference"] = cfg.placement.reference
+        if cfg.reward_model.path:
+            counts["reward_model"] = cfg.placement.reward_model
         if cfg.placement.colocate:
             del counts["policy"]  # in the trainer's procs (`shared_roles`)
         return counts
@@ -234,6 +261,8 @@ class Algorithm:
         except BaseException:
             self.shutdown()
             raise
+        self.status = StatusFile(self.run_dir, self.meshes.status, cfg.run.status_every_s)
+        self.status.start()
 
     def prepare(self) -> None:
         """The controller's own state: random generators, tokenizer, task, sample
@@ -249,6 +278,7 @@ class Algorithm:
         self.pulls: Any = None  # replicas' pulls of the newest version, not yet waited for
         self.sync_paths: list[str] = []
         self.tokenizer = load_tokenizer(cfg.model)
+        self.format = ChatFormat(self.tokenizer)  # the chat template, when it has one
         self.task = make_task(cfg.task) if hasattr(cfg, "task") else None
         self.context = context_length(cfg.model)
         # Shared-memory weight files of this run's trainers, removed at shutdown.
@@ -278,13 +308,21 @@ class Algorithm:
         if role == "trainer":
             self.spawn_trainer(cfg.total_updates, cfg.generation.temperature)
         elif role == "policy":
-            self.policy = self.meshes.spawn("policy", "policy", Policy, cfg.model, seed)
+            self.policy = self.meshes.spawn(
+                "policy", "policy", Policy, cfg.model, seed, cfg.policy, self.context
+            )
         elif role == "environment":
             self.environment = self.meshes.spawn(
                 "environment", "environment", Environment, cfg.task, cfg.model
             )
         elif role == "reference":
             self.reference = self.meshes.spawn("reference", "reference", Reference, cfg.model, seed)
+        elif role == "reward_model":
+            from actors.reward_model import RewardModel
+
+            self.reward_model = self.meshes.spawn(
+                "reward_model", "reward_model", RewardModel, cfg.reward_model.path
+            )
 
     def spawn_trainer(self, total_steps: int, temperature: float = 1.0) -> None:
         from actors.trainer import Trainer
@@ -309,6 +347,7 @@ class Algorithm:
         the steps before `first_step` and drops any later ones. The loop starts
         next: from here Ctrl-C stops at the end of a step (`end_step`)."""
         StopRequest.loop_running = True
+        self.meshes.report(self.timeout_s)  # actors' metrics from before the loop: not a step's
         self.logger = RunLogger(
             self.run_dir,
             total_steps,
@@ -319,6 +358,24 @@ class Algorithm:
             sinks=tuple(self.cfg.run.sinks),
         )
         return self.logger
+
+    def log_step(self, metrics: dict) -> None:
+        """Record one step: the loop's `metrics` and what every actor recorded
+        since the last step (`meshrl.telemetry.record`, reduced across the
+        meshes) go to metrics.jsonl and the sinks; each proc's state to
+        status.json."""
+        recorded, procs = self.meshes.report(self.timeout_s)
+        self.status.write(procs, step=metrics.get("step"))
+        self.logger.log({**recorded, **metrics})
+
+    def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
+        """Ask every proc of every mesh now: its actors, their weight versions, the
+        endpoint under way, the last call; a proc that is gone shows as dead.
+        Prints the table (`show`) and returns one dict per proc."""
+        procs = self.meshes.status(timeout_s)
+        if show:
+            print(status_table(procs))
+        return procs
 
     # --- start, checkpoints, resume ---------------------------------------------------
 
@@ -453,7 +510,7 @@ class Algorithm:
         prompts: list[Prompt] = []
         for _ in range(100):  # draws of a batch, before concluding nothing fits
             drawn = self.task.sample(num_prompts - len(prompts), self.rng)
-            lengths = map(len, self.tokenizer([p.text for p in drawn]).input_ids)  # one batch call
+            lengths = map(len, self.format.prompts([p.text for p in drawn]))  # one batch call
             for prompt, length in zip(drawn, lengths, strict=True):
                 if length <= room:
                     prompts.append(prompt)
@@ -476,6 +533,8 @@ class Algorithm:
         those of the synchronous loop). A batch generated more than
         `max_staleness` weight versions ago is dropped (`samples/dropped_stale`)
         and generated again."""
+        if self.task.multi_turn:
+            return self.play(self.sample_prompts(self.cfg.prompts_per_step))
         k = getattr(self.cfg, "max_staleness", 0)
         while len(self.pending) <= k:
             self.pending.append(
@@ -496,6 +555,8 @@ class Algorithm:
     def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
         """`group_size` completions per prompt, generated now and scored (the
         synchronous path; DAPO's sampling rounds use it)."""
+        if self.task.multi_turn:
+            return self.play(prompts)
         batch = self.start_generation(prompts)
         completions, info = self.finish_generation(batch)
         return self.score(batch, completions, info)
@@ -506,7 +567,7 @@ class Algorithm:
         layout (its completions come from elsewhere: a checkpoint)."""
         k = self.cfg.group_size
         group = [p for p in prompts for _ in range(k)]
-        ids = [i for i in self.tokenizer([p.text for p in prompts]).input_ids for _ in range(k)]
+        ids = [i for i in self.format.prompts([p.text for p in prompts]) for _ in range(k)]
         shards = split(ids, self.meshes.size("policy"))
         args = [(s, self.cfg.generation) for s in shards]
         return PendingBatch(
@@ -551,7 +612,14 @@ class Algorithm:
             strict=True,
         )
         scores, _ = self.call_recovering("environment", "score", list(env_shards))
-        rewards = torch.tensor([r for part in scores for r in part])
+        rewards = torch.tensor([r for part, _ in scores for r in part])
+        failures, offset = {}, 0
+        for part, failed in scores:
+            failures.update({offset + row: reason for row, reason in failed.items()})
+            offset += len(part)
+        if failures:  # those groups go; new prompts take their place
+            completions, rewards = self.refill(completions, rewards, failures, info)
+        rewards = self.add_model_reward(completions, rewards, info)
         rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
         lost, stale = info["samples/dropped_policy_lost"], info.get("samples/dropped_stale", 0)
         return (
@@ -561,8 +629,131 @@ class Algorithm:
                 **info,
                 "time/score_s": time.perf_counter() - scored,
                 # Every sample is trained on once or counted here, by reason.
-                "samples/dropped": lost + rewound + stale,
+                "samples/dropped": lost
+                + rewound
+                + stale
+                + info.get("samples/dropped_env_failed", 0),
                 "samples/dropped_stale": stale,
+                "samples/dropped_trainer_rewind": rewound,
+                "faults/recoveries": len(self.recoveries),
+            },
+        )
+
+    max_refills = 3
+    """Times in a row failed episodes' groups are sampled again before the run stops."""
+
+    def refill(
+        self, completions: Completions, rewards: torch.Tensor, failures: dict[int, str], info: dict
+    ) -> tuple[Completions, torch.Tensor]:
+        """Drop the groups of single-turn completions whose scoring failed (each
+        reason logged, counted in `episodes/failed` and `samples/dropped_env_failed`)
+        and score new prompts in their place."""
+        k = self.cfg.group_size
+        groups = sorted({row // k for row in failures})
+        self.count_failures(list(failures.values()), len(groups) * k, info)
+        keep = torch.tensor([r for r in range(len(rewards)) if r // k not in groups])
+        self.refills = getattr(self, "refills", 0) + 1
+        try:
+            new, new_rewards, _ = self.generate_and_score(self.sample_prompts(len(groups)))
+        finally:
+            self.refills -= 1
+        kept = completions.rows(keep)
+        return (
+            Completions.concat([kept, new], self.tokenizer.pad_token_id),
+            torch.cat([rewards[keep], new_rewards]),
+        )
+
+    def count_failures(self, reasons: list[str], dropped: int, info: dict) -> None:
+        if getattr(self, "refills", 0) >= self.max_refills:
+            raise RuntimeError(
+                f"environment: episodes failed in {self.max_refills} refills in a row; "
+                f"the last: {reasons[-1]}"
+            )
+        for reason in reasons:
+            logger.warning("episode failed: %s", reason)
+        self.totals["dropped_env_failed"] += dropped
+        self.totals["episodes_failed"] += len(reasons)
+        info["episodes/failed"] = info.get("episodes/failed", 0) + len(reasons)
+        info["samples/dropped_env_failed"] = info.get("samples/dropped_env_failed", 0) + dropped
+
+    def play(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
+        """Multi-turn episodes (`meshrl.rollout`): `group_size` per prompt, the
+        model's turns on the policy replicas and the environment's replies on
+        the environment procs, interleaved. A group with a failed episode is
+        dropped (counted, its reasons logged) and new prompts played instead."""
+        k = self.cfg.group_size
+        kept: list = []
+        info: dict = {"samples/dropped_policy_lost": 0}
+        started = time.perf_counter()
+        for attempt in range(self.max_refills + 1):
+            self.refills = attempt
+            group = [p for p in prompts for _ in range(k)]
+            episodes, timing = run_episodes(
+                group,
+                lambda role: getattr(self, role),
+                self.meshes.size("policy"),
+                self.meshes.size("environment"),
+                self.format,
+                self.cfg.generation,
+                self.task.turns,
+                self.context,
+                self.timeout_s,
+                on_lost=self.recover,
+                key_prefix=f"{self.published}.{attempt}.",
+            )
+            self.totals["generated"] += len(episodes)
+            failed = {i // k for i, e in enumerate(episodes) if e.failed}
+            kept += [e for i, e in enumerate(episodes) if i // k not in failed]
+            if not failed:
+                break
+            reasons = [e.failed for e in episodes if e.failed]
+            self.count_failures(reasons, len(failed) * k, info)
+            prompts = self.sample_prompts(len(failed))
+        self.refills = 0
+        completions, rewards = to_completions(kept, self.tokenizer.pad_token_id)
+        mask, attention = completions.completion_mask, completions.attention
+        info.update(
+            {
+                "time/generate_s": timing["time/episode_generate_s"],
+                "time/episodes_s": time.perf_counter() - started,
+                "episodes/turns_mean": sum(e.turns for e in kept) / len(kept),
+                "episodes/truncated": sum(e.truncated for e in kept),
+                "tokens/environment": int((attention - mask).sum().item()),
+            }
+        )
+        self.last_episodes = kept
+        return self.score_info(completions, rewards, info)
+
+    def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
+        """With `reward_model.path`: rule_weight x the environment's reward + weight x
+        the reward model's score of prompt + completion (both logged)."""
+        cfg = getattr(self.cfg, "reward_model", None)
+        if cfg is None or not cfg.path or getattr(self, "refills", 0):
+            return rewards  # (a refill's rows are scored with the whole batch)
+        prompts, texts = self.decode(completions)
+        n = self.meshes.size("reward_model")
+        parts, _ = self.call_recovering(
+            "reward_model",
+            "score",
+            [(chunk,) for chunk in split([p + t for p, t in zip(prompts, texts, strict=True)], n)],
+        )
+        model = torch.tensor([s for part in parts for s in part])
+        info["reward/rule_mean"] = rewards.mean().item()
+        info["reward/model_mean"] = model.mean().item()
+        return cfg.rule_weight * rewards + cfg.weight * model
+
+    def score_info(
+        self, completions: Completions, rewards: torch.Tensor, info: dict
+    ) -> tuple[Completions, torch.Tensor, dict]:
+        rewards = self.add_model_reward(completions, rewards, info)
+        rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
+        failed = info.get("samples/dropped_env_failed", 0)
+        return (
+            completions,
+            rewards,
+            {
+                **info,
+                "samples/dropped": info["samples/dropped_policy_lost"] + rewound + failed,
                 "samples/dropped_trainer_rewind": rewound,
                 "faults/recoveries": len(self.recoveries),
             },
@@ -733,21 +924,24 @@ class Algorithm:
             "samples/skipped_overlong_prompts": self.skipped_prompts,
         }
 
+    def decode(self, completions: Completions) -> tuple[list[str], list[str]]:
+        """The prompts' and the completions' texts (an episode's whole transcript)."""
+        prompts = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(completions.prompt_ids, completions.prompt_mask, strict=True)
+        ]
+        return (
+            self.tokenizer.batch_decode(prompts, skip_special_tokens=True),
+            self.tokenizer.batch_decode(completions.completion_lists(), skip_special_tokens=True),
+        )
+
     def record_samples(self, step: int, completions: Completions, rewards, advantages) -> None:
         """Every `run.samples_every` steps: the step's prompts, completions, rewards
         and advantages (a per-token advantage as its mean) in samples.jsonl."""
         every = self.cfg.run.samples_every
         if not every or step % every:
             return
-        tok = self.tokenizer
-        prompts = tok.batch_decode(
-            [
-                ids[m.bool()].tolist()
-                for ids, m in zip(completions.prompt_ids, completions.prompt_mask, strict=True)
-            ],
-            skip_special_tokens=True,
-        )
-        texts = tok.batch_decode(completions.completion_lists(), skip_special_tokens=True)
+        prompts, texts = self.decode(completions)
         mask = completions.completion_mask
         if advantages.dim() == 2:
             advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -757,6 +951,7 @@ class Algorithm:
                 {"prompt": p, "completion": c, "reward": float(r), "advantage": float(a)}
                 for p, c, r, a in zip(prompts, texts, rewards, advantages, strict=True)
             ],
+            console=self.cfg.run.console_samples,
         )
 
     def rollout_metrics(self, rewards: torch.Tensor, completions: Completions) -> dict:
@@ -940,6 +1135,8 @@ class Algorithm:
     def shutdown(self) -> None:
         """Stop every proc this run spawned (safe to call twice)."""
         StopRequest.loop_running = StopRequest.requested = False
+        if self.status is not None:
+            self.status.stop()  # before the meshes go: it asks their procs
         if self.logger is not None:
             self.logger.close()
         if self.meshes is not None:

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms.base import Algorithm, main, supervised_batch
-from meshrl.config import ConfigError, ModelConfig, OptimConfig, PlacementConfig, RunConfig
+from meshrl.config import (
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    PlacementConfig,
+    RunConfig,
+    check_lora_placement,
+)
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, sequence_logprobs
@@ -102,6 +109,7 @@ class DPOConfig:
             self.job,
         ):
             section.validate()
+        check_lora_placement(self.model, self.placement)
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
@@ -149,7 +157,7 @@ class DPO(Algorithm):
                     record.update({f"{k}_before": v for k, v in before.items()})
                 if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
                     record.update(self.evaluate())
-                self.logger.log(record)
+                self.log_step(record)
                 self.end_step(step + 1)  # stops here on Ctrl-C
             self.finish()
         finally:

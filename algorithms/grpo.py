@@ -179,7 +179,7 @@ class GRPO(Algorithm):
 
     def after_step(self, step: int, metrics: dict) -> None:
         """Record the step (metrics.jsonl, progress bar)."""
-        self.logger.log(metrics)
+        self.log_step(metrics)
 
 
 if __name__ == "__main__":

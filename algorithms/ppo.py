@@ -118,7 +118,7 @@ class PPO(Algorithm):
                 self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
                 self.record_samples(step, completions, scores, batch.advantages)
 
-                self.logger.log(
+                self.log_step(
                     {
                         "step": step,
                         **self.rollout_metrics(scores, completions),

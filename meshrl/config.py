@@ -34,6 +34,52 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the trainer's copy of the model; the replicas,
+    the reference and the critic get the merged weights."""
+
+    rank: int = 0
+    """Adapter rank; 0 trains every weight (no LoRA)."""
+    alpha: float = 16.0
+    """Scale of the adapters' output: alpha / rank."""
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Names of the linear layers that get adapters (the Llama/Qwen names)."""
+    save: str = "merged"
+    """The final model: merged (weights with the adapters folded in), adapter
+    (peft's adapter files in `final/adapter`) or both."""
+
+    def validate(self, prefix: str = "model.lora") -> None:
+        _check(self.rank >= 0, f"{prefix}.rank", "must be >= 0")
+        _check(self.alpha > 0, f"{prefix}.alpha", "must be > 0")
+        _check(0 <= self.dropout < 1, f"{prefix}.dropout", "must be in [0, 1)")
+        _check(bool(self.target_modules), f"{prefix}.target_modules", "must name a module")
+        _check(
+            self.save in ("merged", "adapter", "both"),
+            f"{prefix}.save",
+            f"'{self.save}' is not one of merged, adapter, both",
+        )
+        if self.rank:
+            import importlib.util
+
+            _check(
+                importlib.util.find_spec("peft") is not None,
+                f"{prefix}.rank",
+                "LoRA needs peft, which is not installed: pip install -e '.[lora]'",
+            )
+
+
+@dataclass
 class ModelConfig:
     """The policy model. Either a local HF directory or the embedded tiny Llama."""
 
@@ -52,6 +98,8 @@ class ModelConfig:
     """Parameter dtype on every role: float32 or bfloat16."""
     max_positions: int = 256
     """Embedded model only: its context window in tokens."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA on the trainer (rank 0: off)."""
 
     def validate(self, prefix: str = "model") -> None:
         _check(
@@ -67,6 +115,7 @@ class ModelConfig:
                 f"{self.path} has no config.json (expected a save_pretrained directory)",
             )
             _check_tokenizer_fits(self.path, f"{prefix}.path")
+        self.lora.validate(f"{prefix}.lora")
         for name in (
             "hidden_size",
             "num_layers",
@@ -127,6 +176,30 @@ class GenerationConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """How the policy replicas generate."""
+
+    engine: str = "hf"
+    """hf: meshrl's KV-cache sampler on the replica's HF model (CPU or GPU).
+    vllm: an in-process vLLM engine per replica (GPU hosts, the `vllm` extra);
+    weights arrive through the same versioned sync."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: the share of its GPU a replica's engine may take."""
+
+    def validate(self) -> None:
+        _check(
+            self.engine in ("hf", "vllm"),
+            "policy.engine",
+            f"'{self.engine}' is not one of hf, vllm",
+        )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "policy.gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
+
+
+@dataclass
 class OptimConfig:
     """AdamW on the trainer mesh."""
 
@@ -164,6 +237,8 @@ class PlacementConfig:
     environment: int = 1
     reference: int = 1
     """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
+    reward_model: int = 1
+    """Spawned only when reward_model.path is set."""
     critic: int = 1
     """Spawned only by algorithms with a critic (PPO)."""
     threads_per_proc: int = 0
@@ -178,7 +253,7 @@ class PlacementConfig:
     sharded through torch.distributed.checkpoint). The critic runs ddp."""
 
     def validate(self) -> None:
-        for role in ("policy", "trainer", "environment", "reference", "critic"):
+        for role in ("policy", "trainer", "environment", "reference", "critic", "reward_model"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
         _check(self.threads_per_proc >= 0, "placement.threads_per_proc", "must be >= 0")
         _check(
@@ -193,23 +268,88 @@ class TaskConfig:
     """The environment's task (see meshrl/envs)."""
 
     name: str = "reverse_digits"
-    """Task name in meshrl.envs.TASKS."""
+    """An environment in meshrl.envs.TASKS (reverse_digits, math, countdown, code,
+    calculator, slow_tool), or the import path of your own: `mypkg.envs:MyEnv`."""
     num_digits: int = 3
     """reverse_digits: digits per prompt."""
     max_digits: int = 0
     """reverse_digits: when above num_digits, each prompt has num_digits to
     max_digits digits (drawn uniformly)."""
+    dataset: str = ""
+    """Prompts from a .jsonl or .parquet file or a datasets save_to_disk directory
+    instead of the environment's generator (not reverse_digits)."""
+    prompt_field: str = "prompt"
+    """The dataset field the model sees."""
+    answer_field: str = "answer"
+    """The dataset field the reward checks against (other fields travel along)."""
+    max_turns: int = 0
+    """Model turns per episode; 0: the environment's own (calculator: 4)."""
+    step_timeout_s: float = 30.0
+    """An episode step (a tool call) running longer fails that episode."""
+    tool_timeout_s: float = 5.0
+    """Wall limit of one sandboxed program (python tool, code tests)."""
+    tool_latency_s: float = 0.1
+    """slow_tool: seconds each step waits."""
+    env_workers: int = 64
+    """Episode steps an environment proc runs at once (threads)."""
 
     def validate(self) -> None:
-        from meshrl.envs import TASKS
+        from meshrl.envs import TASKS, env_class
 
-        _check(self.name in TASKS, "task.name", f"'{self.name}' is not one of {sorted(TASKS)}")
+        if ":" in self.name:
+            try:
+                env_class(self.name)
+            except (ImportError, AttributeError) as error:
+                _check(False, "task.name", f"cannot import '{self.name}': {error}")
+        else:
+            _check(
+                self.name in TASKS,
+                "task.name",
+                f"'{self.name}' is not one of {sorted(TASKS)} (or a module:Class path)",
+            )
         _check(self.num_digits >= 1, "task.num_digits", "must be >= 1")
         _check(
             self.max_digits == 0 or self.max_digits >= self.num_digits,
             "task.max_digits",
             "must be 0 or >= task.num_digits",
         )
+        _check(self.max_turns >= 0, "task.max_turns", "must be >= 0")
+        _check(self.step_timeout_s > 0, "task.step_timeout_s", "must be > 0")
+        _check(self.tool_timeout_s > 0, "task.tool_timeout_s", "must be > 0")
+        _check(self.env_workers >= 1, "task.env_workers", "must be >= 1")
+        if self.dataset:
+            _check(self.name != "reverse_digits", "task.dataset", "reverse_digits has no dataset")
+            # A relative path: from the working directory, else from the repository
+            # (the shipped samples under meshrl/envs/data work from anywhere).
+            shipped = os.path.join(os.path.dirname(os.path.dirname(__file__)), self.dataset)
+            if not os.path.exists(self.dataset) and os.path.exists(shipped):
+                self.dataset = shipped
+            _check(
+                os.path.exists(self.dataset),
+                "task.dataset",
+                f"no such file or directory: {self.dataset}",
+            )
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward beside (or instead of) the environment's rule reward."""
+
+    path: str = ""
+    """A HF sequence-classification model directory (save_pretrained, with its
+    tokenizer); empty: no reward model."""
+    weight: float = 1.0
+    """Weight of its score (the first logit on prompt + completion)."""
+    rule_weight: float = 1.0
+    """Weight of the environment's rule reward (0: the reward model alone)."""
+
+    def validate(self) -> None:
+        if self.path:
+            _check(
+                os.path.isfile(os.path.join(self.path, "config.json")),
+                "reward_model.path",
+                f"{self.path} has no config.json (expected a save_pretrained directory)",
+            )
 
 
 @dataclass
@@ -242,19 +382,27 @@ class RunConfig:
     """Show a console progress bar."""
     sinks: list[str] = field(default_factory=list)
     """Where metrics go besides metrics.jsonl: tensorboard (`<run dir>/tensorboard`;
-    needs the `tensorboard` extra)."""
+    the `tensorboard` extra), wandb (offline under `<run dir>/wandb` unless
+    WANDB_MODE or WANDB_API_KEY say otherwise; the `wandb` extra)."""
     samples_every: int = 25
     """Every this many steps, write the step's prompts, completions, rewards and
-    advantages to `samples.jsonl` (0: never)."""
+    advantages to `samples.jsonl` and the sinks (0: never)."""
+    console_samples: int = 4
+    """Of those, print this many as a table on the console (0: none)."""
+    status_every_s: float = 5.0
+    """Besides after each step, write `<run dir>/status.json` (each proc's state,
+    read with `meshrl status RUN_DIR`) this often from a thread; 0: only after steps."""
     save_final: bool = True
     """Write the trained model and tokenizer to `<run dir>/final/`."""
 
     def validate(self) -> None:
         _check(self.call_timeout_s > 0, "run.call_timeout_s", "must be > 0")
         _check(self.samples_every >= 0, "run.samples_every", "must be >= 0")
+        _check(self.console_samples >= 0, "run.console_samples", "must be >= 0")
+        _check(self.status_every_s >= 0, "run.status_every_s", "must be >= 0")
         import importlib.util
 
-        modules = {"tensorboard": "tensorboard"}
+        modules = {"tensorboard": "tensorboard", "wandb": "wandb"}
         for sink in self.sinks:
             _check(sink in modules, "run.sinks", f"'{sink}' is not one of {', '.join(modules)}")
             _check(
@@ -263,6 +411,14 @@ class RunConfig:
                 f"{sink} is not installed: pip install -e '.[{sink}]'",
             )
         _check("/" not in self.name, "run.name", f"'{self.name}' must not contain '/'")
+
+
+def check_lora_placement(model: ModelConfig, placement: PlacementConfig) -> None:
+    _check(
+        not model.lora.rank or placement.sharding == "ddp",
+        "model.lora.rank",
+        "LoRA trains with placement.sharding=ddp (fsdp with LoRA is not supported)",
+    )
 
 
 # --- loading ---------------------------------------------------------------------

@@ -32,16 +32,20 @@ def load_preferences(path: str) -> list[PreferencePair]:
     """Read a `.jsonl` or `.parquet` preference file."""
     if not os.path.isfile(path):
         raise DatasetError(f"dataset file not found: {path}")
-    if path.endswith(".parquet"):
-        records = _read_parquet(path)
-    elif path.endswith((".jsonl", ".json")):
-        records = _read_jsonl(path)
-    else:
-        raise DatasetError(f"dataset file {path}: expected a .jsonl or .parquet file")
-    pairs = [_pair(record, path, where) for where, record in records]
+    pairs = [_pair(record, path, where) for where, record in _read_file(path, "")]
     if not pairs:
         raise DatasetError(f"dataset file {path}: no records")
     return pairs
+
+
+def _read_file(path: str, key: str) -> list[tuple[str, dict]]:
+    """(where, record) of each line of a .jsonl file or row of a .parquet file."""
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
+    if path.endswith((".jsonl", ".json")):
+        return _read_jsonl(path)
+    where = f"config key '{key}': {path}" if key else f"dataset file {path}"
+    raise DatasetError(f"{where}: expected a .jsonl or .parquet file")
 
 
 def _read_jsonl(path: str) -> list[tuple[str, dict]]:
@@ -95,3 +99,47 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
+
+
+def read_rows(path: str, fields: list[str], key: str) -> list[dict]:
+    """Task rows from a `.jsonl` or `.parquet` file, or a directory written by HF
+    `datasets` `save_to_disk` (its `train` split when it holds several). Every
+    row must have `fields`; errors name `key` (the config key), the file and the
+    line or row."""
+    if os.path.isdir(path):
+        records = _read_hf_dir(path, key)
+    elif not os.path.isfile(path):
+        raise DatasetError(f"config key '{key}': no such file or directory: {path}")
+    else:
+        records = _read_file(path, key)
+    if not records:
+        raise DatasetError(f"config key '{key}': {path} has no rows")
+    for where, record in records:
+        if not isinstance(record, dict):
+            raise DatasetError(f"dataset file {path}, {where}: expected an object")
+        for name in fields:
+            if name not in record:
+                raise DatasetError(
+                    f"dataset file {path}, {where}: missing field '{name}' "
+                    f"(fields: {', '.join(sorted(record))})"
+                )
+    return [record for _, record in records]
+
+
+def _read_hf_dir(path: str, key: str) -> list[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(
+            f"config key '{key}': {path} is a directory; reading a datasets save_to_disk "
+            "directory needs the datasets package: pip install -e '.[datasets]'"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(path)
+    except Exception as error:  # noqa: BLE001 - datasets raises several types for bad dirs
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DatasetError(f"config key '{key}': cannot load {path}: {first}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        split = "train" if "train" in loaded else next(iter(loaded))
+        loaded = loaded[split]
+    return [(f"row {i}", row) for i, row in enumerate(loaded)]

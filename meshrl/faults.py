@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from monarch.actor import endpoint
 
 from meshrl.config import ConfigError
+from meshrl.telemetry import Observed
 
 _KILL = re.compile(r"^([a-z_]+):(\d+)@(\d+)$")
 _RAISE = re.compile(r"^([a-z_]+)\.([a-z_]+)@(\d+)$")
@@ -104,7 +105,7 @@ class FaultsConfig:
         return found
 
 
-class Drillable:
+class Drillable(Observed):
     """Mixed into actors: lets a drill end this proc as a crash would, or make
     its next call of an endpoint raise."""
 

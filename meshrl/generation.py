@@ -40,12 +40,15 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    stats: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts.
 
     prompt_ids, prompt_mask [B, P] -> (completion_ids [B, T], logprobs [B, T],
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
-    generated tokens up to and including EOS.
+    generated tokens up to and including EOS. A `stats` dict receives
+    `entropy_sum`: the entropy of softmax(logits / temperature) summed over
+    the generated tokens (divide by completion_mask.sum() for the mean).
     """
     batch_size = prompt_ids.size(0)
     attention_mask = prompt_mask.long()
@@ -56,11 +59,15 @@ def sample(
     next_position = positions[:, -1:] + 1
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs, masks = [], [], []
+    entropy_sum = torch.zeros((), device=prompt_ids.device)
     for _ in range(max_new_tokens):
         logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
         probs = top_p_filter(logp.exp(), top_p)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token_logp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        if stats is not None:
+            entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
+            entropy_sum += entropy.masked_fill(finished, 0.0).sum()
         tokens.append(torch.where(finished, pad_token_id, token))
         logprobs.append(torch.where(finished, 0.0, token_logp))
         masks.append(~finished)
@@ -76,4 +83,6 @@ def sample(
             use_cache=True,
         )
         next_position = next_position + 1
+    if stats is not None:
+        stats["entropy_sum"] = entropy_sum.item()
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).float()

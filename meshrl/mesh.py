@@ -225,6 +225,7 @@ class RoleMeshes:
         self.share = dict(share or {})
         self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
+        self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         self.job: Any = None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -261,6 +262,9 @@ class RoleMeshes:
             bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
             name=role,
         )
+        from meshrl.telemetry import Watch
+
+        self.watches[role] = self.spawn(role, "watch", Watch, role)
 
     @property
     def roles(self) -> list[str]:
@@ -314,6 +318,7 @@ class RoleMeshes:
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop every proc, then the job's hosts. Safe to call twice; never raises."""
         meshes, self.meshes = self.meshes, {}
+        self.watches = {}
         for role, mesh in meshes.items():
             try:
                 # Not `wait`: polling a `stop()` future with short timeouts cancels it.
@@ -326,6 +331,44 @@ class RoleMeshes:
                 job.kill()
             except BaseException as error:  # noqa: BLE001
                 logger.warning("could not stop the %s job cleanly: %s", self.job_cfg.kind, error)
+
+    def report(self, timeout_s: float) -> tuple[dict[str, float], list[dict]]:
+        """Every proc's metrics recorded since the last report, reduced across
+        all meshes, and each proc's status. A mesh that does not answer (a proc
+        lost since the loop last called it) is left out; the loop's next call
+        to it recovers it."""
+        from meshrl.telemetry import reduce_partials
+
+        futures = {role: watch.report.call() for role, watch in self.watches.items()}
+        parts, procs = [], []
+        for role, future in futures.items():
+            try:
+                answers = wait(future, f"{role}.watch.report", timeout_s)
+            except RemoteCallError as error:
+                logger.warning("no report from the %s mesh: %s", role, error)
+                continue
+            for _, (metrics, status) in answers.items():
+                parts.append(metrics)
+                procs.append(status)
+        return reduce_partials(parts), procs
+
+    def status(self, timeout_s: float = 15.0) -> list[dict]:
+        """Each proc of every mesh, asked now, one by one: its status, or `state`
+        dead (its proc is gone) or unresponsive (no answer within `timeout_s`)."""
+        asked = [
+            (role, rank, self.watches[role].slice(procs=rank).status.call_one())
+            for role in self.watches
+            for rank in range(self.size(role))
+        ]
+        rows = []
+        for role, rank, future in asked:
+            try:
+                answer = wait(future, f"{role}.watch[{rank}]", timeout_s)
+                rows.append({**answer, "state": "alive", "rank": rank})  # its rank in the mesh
+            except RemoteCallError as error:
+                state = "dead" if error.proc_lost else "unresponsive"
+                rows.append({"role": role, "rank": rank, "state": state, "error": str(error)})
+        return rows
 
     def __enter__(self) -> RoleMeshes:
         return self

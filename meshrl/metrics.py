@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 
@@ -81,11 +82,21 @@ class RunLogger:
                 refresh=False,
             )
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+    def log_samples(self, step: int, rows: list[dict[str, Any]], console: int = 0) -> None:
         """Append one step's sample rows (prompt, completion, reward, ...) to
-        samples.jsonl, one JSON object per row with its step."""
+        samples.jsonl, one JSON object per row with its step, give them to the
+        sinks, and print the first `console` rows as a table."""
         with open(self.samples_path, "a") as f:
             f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        for sink in self.sinks:
+            sink.log_samples(step, rows)
+        if console and rows:
+            if self._bar is not None:
+                self._bar.clear()
+            stride = max(1, len(rows) // console)  # spread over the batch's groups
+            print(samples_table(step, rows[::stride][:console], len(rows)), flush=True)
+            if self._bar is not None:
+                self._bar.refresh()
 
     def rewind(self, step: int) -> None:
         """Forget the records of `step` and later (a run going back to a checkpoint)."""
@@ -163,6 +174,33 @@ class RunLogger:
         )
 
 
+def samples_table(step: int, rows: list[dict[str, Any]], total: int) -> str:
+    """Sample rows as a console table (rich), rendered to text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step {step}: {len(rows)} of {total} samples", title_justify="left")
+    columns = list(rows[0])
+    for column in columns:
+        numeric = isinstance(rows[0][column], (int, float))
+        table.add_column(column, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
+    console = Console(width=100, file=None, force_terminal=False, color_system=None)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get().rstrip()
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [str(row[c]).replace("|", "\\|").replace("\n", " ") for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 class TensorBoardSink:
     """Every numeric metric as a scalar at its step, in `<run dir>/tensorboard`."""
 
@@ -181,6 +219,11 @@ class TensorBoardSink:
                 self.writer.add_scalar(key, value, record["step"])
         self.writer.flush()
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The rows as a markdown table in TensorBoard's Text tab."""
+        self.writer.add_text("samples", _markdown(rows), step)
+        self.writer.flush()
+
     def rewind(self, step: int) -> None:
         """Events at `step` and later are dropped (TensorBoard's purge_step)."""
         self.writer.close()
@@ -190,7 +233,63 @@ class TensorBoardSink:
         self.writer.close()
 
 
-SINKS = {"tensorboard": TensorBoardSink}
+class WandbSink:
+    """Weights & Biases: every metric at its step, samples as a `wandb.Table`.
+
+    Runs offline (files under `<run dir>/wandb`, `wandb sync` uploads them)
+    unless WANDB_MODE says otherwise or WANDB_API_KEY is set. A resumed run
+    continues the same W&B run (its id is kept in `<run dir>/wandb_id`)."""
+
+    def __init__(self, run_dir: str):
+        import wandb
+
+        self.wandb = wandb
+        id_path = os.path.join(run_dir, "wandb_id")
+        run_id = uuid.uuid4().hex[:8]
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        with open(id_path, "w") as f:
+            f.write(run_id)
+        mode = os.environ.get("WANDB_MODE") or (
+            "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        )
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "meshrl"),
+            name=os.path.basename(os.path.normpath(run_dir)),
+            id=run_id,
+            resume="allow",
+            dir=run_dir,
+            mode=mode,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        # The x axis is meshrl's step: W&B's own step only grows, and a run that
+        # went back to a checkpoint logs earlier steps again.
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(
+            {
+                k: v
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+        )
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        columns = list(rows[0])
+        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        self.run.log({"step": step, "samples": table})
+
+    def rewind(self, step: int) -> None:
+        """W&B keeps what it was sent; the repeated steps are logged again after."""
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 def _plain(value: Any) -> Any:

@@ -3,7 +3,9 @@ running run at a glance, from its `metrics.jsonl`.
 
 Prints a table of the key figures (first and last steps, min, max) and writes
 PNG plots into the run directory: `report_reward.png`, `report_kl.png`,
-`report_length.png` and `report_time.png` (each phase's seconds per step).
+`report_entropy.png`, `report_length.png` and `report_time.png` (each phase's
+seconds per step). The table also gives each role's endpoint times
+(`time/<role>/<endpoint>_s`, the slowest proc's, recorded by the actors).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ ROWS = [
     "eval/accuracy",
     "policy/kl_ref",
     "policy/approx_kl",
+    "policy/entropy",
     "sampling/logprob_abs_diff",
     "completion/mean_length",
     "train/grad_norm",
@@ -29,6 +32,7 @@ PHASES = ["generate", "score", "reference", "train", "weight_sync"]
 PLOTS = {
     "report_reward.png": ["reward/mean", "eval/accuracy"],
     "report_kl.png": ["policy/kl_ref", "policy/approx_kl", "sampling/kl"],
+    "report_entropy.png": ["policy/entropy"],
     "report_length.png": ["completion/mean_length"],
 }
 
@@ -52,15 +56,16 @@ def _numbers(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def table(records: list[dict]) -> str:
     """The key figures: mean of the first and the last (up to) 10 steps, min, max."""
-    lines = [f"{'metric':<28}{'first':>10}{'last':>10}{'min':>10}{'max':>10}"]
-    for key in ROWS + [f"time/{p}_s" for p in PHASES]:
+    lines = [f"{'metric':<34}{'first':>10}{'last':>10}{'min':>10}{'max':>10}"]
+    roles = sorted({k for r in records for k in r if k.count("/") == 2 and k.startswith("time/")})
+    for key in ROWS + [f"time/{p}_s" for p in PHASES] + roles:
         _, values = _numbers(records, key)
         if not values:
             continue
         k = min(10, max(1, len(values) // 2))
         first, last = sum(values[:k]) / k, sum(values[-k:]) / k
         lines.append(
-            f"{key:<28}{first:>10.4g}{last:>10.4g}{min(values):>10.4g}{max(values):>10.4g}"
+            f"{key:<34}{first:>10.4g}{last:>10.4g}{min(values):>10.4g}{max(values):>10.4g}"
         )
     return "\n".join(lines)
 
@@ -104,21 +109,17 @@ def plots(records: list[dict], run_dir: str) -> list[str]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or args[0].startswith("-"):
-        print("usage: meshrl report RUN_DIR", file=sys.stderr)
-        return 2
-    try:
-        records = read_metrics(args[0])
-    except (OSError, json.JSONDecodeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"{args[0]}: {len(records)} steps")
+def show(run_dir: str, records: list[dict]) -> None:
+    print(f"{run_dir}: {len(records)} steps")
     print(table(records))
-    for path in plots(records, args[0]):
+    for path in plots(records, run_dir):
         print(f"wrote {path}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshrl.cli import run_dir_command
+
+    return run_dir_command("report", argv, read_metrics, show)
 
 
 if __name__ == "__main__":

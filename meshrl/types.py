@@ -17,6 +17,9 @@ class Prompt:
 
     text: str
     answer: str
+    data: dict | None = None
+    """Anything else the environment needs (a dataset row's other fields: the
+    tests of a coding task, the numbers of a countdown)."""
 
 
 @dataclass
@@ -28,15 +31,28 @@ class Completions:
     completion_ids: torch.Tensor  # [B, T] int64, right-padded
     completion_mask: torch.Tensor  # [B, T], 1 on sampled tokens up to and including EOS
     logprobs: torch.Tensor  # [B, T] sampling log-probs of completion_ids
-    weight_version: int  # the weight version that generated them
+    weight_version: int  # the (oldest) weight version that generated them
+    # Multi-turn episodes (meshrl.rollout): the completion holds the model's turns
+    # and the environment's replies. completion_mask is 1 on the model's tokens
+    # only (the loss), completion_attention on every token of the episode.
+    completion_attention: torch.Tensor | None = None  # [B, T]
+    token_versions: torch.Tensor | None = None  # [B, T] version of each model token, else -1
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
     def completion_lists(self) -> list[list[int]]:
-        """Completion token ids of each row without padding."""
-        lengths = self.completion_mask.sum(1).long().tolist()
+        """Completion token ids of each row without padding (a multi-turn
+        episode's whole transcript: the environment's replies included)."""
+        lengths = self.attention.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.completion_ids.tolist(), lengths, strict=True)]
+
+    @property
+    def attention(self) -> torch.Tensor:
+        """[B, T] 1 on every token of the completion, the environment's included."""
+        if self.completion_attention is None:
+            return self.completion_mask
+        return self.completion_attention
 
     def rows(self, index: torch.Tensor | slice) -> Completions:
         """The completions of the rows picked by `index`."""
@@ -53,7 +69,8 @@ class Completions:
     def concat(parts: list[Completions], pad_token_id: int) -> Completions:
         """Stack replica outputs: prompts padded on the left, completions on the right."""
         versions = {p.weight_version for p in parts}
-        assert len(versions) == 1, f"replicas generated with different weights {versions}"
+        multi = any(p.completion_attention is not None for p in parts)
+        assert multi or len(versions) == 1, f"replicas generated with different weights {versions}"
         P = max(p.prompt_ids.size(1) for p in parts)
         T = max(p.completion_ids.size(1) for p in parts)
 
@@ -61,7 +78,14 @@ class Completions:
             extra = width - t.size(1)
             return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
+        multi_turn = any(p.completion_attention is not None for p in parts)
         return Completions(
+            completion_attention=torch.cat([pad(p.attention, T, 0, False) for p in parts])
+            if multi_turn
+            else None,
+            token_versions=torch.cat([pad(p.token_versions, T, -1, False) for p in parts])
+            if multi_turn
+            else None,
             prompt_ids=torch.cat([pad(p.prompt_ids, P, pad_token_id, True) for p in parts]),
             prompt_mask=torch.cat([pad(p.prompt_mask, P, 0, True) for p in parts]),
             completion_ids=torch.cat(
@@ -69,7 +93,7 @@ class Completions:
             ),
             completion_mask=torch.cat([pad(p.completion_mask, T, 0, False) for p in parts]),
             logprobs=torch.cat([pad(p.logprobs, T, 0, False) for p in parts]),
-            weight_version=versions.pop(),
+            weight_version=min(versions),
         )
 
 
@@ -98,7 +122,7 @@ class TrainBatch:
     ) -> TrainBatch:
         return TrainBatch(
             input_ids=torch.cat([completions.prompt_ids, completions.completion_ids], 1),
-            attention_mask=torch.cat([completions.prompt_mask, completions.completion_mask], 1),
+            attention_mask=torch.cat([completions.prompt_mask, completions.attention], 1),
             completion_mask=completions.completion_mask,
             old_logprobs=completions.logprobs,
             advantages=advantages,

@@ -30,6 +30,7 @@ import os
 import socket
 import uuid
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -139,10 +140,18 @@ class WeightPublisher:
     """Trainer side: `publish(version)` after an optimizer step. Every proc that
     owns weights has one; `close()` (or process exit) removes its files."""
 
-    def __init__(self, model: torch.nn.Module, prefix: str | None = None, rdma: bool = True):
-        self.params = list(model.named_parameters())
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prefix: str | None = None,
+        rdma: bool = True,
+        parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    ):
+        """`parameters` gives the (name, tensor) pairs to publish, called at each
+        publish (default: the model's parameters; LoRA: the merged weights)."""
+        self.parameters = parameters or model.named_parameters
         self.pieces, offset = [], 0
-        for name, param in self.params:
+        for name, param in self.parameters():
             local, row = _local_piece(name, param)
             piece = ParamPiece(
                 name, offset, tuple(local.shape), local.dtype, row, tuple(param.shape)
@@ -172,7 +181,7 @@ class WeightPublisher:
         slot = version % SLOTS
         data = self.slots[slot][HEADER_BYTES:]
         self.header(slot).fill_(2 * version + 1)  # writing
-        for piece, (_, param) in zip(self.pieces, self.params, strict=True):
+        for piece, (_, param) in zip(self.pieces, self.parameters(), strict=True):
             local, _ = _local_piece(piece.name, param)
             data[piece.offset : piece.offset + piece.num_bytes].copy_(_as_bytes(local))
         self.header(slot).fill_(2 * version + 2)  # complete

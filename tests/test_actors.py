@@ -58,6 +58,7 @@ def actors():
             ),
             "reference": meshes["reference"].spawn("reference", Reference, MODEL, 7),
         }
+        handles["meshes"] = meshes
         yield handles
     finally:
         meshes.stop()
@@ -123,6 +124,65 @@ def test_generation_matches_reference_logprobs(actors):
     assert (ref - completions.logprobs).mul(mask).abs().max().item() < 1e-4
 
 
+def test_actor_metrics_are_reduced_across_procs_once_per_report(actors):
+    """`record` inside the policy replicas: one value per key per report, reduced
+    across procs (sum, min, max, mean), then nothing until the next calls."""
+    meshes = actors["meshes"]
+    meshes.report(TIMEOUT)  # start from an empty slate
+    _, completions = rollout(actors)  # 4 prompts on each of the 2 replicas
+    recorded, procs = meshes.report(TIMEOUT)
+    lengths = completions.completion_mask.sum(1)
+    assert recorded["policy/completion_tokens"] == lengths.sum().item()  # sum over 2 procs
+    assert recorded["policy/longest_completion"] == lengths.max().item()
+    assert recorded["policy/shortest_completion"] == lengths.min().item()
+    assert 0 < recorded["policy/entropy"] <= torch.log(torch.tensor(100.0)).item()
+    assert recorded["time/policy/generate_s"] > 0
+    assert {(p["role"], p["rank"]) for p in procs} == {
+        ("policy", 0),
+        ("policy", 1),
+        ("trainer", 0),
+        ("trainer", 1),
+        ("environment", 0),
+        ("reference", 0),
+    }
+    again, _ = meshes.report(TIMEOUT)
+    assert "policy/completion_tokens" not in again
+
+
+def test_exported_model_generates_what_the_policy_generates(actors, tmp_path):
+    """The trainer's HF export (`save_pretrained`, safetensors) holds the weights the
+    replicas serve: transformers loads it and samples the same tokens from the same
+    seed and prompt as the policy actor."""
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.generation import sample
+
+    sync(actors)
+    call_all(actors["trainer"], "save", str(tmp_path / "final"), what="save", timeout_s=TIMEOUT)
+    assert (tmp_path / "final" / "model.safetensors").stat().st_size > 0
+    tok = build_char_tokenizer()
+    prompt = tok("123>").input_ids
+    state = torch.Generator().manual_seed(1234).get_state()
+    policy = actors["policy"].slice(procs=0)
+    wait(policy.set_rng_state.call_one(state), "rng", TIMEOUT)
+    served = wait(policy.generate.call_one([prompt] * 4, GEN), "generate", TIMEOUT)
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    generator = torch.Generator().manual_seed(1234)
+    ids, logprobs, mask = sample(
+        exported,
+        torch.tensor([prompt] * 4),
+        torch.ones(4, len(prompt)),
+        max_new_tokens=GEN.max_new_tokens,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        generator=generator,
+    )
+    assert torch.equal(ids, served.completion_ids)
+    assert torch.equal(mask, served.completion_mask)
+    assert (logprobs - served.logprobs).abs().max().item() < 1e-5
+
+
 def test_environment_scores_by_the_task(actors):
     tok = build_char_tokenizer()
     prompts = make_task(TaskConfig()).sample(4, random.Random(1))
@@ -133,7 +193,7 @@ def test_environment_scores_by_the_task(actors):
     scores = wait(
         actors["environment"].score.call_one(prompts + prompts, right + wrong), "s", TIMEOUT
     )
-    assert scores == [1.0] * 4 + [0.0] * 4
+    assert scores == ([1.0] * 4 + [0.0] * 4, {})
 
 
 def test_actor_error_names_endpoint_and_cause(actors):
@@ -146,7 +206,7 @@ def test_actor_error_names_endpoint_and_cause(actors):
 def test_meshes_stop_leaves_no_procs(no_stray_procs):
     with RoleMeshes({"policy": 1, "environment": 1}) as meshes:
         env = meshes["environment"].spawn("environment", Environment, TaskConfig(), MODEL)
-        assert wait(env.score.call_one([], []), "score", TIMEOUT) == []
+        assert wait(env.score.call_one([], []), "score", TIMEOUT) == ([], {})
     meshes.stop()  # twice is harmless
 
 

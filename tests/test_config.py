@@ -18,6 +18,8 @@ pytestmark = pytest.mark.unit
 
 SHIPPED = {
     "grpo_default": ("algorithms.grpo", "GRPOConfig"),
+    "grpo_calculator": ("algorithms.grpo", "GRPOConfig"),
+    "grpo_code": ("algorithms.grpo", "GRPOConfig"),
     "dr_grpo": ("algorithms.grpo", "GRPOConfig"),
     "gspo": ("algorithms.grpo", "GRPOConfig"),
     "rloo": ("algorithms.rloo", "GRPOConfig"),
@@ -61,6 +63,10 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["model.max_positions=0"], "model.max_positions"),
         (["run.sinks=[neptune]"], "run.sinks"),
         (["model.path=/no/such/dir"], "/no/such/dir"),
+        (["model.lora.rank=-1"], "model.lora.rank"),
+        (["model.lora.save=pickle"], "model.lora.save"),
+        (["model.lora.rank=4", "placement.sharding=fsdp"], "model.lora.rank"),
+        (["policy.engine=trt"], "policy.engine"),
         (["steps"], "key=value"),
     ],
 )
@@ -92,6 +98,8 @@ def test_missing_file_and_bad_yaml(tmp_path):
         (["--config", DEFAULT_CONFIG, "steps=abc"], "steps"),
         (["--config", "/nope/grpo.yaml"], "/nope/grpo.yaml"),
         (["--config", DEFAULT_CONFIG, "--fast"], "--fast"),
+        # No vllm and no GPU here: the one line says which, before any proc starts.
+        (["--config", DEFAULT_CONFIG, "policy.engine=vllm"], "policy.engine': vllm is not"),
     ],
 )
 def test_cli_exits_with_one_line_before_spawning(args, fragment, no_stray_procs, tmp_path):
@@ -191,3 +199,20 @@ def test_overlong_prompts_are_skipped_and_counted_or_refused():
     algo.prepare()
     with pytest.raises(PromptTooLong, match="a prompt of [78] tokens does not fit .* of 11"):
         algo.sample_prompts(64)
+
+
+def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():
+    """What a policy proc on a host without vllm or a GPU raises (a multi-host job
+    whose controller cannot check the policy hosts up front)."""
+    import torch
+
+    from meshrl.config import ModelConfig
+    from meshrl.engines import EngineUnavailable, make_engine
+    from meshrl.models import load_model
+
+    with pytest.raises(EngineUnavailable) as info:
+        make_engine("vllm", load_model(ModelConfig()), ModelConfig(), 0, 1, 0)
+    assert str(info.value).startswith("config key 'policy.engine': ")
+    assert "\n" not in str(info.value)
+    if not torch.cuda.is_available():
+        assert "vllm is not installed" in str(info.value) or "CUDA GPU" in str(info.value)

@@ -70,7 +70,8 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
         "steps=4",
         "warm_start.steps=2",
         "run.samples_every=2",
-        "run.sinks=[tensorboard]",
+        "run.sinks=[tensorboard,wandb]",
+        "placement.policy=2",
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,8 +95,16 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in records)
     # The replica (same host: shared memory) samples from exactly the trainer's weights:
     # its log-probs and the trainer's recomputed ones agree to float32 rounding.
-    assert all(r["weights/shm_replicas"] == 1 for r in records)
+    assert all(r["weights/shm_replicas"] == 2 for r in records)
     assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in records), records
+
+    # Metrics recorded inside the two policy replicas, reduced across them once a step.
+    for r in records:
+        assert r["policy/completion_tokens"] == r["tokens/generated"]  # sum
+        assert r["policy/shortest_completion"] <= r["completion/mean_length"]  # min
+        assert r["completion/mean_length"] <= r["policy/longest_completion"]  # max
+        assert r["policy/entropy"] > 0 and r["time/policy/generate_s"] > 0  # mean, max
+        assert "time/trainer/warm_start_step_s" not in r  # before the loop: no step's
 
     # Every 2 steps the whole batch's samples: prompt, completion, reward, advantage.
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -103,6 +112,7 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     assert all(s["prompt"].endswith(">") and 0 <= s["reward"] <= 1 for s in samples)
     rewards = {r["step"]: r["reward/mean"] for r in records}
     assert abs(sum(s["reward"] for s in samples if s["step"] == 2) / 128 - rewards[2]) < 1e-6
+    assert "step 2: 4 of 128 samples" in result.stdout  # the console table
 
     # The same figures in TensorBoard's event file, read back with its reader.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,16 +122,33 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     scalars = events.Scalars("reward/mean")
     assert [e.step for e in scalars] == [0, 1, 2, 3]
     assert all(abs(e.value - rewards[e.step]) < 1e-6 for e in scalars)
+    tokens = {r["step"]: r["policy/completion_tokens"] for r in records}
+    assert {e.step: e.value for e in events.Scalars("policy/completion_tokens")} == tokens
+    # W&B, offline: its run files, with the samples table among the logged media.
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    assert next(wandb_run.glob("run-*.wandb")).stat().st_size > 0
+    assert list((wandb_run / "files" / "media" / "table").glob("samples_*.table.json"))
 
     # `meshrl report`: the installed command prints the key figures and draws the plots.
     meshrl = os.path.join(os.path.dirname(sys.executable), "meshrl")
     report = subprocess.run([meshrl, "report", str(run_dir)], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     assert "reward/mean" in report.stdout and "time/train_s" in report.stdout
-    for png in ("report_reward.png", "report_length.png", "report_time.png"):
+    assert "time/policy/generate_s" in report.stdout
+    for png in ("report_reward.png", "report_entropy.png", "report_length.png", "report_time.png"):
         assert (run_dir / png).stat().st_size > 0, png
     missing = subprocess.run([meshrl, "report", str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 1 and "has no metrics.jsonl" in missing.stderr
+
+    # `meshrl status`: every proc of the finished run, its actors and weight versions.
+    status = subprocess.run([meshrl, "status", str(run_dir)], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "step 3" in lines[0] and "(exited)" in lines[0]
+    last_version = str(records[-1]["weights/version"])
+    for proc in ("policy[0]", "policy[1]"):
+        (row,) = [line.split() for line in lines if line.startswith(proc)]
+        assert row[1:4] == ["policy", "idle", last_version], row
 
     cfg = load_config(GRPOConfig, str(run_dir / "config.yaml"))
     assert cfg.steps == 4 and cfg.run.name == "e2e"
@@ -131,6 +158,40 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     for name, param in trained.named_parameters():
         assert torch.isfinite(param).all(), name
         assert not torch.equal(param, initial_params[name]), f"{name} did not change"
+
+
+def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
+    """The notebook view of the mesh: every proc alive with its actor's weight
+    version, then a killed policy proc shown dead beside its live peers."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["warm_start.steps=0", "placement.policy=2", f"run.dir={tmp_path}", "run.name=status"],
+    )
+    algo = GRPO(cfg)
+    algo.setup()
+    try:
+        algo.start()  # version 0 to both replicas
+        procs = algo.mesh_status(show=False)
+        assert {(p["role"], p["rank"], p["state"]) for p in procs} == {
+            ("policy", 0, "alive"),
+            ("policy", 1, "alive"),
+            ("trainer", 0, "alive"),
+            ("environment", 0, "alive"),
+        }
+        versions = {a["actor"]: a["version"] for p in procs for a in p["actors"]}
+        assert versions == {"policy": 0, "trainer": 0, "environment": None}
+        algo.policy.slice(procs=1).exit_now.call_one()
+        procs = algo.mesh_status(show=False)
+        states = {(p["role"], p["rank"]): p["state"] for p in procs}
+        assert states[("policy", 1)] == "dead"
+        assert states[("policy", 0)] == states[("trainer", 0)] == "alive"
+        from meshrl.status import table
+
+        (row,) = [line for line in table(procs).splitlines() if line.startswith("policy[1]")]
+        assert "dead" in row
+    finally:
+        algo.shutdown()
 
 
 def test_reusing_a_run_name_is_refused(tmp_path):
@@ -212,3 +273,35 @@ def test_default_run_learns_the_task(tmp_path, no_stray_procs):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= 0.6, (first, last)
     assert last - first >= 0.3, (first, last)
+
+
+def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, no_stray_procs):
+    """model.lora: only the adapters train; replicas sample from the merged weights
+    (their log-probs match the trainer's adapter forward); the final model is saved
+    merged (plain HF) and as a peft adapter, and the two agree."""
+    from peft import PeftModel
+
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=3",
+            "warm_start.steps=0",
+            "model.lora.rank=4",
+            "model.lora.save=both",
+            f"run.dir={tmp_path}",
+            "run.name=lora",
+            "run.progress=false",
+        ],
+    )
+    history = GRPO(cfg).run()
+    assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history)
+    final = tmp_path / "lora" / "final"
+    merged = dict(AutoModelForCausalLM.from_pretrained(final).named_parameters())
+    initial = load_model(cfg.model, seed=cfg.run.seed)
+    for name, param in initial.named_parameters():
+        adapted = any(f".{m}." in name for m in cfg.model.lora.target_modules)
+        assert torch.equal(param, merged[name]) != adapted, name  # only adapted layers moved
+    unmerged = PeftModel.from_pretrained(initial, final / "adapter").merge_and_unload()
+    for name, param in unmerged.named_parameters():
+        assert (param - merged[name]).abs().max().item() < 1e-6, name

@@ -1,20 +1,43 @@
-"""Environments: prompt sources with verifiable rewards.
+"""Environments: task instances, their episodes and rewards (`meshrl.envs.base`).
 
-A task samples `Prompt`s, scores a completion text for a prompt with a reward
-in [0, 1], and (for a supervised warm-start) writes a demonstration. Tasks are
-looked up by `task.name` in `TASKS`.
+Single-turn tasks score one completion (`reverse_digits`, `math`, `countdown`,
+`code`); multi-turn environments answer each model turn until the episode is
+done (`calculator`, `slow_tool`). `task.name` is a name in `TASKS` or the import
+path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
 """
 
 from __future__ import annotations
 
+from meshrl.envs.base import Env, Episode, Step
+from meshrl.envs.code import Code
 from meshrl.envs.digits import ReverseDigits, Task
+from meshrl.envs.math import Countdown, MathAnswer
+from meshrl.envs.tools import Calculator, SlowTool
 
-TASKS: dict[str, type[Task]] = {"reverse_digits": ReverseDigits}
+TASKS: dict[str, type[Env]] = {
+    "reverse_digits": ReverseDigits,
+    "math": MathAnswer,
+    "countdown": Countdown,
+    "code": Code,
+    "calculator": Calculator,
+    "slow_tool": SlowTool,
+}
 
 
-def make_task(cfg) -> Task:
-    """Build the task named by a `TaskConfig`."""
-    return TASKS[cfg.name](cfg)
+def env_class(name: str) -> type[Env]:
+    """A shipped environment by name, or your own by import path
+    (`package.module:ClassName`)."""
+    if ":" not in name:
+        return TASKS[name]
+    import importlib
+
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["TASKS", "Task", "ReverseDigits", "make_task"]
+def make_task(cfg) -> Env:
+    """Build the environment named by a `TaskConfig`."""
+    return env_class(cfg.name)(cfg)
+
+
+__all__ = ["TASKS", "Env", "Episode", "Step", "Task", "ReverseDigits", "env_class", "make_task"]

@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import random
 
+from meshrl.envs.base import Env
 from meshrl.types import Prompt
 
 
-class Task:
-    """A single-turn task with a verifiable reward."""
-
-    def sample(self, num_prompts: int, rng: random.Random) -> list[Prompt]:
-        raise NotImplementedError
-
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        raise NotImplementedError
-
-    def demonstration(self, prompt: Prompt) -> str:
-        """A correct completion, for a supervised warm-start."""
-        return prompt.answer
+class Task(Env):
+    """A single-turn task with a verifiable reward: `sample` and `reward`."""
 
 
 def positional_match(completion: str, answer: str) -> float:
@@ -39,6 +30,7 @@ def positional_match(completion: str, answer: str) -> float:
 
 class ReverseDigits(Task):
     def __init__(self, cfg):
+        super().__init__(cfg)
         self.num_digits = cfg.num_digits
         self.max_digits = max(cfg.num_digits, getattr(cfg, "max_digits", 0))
 

@@ -1,0 +1,270 @@
+"""Multi-turn episodes over the policy and environment meshes, token in, token out.
+
+`run_episodes` plays one episode per prompt: the model's turn (generated on a
+policy replica), the environment's reply (stepped on an environment proc),
+and so on, until the episode is done, reaches its turn limit or fills the
+context. Each episode is kept as token ids:
+
+- The model's tokens are appended as sampled, with their log-probs and the
+  weight version that sampled them.
+- The environment's replies are tokenized once and appended.
+- Nothing already in an episode is tokenized again.
+
+The result is one `Completions` row per episode. `completion_mask` is 1 on the
+model's tokens only, so the loss skips the environment's.
+`completion_attention` is 1 on every token.
+
+Episodes do not move in lockstep. As soon as a replica is free it generates
+for every episode that is ready, while other episodes wait on their tools on
+the environment procs. Each proc runs many episode steps at once in threads.
+This is what hides tool latency (`benchmarks/rollout_latency.py`).
+
+An episode whose environment step raised, timed out or returned garbage is
+marked failed with the reason. So is one whose proc was lost. The caller
+drops its group and samples another.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshrl.mesh import RemoteCallError, wait
+from meshrl.types import Completions, Prompt
+
+logger = logging.getLogger(__name__)
+
+
+class ChatFormat:
+    """Prompt and environment-reply tokens, through the tokenizer's chat template
+    when it has one (the prompt as a user message, a reply as a tool message),
+    else the plain text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def prompts(self, texts: list[str]) -> list[list[int]]:
+        if not self.chat:
+            return self.tokenizer(texts).input_ids
+        rendered = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            for text in texts
+        ]
+        return self.tokenizer(rendered, add_special_tokens=False).input_ids
+
+    def reply(self, text: str) -> list[int]:
+        if not self.chat:
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        # The template's text for a tool message after an assistant turn: render
+        # with and without it and keep the difference (system prompts and the
+        # like that a template adds at the start cancel out).
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            [*base, {"role": "tool", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        if not after.startswith(before):
+            raise ValueError("the chat template renders an episode's start differently per turn")
+        return self.tokenizer(after[len(before) :], add_special_tokens=False).input_ids
+
+
+@dataclass
+class EpisodeState:
+    key: str
+    prompt: Prompt
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    done: bool = False
+    failed: str = ""
+    truncated: bool = False
+    info: Counter = field(default_factory=Counter)
+    last_action: str = ""
+    final: bool = False
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+
+class _Waiter:
+    """Wait for whichever of many Monarch futures finishes first (a thread each)."""
+
+    def __init__(self, timeout_s: float):
+        self.done: queue.Queue = queue.Queue()
+        self.timeout_s = timeout_s
+        self.in_flight = 0
+
+    def add(self, tag: Any, future: Any, what: str) -> None:
+        def get() -> None:
+            try:
+                self.done.put((tag, wait(future, what, self.timeout_s), None))
+            except RemoteCallError as error:
+                self.done.put((tag, None, error))
+
+        self.in_flight += 1
+        threading.Thread(target=get, daemon=True).start()
+
+    def next(self) -> tuple[Any, Any, RemoteCallError | None]:
+        self.in_flight -= 1
+        return self.done.get()
+
+
+def run_episodes(
+    prompts: list[Prompt],
+    actors: Callable[[str], Any],
+    num_policy: int,
+    num_env: int,
+    fmt: ChatFormat,
+    generation: Any,
+    max_turns: int,
+    context: int,
+    timeout_s: float,
+    on_lost: Callable[[str, RemoteCallError], None] | None = None,
+    key_prefix: str = "",
+) -> tuple[list[EpisodeState], dict[str, float]]:
+    """Play one episode per prompt; returns the episodes (in prompt order) and
+    timing metrics. `actors(role)` gives the current actor mesh of `policy` and
+    `environment`; `on_lost(role, error)` is told of a lost proc (the caller
+    replaces its mesh, and later calls go to the new one)."""
+    started = time.perf_counter()
+    tokenizer = fmt.tokenizer
+    episodes = [
+        EpisodeState(f"{key_prefix}{i}", p, ids)
+        for i, (p, ids) in enumerate(
+            zip(prompts, fmt.prompts([p.text for p in prompts]), strict=True)
+        )
+    ]
+    ready = list(range(len(episodes)))  # waiting for the model
+    acted: list[int] = []  # waiting for the environment
+    free_policy, free_env = list(range(num_policy)), list(range(num_env))
+    waiter = _Waiter(timeout_s)
+    generate_s = 0.0
+    while ready or acted or waiter.in_flight:
+        while ready and free_policy:
+            rank = free_policy.pop(0)
+            chunk, ready = _share(ready, len(free_policy) + 1)
+            contexts = [episodes[i].context() for i in chunk]
+            future = actors("policy").slice(procs=rank).generate.call_one(contexts, generation)
+            waiter.add(("policy", rank, chunk, time.perf_counter()), future, "policy.generate")
+        while acted and free_env:
+            rank = free_env.pop(0)
+            chunk, acted = _share(acted, len(free_env) + 1)
+            items = [
+                (episodes[i].key, episodes[i].prompt, episodes[i].last_action, episodes[i].final)
+                for i in chunk
+            ]
+            future = actors("environment").slice(procs=rank).step.call_one(items)
+            waiter.add(("environment", rank, chunk, 0.0), future, "environment.step")
+        (role, rank, chunk, sent), result, error = waiter.next()
+        if role == "policy":
+            generate_s += time.perf_counter() - sent
+            free_policy.append(rank)
+        else:
+            free_env.append(rank)
+        if error is not None:
+            if on_lost is not None and error.proc_lost:
+                on_lost(role, error)
+            for i in chunk:
+                _fail(episodes[i], f"{role} call failed: {error}")
+            continue
+        if role == "policy":
+            for i, tokens, logprobs in zip(
+                chunk, result.completion_lists(), result.logprobs.tolist(), strict=True
+            ):
+                episode = episodes[i]
+                episode.tokens += tokens
+                episode.loss_mask += [1] * len(tokens)
+                episode.logprobs += logprobs[: len(tokens)]
+                episode.versions += [result.weight_version] * len(tokens)
+                episode.turns += 1
+                episode.last_action = tokenizer.decode(tokens, skip_special_tokens=True)
+                room = context - len(episode.context()) - generation.max_new_tokens
+                episode.final = episode.turns >= max_turns or room <= 0
+                acted.append(i)
+        else:
+            for i, (_, step, failure) in zip(chunk, result, strict=True):
+                episode = episodes[i]
+                if failure:
+                    _fail(episode, failure)
+                    continue
+                episode.info.update(step.info)
+                if step.done or episode.final:
+                    episode.reward, episode.done = step.reward, True
+                    continue
+                reply = fmt.reply(step.observation)
+                if len(episode.context()) + len(reply) + generation.max_new_tokens > context:
+                    # The reply would not leave room for another turn: the episode ends here.
+                    episode.reward, episode.done, episode.truncated = step.reward, True, True
+                    continue
+                episode.replies.append(step.observation)
+                episode.tokens += reply
+                episode.loss_mask += [0] * len(reply)
+                episode.logprobs += [0.0] * len(reply)
+                episode.versions += [-1] * len(reply)
+                ready.append(i)
+    return episodes, {
+        "time/episodes_s": time.perf_counter() - started,
+        "time/episode_generate_s": generate_s,
+    }
+
+
+def _share(items: list[int], workers: int) -> tuple[list[int], list[int]]:
+    """The first 1/workers of `items` (at least one), and the rest."""
+    size = max(1, -(-len(items) // workers))
+    return items[:size], items[size:]
+
+
+def _fail(episode: EpisodeState, reason: str) -> None:
+    episode.failed, episode.done = reason.splitlines()[0][:300], True
+    logger.warning("episode %s failed: %s", episode.key, episode.failed)
+
+
+def to_completions(episodes: list[EpisodeState], pad_id: int) -> tuple[Completions, torch.Tensor]:
+    """Episodes -> one Completions row each (prompt left-padded, episode right-
+    padded) and their rewards."""
+    n = len(episodes)
+    P = max(len(e.prompt_ids) for e in episodes)
+    T = max(1, max(len(e.tokens) for e in episodes))
+    prompt_ids = torch.full((n, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(n, P)
+    ids = torch.full((n, T), pad_id, dtype=torch.long)
+    loss_mask, attention, logprobs = torch.zeros(n, T), torch.zeros(n, T), torch.zeros(n, T)
+    versions = torch.full((n, T), -1, dtype=torch.long)
+    for row, e in enumerate(episodes):
+        prompt_ids[row, P - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
+        prompt_mask[row, P - len(e.prompt_ids) :] = 1
+        length = len(e.tokens)
+        if length:
+            ids[row, :length] = torch.tensor(e.tokens)
+            loss_mask[row, :length] = torch.tensor(e.loss_mask, dtype=torch.float)
+            attention[row, :length] = 1
+            logprobs[row, :length] = torch.tensor(e.logprobs)
+            versions[row, :length] = torch.tensor(e.versions)
+    model_versions = versions[versions >= 0]
+    completions = Completions(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=ids,
+        completion_mask=loss_mask,
+        logprobs=logprobs,
+        weight_version=int(model_versions.min()) if len(model_versions) else 0,
+        completion_attention=attention,
+        token_versions=versions,
+    )
+    return completions, torch.tensor([e.reward for e in episodes])

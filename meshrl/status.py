@@ -1,0 +1,156 @@
+"""The mesh at a glance: every proc of every role, its actors, their weight
+versions and last activity, and which procs are dead or hang.
+
+A run keeps `<run dir>/status.json` current: after every step, and every
+`run.status_every_s` seconds from a thread that asks each proc's `Watch`
+actor (which answers while the proc's other actors compute or hang). Read it:
+
+    meshrl status RUN_DIR          # from any shell, while the run goes or after
+    algo.mesh_status()             # in a notebook: asks every proc now
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+
+
+def rows(procs: list[dict], now: float) -> list[dict[str, Any]]:
+    """One row per actor (or per proc without actors): what the table shows."""
+    out = []
+    for proc in sorted(procs, key=lambda p: (p.get("role", ""), p.get("rank", 0))):
+        base = {
+            "mesh": f"{proc.get('role')}[{proc.get('rank')}]",
+            "host": proc.get("host", "?"),
+            "pid": proc.get("pid", "?"),
+            "heartbeat": _ago(proc.get("heartbeat"), now),
+        }
+        state = proc.get("state", "alive")
+        if state != "alive":
+            out.append({**base, "actor": "-", "state": state, "version": "-", "last": "-"})
+            continue
+        for actor in proc.get("actors") or [{}]:
+            busy = actor.get("endpoint")
+            out.append(
+                {
+                    **base,
+                    "actor": actor.get("actor", "-"),
+                    "state": f"busy {busy} {actor.get('busy_s', 0):.1f}s" if busy else "idle",
+                    "version": "-" if actor.get("version") is None else actor["version"],
+                    "last": _ago(actor.get("last_active"), now),
+                }
+            )
+    return out
+
+
+def _ago(stamp: float | None, now: float) -> str:
+    return "-" if not stamp else f"{max(0.0, now - stamp):.1f}s ago"
+
+
+def table(procs: list[dict], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    columns = ["mesh", "actor", "state", "version", "last", "heartbeat", "host", "pid"]
+    titles = {"last": "last call", "heartbeat": "answered"}
+    body = [[str(r[c]) for c in columns] for r in rows(procs, now)]
+    head = [titles.get(c, c) for c in columns]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in [head, *body]
+    )
+
+
+class StatusFile:
+    """`<run dir>/status.json`, written after each step (`write`) and every
+    `every_s` seconds by a thread asking the procs (`start`/`stop`)."""
+
+    def __init__(self, run_dir: str, ask: Any, every_s: float):
+        self.path = os.path.join(run_dir, STATUS_FILE)
+        self.ask = ask  # () -> procs, e.g. RoleMeshes.status
+        self.every_s = every_s
+        self.step: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def write(self, procs: list[dict], step: int | None = None) -> None:
+        with self._lock:
+            if step is not None:
+                self.step = step
+            record = {
+                "written": time.time(),
+                "controller_pid": os.getpid(),
+                "step": self.step,
+                "procs": procs,
+            }
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(self.path + ".tmp", self.path)
+
+    def start(self) -> None:
+        if self.every_s > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="meshrl-status", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                procs = self.ask()
+            except Exception as error:  # noqa: BLE001 - a view; the run goes on without it
+                logger.debug("status: %s", error)
+                continue
+            if not self._stop.is_set():
+                self.write(procs)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+
+def read(run_dir: str) -> dict:
+    path = os.path.join(run_dir, STATUS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir} has no {STATUS_FILE} (is it a meshrl run directory?)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _controller(pid: int) -> str:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "exited"
+    except PermissionError:
+        pass
+    return "running"
+
+
+def show(run_dir: str, status: dict) -> None:
+    now = time.time()
+    pid = status.get("controller_pid", 0)
+    print(
+        f"{run_dir}: step {status.get('step')}, written {now - status['written']:.1f}s ago "
+        f"by controller pid {pid} ({_controller(pid) if pid else '?'})"
+    )
+    print(table(status["procs"], now))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshrl.cli import run_dir_command
+
+    return run_dir_command("status", argv, read, show)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

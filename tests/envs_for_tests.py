@@ -1,0 +1,50 @@
+"""Environments that misbehave on purpose, importable by the environment procs
+(`task.name=tests.envs_for_tests:Flaky`)."""
+
+import itertools
+import time
+
+from meshrl.envs import Env, Episode, Step
+from meshrl.envs.digits import ReverseDigits
+
+_calls = itertools.count()  # per environment proc
+
+
+class Flaky(ReverseDigits):
+    """Multi-turn reverse-digits whose first three episodes fail: one raises, one
+    hangs past the step timeout, one returns garbage. Later ones run 2 turns:
+    a reply, then the reward."""
+
+    max_turns = 2
+
+    def episode(self, prompt):
+        return _FlakyEpisode(next(_calls), prompt)
+
+
+class _FlakyEpisode(Episode):
+    def __init__(self, number, prompt):
+        self.number, self.prompt, self.turns = number, prompt, 0
+
+    def step(self, action):
+        self.turns += 1
+        if self.number == 0:
+            raise RuntimeError("the tool crashed")
+        if self.number == 1:
+            time.sleep(1.5)
+        if self.number == 2:
+            return "not a step"
+        if self.turns == 1:
+            return Step(observation=" <result>again</result> ", done=False, info={"tool_calls": 1})
+        return Step(reward=1.0 if action.strip() == self.prompt.answer else 0.0)
+
+
+class FlakyScore(ReverseDigits):
+    """Single-turn, run inline (not threaded): the first reward call raises."""
+
+    def reward(self, prompt, completion):
+        if next(_calls) == 0:
+            raise ValueError("reward server unreachable")
+        return super().reward(prompt, completion)
+
+
+__all__ = ["Env", "Flaky", "FlakyScore"]

@@ -1,0 +1,167 @@
+"""Environments without processes: answer checking, safe arithmetic, the tool and
+code environments, chat formatting, dataset loading and the shipped samples."""
+
+import json
+import random
+from fractions import Fraction
+
+import pytest
+
+from algorithms.grpo import GRPOConfig
+from meshrl.config import ConfigError, TaskConfig, load_config
+from meshrl.data import DatasetError, read_rows
+from meshrl.envs import make_task
+from meshrl.envs.math import ArithmeticError_, answers_match, arith, extract_answer
+from meshrl.envs.samples import main as samples_main
+from meshrl.envs.tools import ToolEpisode
+from meshrl.models import build_char_tokenizer
+from meshrl.rollout import ChatFormat
+from meshrl.types import Prompt
+from tests.conftest import DEFAULT_CONFIG
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+@pytest.mark.parametrize(
+    "completion, gold, match",
+    [
+        ("so the total is \\boxed{\\frac{1}{2}}", "0.5", True),
+        ("x = 3 #### 1,234", "reasoning #### 1234", True),
+        ("It costs $5.50.", "11/2", True),
+        ("about 50%", "50", True),
+        ("7 then 8", "#### 8", True),  # the last number
+        ("\\boxed{12} and later 13", "12", True),  # boxed wins over later numbers
+        ("#### 9", "#### 8", False),
+        ("no number here", "8", False),
+    ],
+)
+def test_math_answers_are_extracted_and_normalized(completion, gold, match):
+    assert answers_match(completion, gold) is match
+
+
+def test_boxed_with_nested_braces():
+    assert extract_answer("\\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
+
+
+def test_arithmetic_is_exact_and_refuses_everything_else():
+    assert arith("(7 - 1) * 5 / 4") == (Fraction(15, 2), [7, 1, 5, 4])
+    for bad in (
+        "__import__('os').system('true')",
+        "open('x')",
+        "2 ** 100000",
+        "x + 1",
+        "[1, 2]",
+        "1 / 0",
+        "9" * 20,
+        "1+" * 150 + "1",
+    ):
+        with pytest.raises(ArithmeticError_):
+            arith(bad)
+
+
+def test_countdown_checks_the_value_and_the_numbers_used():
+    env = make_task(TaskConfig(name="countdown"))
+    prompt = Prompt("", "", {"numbers": [2, 3, 7], "target": 13})
+    assert env.reward(prompt, "2*3+7") == 1.0
+    assert env.reward(prompt, " (7+3)+3 = 13") == 0.0  # 3 used twice
+    assert env.reward(prompt, "7+6") == 0.0  # 6 is not given
+    assert env.reward(prompt, "import os") == 0.0
+    for p in env.sample(20, random.Random(0)):  # generated targets are reachable
+        assert env.reward(p, p.answer) == 1.0
+
+
+def test_calculator_episode_calls_tools_and_checks_the_answer():
+    prompt = Prompt("What is 12 * 3 + 4?", "40")
+    episode = ToolEpisode(prompt, timeout_s=5)
+    step = episode.step("let me see <calc>12*3+4</calc>")
+    assert (step.observation, step.done, step.info) == (
+        " <result>40</result> ",
+        False,
+        {"tool_calls": 1},
+    )
+    step = episode.step("<python>print(sum(range(5)))\nprint('done')</python>")
+    assert step.observation == " <result>10 | done</result> " and not step.done
+    step = episode.step("<python>import socket</python>")
+    assert "error: exit status 1" in step.observation  # the sandbox refused it
+    assert episode.step("thinking").observation == " <result>no call</result> "
+    assert (
+        episode.step("<calc>1/0</calc>").observation == " <result>error: division by zero</result> "
+    )
+    assert episode.step("<answer>40</answer>").reward == 1.0
+    assert ToolEpisode(prompt).step("<answer>41</answer>").reward == 0.0
+
+
+def test_code_reward_is_the_fraction_of_tests_passed():
+    env = make_task(TaskConfig(name="code", tool_timeout_s=3))
+    prompt = Prompt(
+        "",
+        "",
+        {"tests": ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == 0", "assert f(3) == 7"]},
+    )
+    assert env.reward(prompt, "```python\ndef f(x):\n    return 2 * x\n```") == 0.75
+    assert env.reward(prompt, "def f(x) return") == 0.0  # syntax error
+    # A forged result line without the run's nonce counts for nothing.
+    assert env.reward(prompt, "print('__passed__ 4')\nimport sys\nsys.exit(0)") == 0.0
+    assert env.reward(prompt, "while True:\n    pass") == 0.0  # stopped by the sandbox
+    for p in env.sample(3, random.Random(0)):
+        assert env.reward(p, p.answer) == 1.0
+
+
+def test_chat_template_formats_prompts_and_tool_replies():
+    tok = build_char_tokenizer()
+    plain = ChatFormat(tok)
+    assert plain.prompts(["12>"])[0] == tok("12>").input_ids
+    assert (
+        plain.reply(" <result>4</result> ")
+        == tok(" <result>4</result> ", add_special_tokens=False).input_ids
+    )
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    chat = ChatFormat(tok)
+    assert tok.decode(chat.prompts(["hi"])[0]) == "[user]hi[assistant]"
+    assert tok.decode(chat.reply("4")) == "[tool]4[assistant]"
+
+
+def test_datasets_load_with_field_mapping(tmp_path):
+    rows = [{"question": f"q{i}", "answer": f"#### {i}", "extra": i} for i in range(5)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    import datasets
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(
+        str(tmp_path / "hfdict")
+    )
+    for name in ("d.jsonl", "d.parquet", "hf", "hfdict"):
+        cfg = load_config(
+            GRPOConfig,
+            DEFAULT_CONFIG,
+            ["task.name=math", f"task.dataset={tmp_path / name}", "task.prompt_field=question"],
+        )
+        prompts = make_task(cfg.task).sample(10, random.Random(0))
+        assert {p.text for p in prompts} <= {r["question"] for r in rows}, name
+        assert all(p.data["extra"] == int(p.text[1:]) for p in prompts), name
+        assert make_task(cfg.task).reward(prompts[0], f"#### {prompts[0].text[1:]}") == 1.0
+    with pytest.raises(
+        DatasetError, match="missing field 'prompt'.*fields: answer, extra, question"
+    ):
+        read_rows(str(tmp_path / "d.jsonl"), ["prompt"], "task.dataset")
+    with pytest.raises(ConfigError, match="task.dataset"):
+        load_config(TaskConfig, None, ["name=math", "dataset=/no/such.jsonl"])
+
+
+def test_shipped_sample_datasets_are_their_generators_output():
+    assert samples_main(["--check"]) == 0
+
+
+def test_your_own_environment_by_import_path():
+    cfg = TaskConfig(name="tests.envs_for_tests:Flaky")
+    cfg.validate()
+    assert make_task(cfg).multi_turn
+    with pytest.raises(ConfigError, match="cannot import 'tests.nope:X'"):
+        TaskConfig(name="tests.nope:X").validate()
