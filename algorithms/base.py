@@ -847,6 +847,7 @@ class Algorithm:
                 self.spawn_role(role)
         in_flight = self.drop_pending()  # generation for the steps being undone
         back_to = self.restore(path, totals=False)
+        self.meshes.report(self.timeout_s)  # actors' metrics of the undone steps: no step's
         self.logger.rewind(back_to)
         batch = self.cfg.prompts_per_step * self.cfg.group_size
         # Steps back_to .. step-1 were trained and are undone; step's samples never were.

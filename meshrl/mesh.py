@@ -13,13 +13,31 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import time
+import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+
+# In a Jupyter kernel an asyncio loop runs in the main thread, and Monarch warns
+# (a log record and a UserWarning) at every blocking `Future.get()` there: dozens
+# a step. The controller blocks on purpose, and its futures are driven by
+# Monarch's own runtime, never by that loop, so the warning does not apply.
+_BLOCKING_GET = r"Future\.get\(\) (was )?called from within an active event loop"
+warnings.filterwarnings("ignore", message=_BLOCKING_GET)
+
+
+class _NoBlockingGetWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not re.match(_BLOCKING_GET, str(record.msg))
+
+
+logging.getLogger("monarch._src.actor.telemetry").addFilter(_NoBlockingGetWarning())
 
 
 class RemoteCallError(RuntimeError):
@@ -319,12 +337,20 @@ class RoleMeshes:
         """Stop every proc, then the job's hosts. Safe to call twice; never raises."""
         meshes, self.meshes = self.meshes, {}
         self.watches = {}
-        for role, mesh in meshes.items():
+
+        # One thread per mesh: a mesh's stop waits for its procs to exit (about a
+        # second each with torch loaded), and Monarch drives a future only while
+        # something waits on it, so waiting in turn would add the seconds up.
+        def stop_one(role: str) -> None:
             try:
                 # Not `wait`: polling a `stop()` future with short timeouts cancels it.
-                mesh.stop().get(timeout=timeout_s)
+                meshes[role].stop().get(timeout=timeout_s)
             except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
                 logger.warning("could not stop %s mesh cleanly: %s", role, error)
+
+        if meshes:
+            with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-stop") as pool:
+                list(pool.map(stop_one, meshes))
         job, self.job = self.job, None
         if job is not None:
             try:

@@ -181,9 +181,14 @@ def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
         }
         versions = {a["actor"]: a["version"] for p in procs for a in p["actors"]}
         assert versions == {"policy": 0, "trainer": 0, "environment": None}
-        algo.policy.slice(procs=1).exit_now.call_one()
-        procs = algo.mesh_status(show=False)
-        states = {(p["role"], p["rank"]): p["state"] for p in procs}
+        algo.policy.slice(procs=1).exit_now.call_one()  # no reply: the proc exits
+        deadline = time.monotonic() + 30
+        while True:  # the view shows the proc dead once it is gone
+            procs = algo.mesh_status(show=False)
+            states = {(p["role"], p["rank"]): p["state"] for p in procs}
+            if states[("policy", 1)] != "alive" or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert states[("policy", 1)] == "dead"
         assert states[("policy", 0)] == states[("trainer", 0)] == "alive"
         from meshrl.status import table

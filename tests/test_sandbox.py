@@ -1,10 +1,16 @@
 """The code sandbox against hostile programs: each test asserts the containment
 itself (the file is absent, the variable unseen, the connection never made)."""
 
+import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +123,88 @@ def test_a_network_connection_is_never_made():
             assert "sandbox:" in result.error, result.error
         with pytest.raises(TimeoutError):
             server.accept()  # nobody connected
+
+
+UNPRIVILEGED_DRIVER = """
+import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sandbox import _launcher, run_python
+target, port = sys.argv[1], int(sys.argv[2])
+runs = {
+    "ok": run_python("print(6 * 7)"),
+    "net": run_python(f"import socket\\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"),
+    "write": run_python(f"open({target!r}, 'w').write('escaped')"),
+    "env": run_python("import os\\nprint(os.environ.get('MESHRL_SANDBOX_SECRET'))"),
+    "loop": run_python("while True:\\n    pass", timeout_s=1.0),
+    "bomb": run_python("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass", timeout_s=2.0, max_procs=8),
+}
+print(json.dumps({"uid": os.getuid(), "launcher": list(_launcher()),
+                  **{k: [r.stdout, r.error] for k, r in runs.items()}}))
+"""
+
+
+DROP = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+
+
+def unprivileged_python(home: str) -> str | None:
+    """An interpreter with which the user nobody can run the sandbox copied into
+    `home` (this one may sit under /root, out of nobody's reach)."""
+    if not shutil.which("setpriv"):
+        return None
+    probe = "from sandbox import run_python; assert run_python('pass').ok"
+    for python in (os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(python):
+            run = subprocess.run([*DROP, python, "-c", probe], cwd=home, capture_output=True)
+            if run.returncode == 0:
+                return python
+    return None
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="as a non-root user the tests above take the unprivileged path"
+)
+def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
+    """The tests above run as root here (the sandbox drops to nobody); this runs
+    the sandbox itself as an unprivileged user, as on a researcher's machine."""
+    monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
+    home = tempfile.mkdtemp(prefix="meshrl-unpriv-")
+    target = f"/tmp/meshrl-escape-{uuid.uuid4().hex}"
+    try:
+        os.chmod(home, 0o755)
+        # The sandbox module is stdlib-only: a copy runs under an interpreter the
+        # unprivileged user can execute.
+        shutil.copy(Path(run_python.__code__.co_filename), Path(home, "sandbox.py"))
+        Path(home, "driver.py").write_text(UNPRIVILEGED_DRIVER)
+        python = unprivileged_python(home)
+        if python is None:
+            pytest.skip("no setpriv, or no interpreter the user nobody may run")
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            server.settimeout(0.5)
+            out = subprocess.run(
+                [
+                    *DROP,
+                    python,
+                    "driver.py",
+                    target,
+                    str(server.getsockname()[1]),
+                ],
+                cwd=home,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+            with pytest.raises(TimeoutError):
+                server.accept()  # nobody connected
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["uid"] == 65534
+    assert seen["ok"] == ["42\n", ""], seen
+    assert "sandbox:" in seen["net"][1]
+    assert "outside the scratch directory" in seen["write"][1] and not os.path.exists(target)
+    assert seen["env"][0] == "None\n"
+    assert seen["loop"][1] == "wall time limit (1s)" and seen["bomb"][1].startswith("wall time")
+    assert not sandbox_procs()
