@@ -91,33 +91,38 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(GRPOConfig, str(unknown))
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["--config", DEFAULT_CONFIG, "stepz=3"], "stepz"),
-        (["--config", DEFAULT_CONFIG, "steps=abc"], "steps"),
-        (["--config", "/nope/grpo.yaml"], "/nope/grpo.yaml"),
-        (["--config", DEFAULT_CONFIG, "--fast"], "--fast"),
-        # No vllm and no GPU here: the one line says which, before any proc starts.
-        (["--config", DEFAULT_CONFIG, "policy.engine=vllm"], "policy.engine': vllm is not"),
-    ],
-)
-def test_cli_exits_with_one_line_before_spawning(args, fragment, no_stray_procs, tmp_path):
+BAD_COMMANDS = [
+    (["--config", DEFAULT_CONFIG, "stepz=3"], "stepz"),
+    (["--config", DEFAULT_CONFIG, "steps=abc"], "steps"),
+    (["--config", "/nope/grpo.yaml"], "/nope/grpo.yaml"),
+    (["--config", DEFAULT_CONFIG, "--fast"], "--fast"),
+    # No vllm and no GPU here: the one line says which, before any proc starts.
+    (["--config", DEFAULT_CONFIG, "policy.engine=vllm"], "policy.engine': vllm is not"),
+]
+
+
+def test_cli_exits_with_one_line_before_spawning(no_stray_procs, tmp_path):
+    """Each bad command, run side by side (each is a fresh interpreter importing torch)."""
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "algorithms.grpo", *args, f"run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and fragment in lines[0]
-    assert result.stdout == ""
-    assert not os.listdir(tmp_path)  # nothing was started, nothing written
-    assert time.monotonic() - started < 30
+    runs = []
+    for i, (args, fragment) in enumerate(BAD_COMMANDS):
+        run_dir = tmp_path / str(i)
+        run_dir.mkdir()
+        command = [sys.executable, "-m", "algorithms.grpo", *args, f"run.dir={run_dir}"]
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        runs.append((args, fragment, run_dir, proc))
+    for args, fragment, run_dir, proc in runs:
+        try:
+            stdout, stderr = proc.communicate(timeout=90)
+        finally:
+            proc.kill()
+        lines = stderr.decode().strip().splitlines()
+        assert proc.returncode == 2, (args, stderr)
+        assert len(lines) == 1, (args, stderr)
+        assert lines[0].startswith("error: ") and fragment in lines[0], (args, lines)
+        assert stdout == b"", args
+        assert not os.listdir(run_dir), args  # nothing was started, nothing written
+    assert time.monotonic() - started < 60
 
 
 def test_help_lists_every_key(capsys):
