@@ -21,9 +21,10 @@ from monarch.actor import Actor, current_rank, current_size, endpoint
 from meshrl import lora
 from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
+from meshrl.export import save_hf
 from meshrl.faults import Drillable
 from meshrl.losses import nll_loss
-from meshrl.models import completion_logprobs, device_for_this_proc, load_model, load_tokenizer
+from meshrl.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.optim import build_optimizer
 from meshrl.parallel import (
     clipped_step,
@@ -203,21 +204,8 @@ class Trainer(Drillable, Actor):
         state = None
         if self.sharded:
             state = {name: t.detach().cpu() for name, t in full_parameters(self.model)}
-        if self.rank != 0:
-            return
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # keep the controller's console to the run's own bar
-        load_tokenizer(self.model_cfg).save_pretrained(path)
-        if not lora.is_lora(self.model):
-            self.model.save_pretrained(path, state_dict=state)
-            return
-        save = self.model_cfg.lora.save
-        if save in ("merged", "both"):  # a plain HF model: transformers and vLLM load it
-            merged = {name: t.detach().cpu().clone() for name, t in self.served_parameters()}
-            self.model.get_base_model().save_pretrained(path, state_dict=merged)
-        if save in ("adapter", "both"):  # peft's files, on top of the base model
-            self.model.save_pretrained(f"{path}/adapter")
+        if self.rank == 0:
+            save_hf(self.model, self.model_cfg, path, state)
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The `meshrl` command: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`."""
+"""The `meshrl` command: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`,
+`meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-USAGE = "usage: meshrl report RUN_DIR | meshrl status RUN_DIR"
+USAGE = "usage: meshrl report RUN_DIR | meshrl status RUN_DIR | meshrl export CHECKPOINT OUT_DIR"
 
 
 def run_dir_command(
@@ -30,13 +31,15 @@ def run_dir_command(
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("report", "status"):
+    if not args or args[0] not in ("report", "status", "export"):
         print(USAGE, file=sys.stderr)
         return 2
     if args[0] == "report":
         from meshrl.report import main as command
-    else:
+    elif args[0] == "status":
         from meshrl.status import main as command
+    else:
+        from meshrl.export import main as command
     return command(args[1:])
 
 

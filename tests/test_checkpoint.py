@@ -5,11 +5,13 @@ import json
 import os
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.ppo import PPO, PPOConfig
-from meshrl import checkpoint
+from meshrl import checkpoint, export
 from meshrl.config import ConfigError, load_config
 from tests.conftest import REPO
 
@@ -82,6 +84,17 @@ def configure(schema, config, tmp_path, name, *overrides):
     )
 
 
+@pytest.mark.unit
+def test_export_names_what_is_missing_in_one_line(tmp_path, capsys):
+    assert export.main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "neither a run directory nor a checkpoint" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("steps: 3\n")
+    assert export.main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "has no complete checkpoint" in capsys.readouterr().err
+    assert export.main([str(tmp_path)]) == 2
+    assert not (tmp_path / "out").exists()
+
+
 def metrics(path):
     with open(path) as f:
         records = [json.loads(line) for line in f]
@@ -109,7 +122,7 @@ def metrics(path):
             StopAtStep,
             GRPOConfig,
             "grpo_default.yaml",
-            ["steps=5", "placement.trainer=2", "placement.sharding=fsdp"],
+            ["steps=6", "placement.trainer=2", "placement.sharding=fsdp"],
             3,
         ),
     ],
@@ -137,3 +150,10 @@ def test_resumed_run_equals_uninterrupted_run(
     assert metrics(tmp_path / "cut" / "metrics.jsonl") == metrics(
         tmp_path / "straight" / "metrics.jsonl"
     )
+
+    # `meshrl export RUN_DIR OUT`: its newest checkpoint (the last step's; FSDP
+    # shards gathered in this process) as an HF directory, equal to the final model.
+    assert export.main([str(tmp_path / "straight"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert exported.state_dict().keys() == straight.keys()
+    assert all(torch.equal(t, straight[k]) for k, t in exported.state_dict().items())

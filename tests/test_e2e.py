@@ -294,6 +294,7 @@ def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, no_stray_
             "warm_start.steps=0",
             "model.lora.rank=4",
             "model.lora.save=both",
+            "checkpoint.every=3",
             f"run.dir={tmp_path}",
             "run.name=lora",
             "run.progress=false",
@@ -310,3 +311,10 @@ def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, no_stray_
     unmerged = PeftModel.from_pretrained(initial, final / "adapter").merge_and_unload()
     for name, param in unmerged.named_parameters():
         assert (param - merged[name]).abs().max().item() < 1e-6, name
+    # The last step's checkpoint exported after the fact: the same merged model.
+    from meshrl.export import export_checkpoint
+
+    export_checkpoint(str(tmp_path / "lora"), str(tmp_path / "exported"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert all(torch.equal(p, merged[n]) for n, p in exported.named_parameters())
+    assert (tmp_path / "exported" / "adapter" / "adapter_config.json").is_file()
