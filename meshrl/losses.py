@@ -186,11 +186,14 @@ def token_rewards(
 
 
 def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """Discounted sum of future masked rewards at each token: [B, T] -> [B, T]."""
+    """Discounted sum of future masked rewards at each token: [B, T] -> [B, T].
+    Positions off the mask are not steps: an environment's reply inside a
+    multi-turn episode is skipped, not discounted over."""
     returns = torch.zeros_like(rewards, dtype=torch.float32)
     running = torch.zeros(rewards.size(0), device=rewards.device)
     for t in reversed(range(rewards.size(1))):
-        running = rewards[:, t] * mask[:, t] + gamma * running
+        on = mask[:, t] > 0
+        running = torch.where(on, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 
@@ -205,9 +208,11 @@ def gae(
     """Generalized advantage estimation (Schulman et al. 2016).
 
     delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1}.
-    rewards, values, mask [B, T]; values off the mask (past the last valid
-    token) count as 0. Returns (advantages [B, T], returns = advantages + values),
-    both 0 off the mask.
+    rewards, values, mask [B, T]. The steps are the masked tokens only: past the
+    last one the value is 0, and tokens off the mask inside a row (an
+    environment's reply in a multi-turn episode) are skipped, so the model's
+    last token of a turn bootstraps from its first token of the next turn.
+    Returns (advantages [B, T], returns = advantages + values), both 0 off the mask.
     """
     values = values.float() * mask
     rewards = rewards.float() * mask
@@ -215,10 +220,11 @@ def gae(
     running = torch.zeros(values.size(0), device=values.device)
     next_value = torch.zeros(values.size(0), device=values.device)
     for t in reversed(range(values.size(1))):
+        on = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
+        running = torch.where(on, delta + gamma * lam * running, running)
         advantages[:, t] = running
-        next_value = values[:, t]
+        next_value = torch.where(on, values[:, t], next_value)
     advantages = advantages * mask
     return advantages, (advantages + values) * mask
 

@@ -204,6 +204,23 @@ def test_gae_matches_naive_loop_with_masked_tail():
             assert ret[b, t].item() == pytest.approx(running + values[b, t].item(), abs=1e-5)
 
 
+def test_environment_tokens_inside_a_row_are_not_steps():
+    """A multi-turn row (model, reply, model, reply, model): GAE and returns-to-go
+    equal those of the row with the replies cut out, scattered back."""
+    torch.manual_seed(3)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    rewards, values = torch.randn(1, 9), torch.randn(1, 9)
+    kept = mask[0] > 0
+    short = (rewards[:, kept], values[:, kept], torch.ones(1, int(kept.sum())))
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    adv_short, ret_short = gae(*short, gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[:, kept], adv_short) and torch.allclose(ret[:, kept], ret_short)
+    assert (adv[:, ~kept] == 0).all() and (ret[:, ~kept] == 0).all()
+    rtg = returns_to_go(rewards, mask, gamma=0.9)
+    assert torch.allclose(rtg[:, kept], returns_to_go(short[0], short[2], gamma=0.9))
+    assert (rtg[:, ~kept] == 0).all()
+
+
 def test_gae_with_lambda_one_is_return_minus_value():
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.2, 0.4, 0.6]])
