@@ -100,12 +100,20 @@ def test_dpo_held_out_accuracy_rises(tmp_path, no_stray_procs):
 
 
 # From Python, with more procs per role than the CLI runs use.
+CALCULATOR = [
+    "task.name=calculator",
+    f"task.dataset={REPO}/meshrl/envs/data/calculator.jsonl",
+    "task.max_turns=3",
+    "model.max_positions=512",
+    "generation.max_new_tokens=8",
+]
 PYTHON_RUNS = [
     (GRPO, GRPOConfig, "gspo", ["placement.trainer=2", "minibatches=2"]),
     (RLOO, GRPOConfig, "rloo", ["placement.policy=2"]),
     (ReinforcePP, ReinforcePPConfig, "reinforce_pp", ["placement.reference=2"]),
     (DAPO, DAPOConfig, "dapo", ["placement.environment=2"]),
-    (PPO, PPOConfig, "ppo", ["placement.critic=2", "placement.trainer=2"]),
+    # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked.
+    (PPO, PPOConfig, "ppo", ["placement.critic=2", "placement.trainer=2", *CALCULATOR]),
     (DPO, DPOConfig, "dpo", ["placement.trainer=2", "eval_every=2", "sft.steps=1"]),
 ]
 
@@ -124,6 +132,9 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
     assert [r["step"] for r in history] == [0, 1, 2]
     for record in history:
         assert all(isinstance(v, int | str) or math.isfinite(v) for v in record.values()), record
+        if cls is PPO:  # the replies were in the batch, attended, and the critic trained
+            assert record["tokens/environment"] > 0 and record["episodes/turns_mean"] >= 1
+            assert record["sampling/logprob_abs_diff"] < 1e-4 and record["value/grad_norm"] > 0
 
 
 class ZeroAdvantageGRPO(GRPO):
