@@ -28,9 +28,6 @@ from meshrl.weights import WeightHandle, WeightReceiver
 class Critic(Drillable, Actor):
     role = "critic"
 
-    def weight_version(self) -> int:
-        return self.weights.version
-
     def __init__(
         self,
         model_cfg: ModelConfig,

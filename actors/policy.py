@@ -25,9 +25,6 @@ from meshrl.weights import WeightHandle, WeightReceiver
 class Policy(Drillable, Actor):
     role = "policy"
 
-    def weight_version(self) -> int:
-        return self.weights.version
-
     def __init__(
         self,
         model_cfg: ModelConfig,

@@ -21,9 +21,6 @@ from meshrl.weights import WeightHandle, WeightReceiver
 class Reference(Drillable, Actor):
     role = "reference"
 
-    def weight_version(self) -> int:
-        return self.weights.version
-
     def __init__(self, model_cfg: ModelConfig, seed: int = 0):
         self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()

@@ -619,25 +619,10 @@ class Algorithm:
             offset += len(part)
         if failures:  # those groups go; new prompts take their place
             completions, rewards = self.refill(completions, rewards, failures, info)
-        rewards = self.add_model_reward(completions, rewards, info)
-        rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
-        lost, stale = info["samples/dropped_policy_lost"], info.get("samples/dropped_stale", 0)
-        return (
-            completions,
-            rewards,
-            {
-                **info,
-                "time/score_s": time.perf_counter() - scored,
-                # Every sample is trained on once or counted here, by reason.
-                "samples/dropped": lost
-                + rewound
-                + stale
-                + info.get("samples/dropped_env_failed", 0),
-                "samples/dropped_stale": stale,
-                "samples/dropped_trainer_rewind": rewound,
-                "faults/recoveries": len(self.recoveries),
-            },
-        )
+        info["samples/dropped_stale"] = info.get("samples/dropped_stale", 0)
+        completions, rewards, info = self.score_info(completions, rewards, info)
+        info["time/score_s"] = time.perf_counter() - scored
+        return completions, rewards, info
 
     max_refills = 3
     """Times in a row failed episodes' groups are sampled again before the run stops."""
@@ -745,15 +730,22 @@ class Algorithm:
     def score_info(
         self, completions: Completions, rewards: torch.Tensor, info: dict
     ) -> tuple[Completions, torch.Tensor, dict]:
+        """The reward model's part of the rewards (if any), and the step's sample
+        accounting: every sample is trained on once or counted here, by reason."""
         rewards = self.add_model_reward(completions, rewards, info)
         rewound, self.dropped_on_rewind = self.dropped_on_rewind, 0
-        failed = info.get("samples/dropped_env_failed", 0)
+        dropped = (
+            info["samples/dropped_policy_lost"]
+            + rewound
+            + info.get("samples/dropped_stale", 0)
+            + info.get("samples/dropped_env_failed", 0)
+        )
         return (
             completions,
             rewards,
             {
                 **info,
-                "samples/dropped": info["samples/dropped_policy_lost"] + rewound + failed,
+                "samples/dropped": dropped,
                 "samples/dropped_trainer_rewind": rewound,
                 "faults/recoveries": len(self.recoveries),
             },

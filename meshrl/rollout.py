@@ -26,7 +26,6 @@ drops its group and samples another.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -39,8 +38,6 @@ import torch
 
 from meshrl.mesh import RemoteCallError, wait
 from meshrl.types import Completions, Prompt
-
-logger = logging.getLogger(__name__)
 
 
 class ChatFormat:
@@ -231,8 +228,8 @@ def _share(items: list[int], workers: int) -> tuple[list[int], list[int]]:
 
 
 def _fail(episode: EpisodeState, reason: str) -> None:
+    # Logged once, with the other failures of the batch, where they are counted.
     episode.failed, episode.done = reason.splitlines()[0][:300], True
-    logger.warning("episode %s failed: %s", episode.key, episode.failed)
 
 
 def to_completions(episodes: list[EpisodeState], pad_id: int) -> tuple[Completions, torch.Tensor]:

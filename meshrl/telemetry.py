@@ -43,24 +43,25 @@ def record(key: str, value: float, reduce: str = "mean") -> None:
     everything recorded under `key` in this step on every proc."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"metric '{key}': reduce '{reduce}' is not one of {', '.join(REDUCTIONS)}")
-    value = float(value)
     with _lock:
-        entry = _pending.get(key)
-        if entry is None:
-            _pending[key] = [reduce, value, 1]
-            return
-        if entry[0] != reduce:
-            raise ValueError(f"metric '{key}' is recorded with reduce '{reduce}' and '{entry[0]}'")
-        entry[1] = _fold(reduce, entry[1], value)
-        entry[2] += 1
+        _merge(_pending, key, reduce, float(value), 1)
 
 
-def _fold(reduce: str, a: float, b: float) -> float:
+def _merge(table: dict[str, list], key: str, reduce: str, value: float, count: int) -> None:
+    """Fold a partial reduction (`value` over `count` records) into `table[key]`."""
+    entry = table.get(key)
+    if entry is None:
+        table[key] = [reduce, value, count]
+        return
+    if entry[0] != reduce:
+        raise ValueError(f"metric '{key}' is recorded with reduce '{reduce}' and '{entry[0]}'")
     if reduce == "min":
-        return min(a, b)
-    if reduce == "max":
-        return max(a, b)
-    return a + b  # mean keeps the sum (and the count beside it)
+        entry[1] = min(entry[1], value)
+    elif reduce == "max":
+        entry[1] = max(entry[1], value)
+    else:
+        entry[1] += value  # sum; mean keeps the sum (and the count beside it)
+    entry[2] += count
 
 
 def drain() -> dict[str, tuple[str, float, int]]:
@@ -76,16 +77,7 @@ def reduce_partials(parts: list[dict[str, tuple[str, float, int]]]) -> dict[str,
     merged: dict[str, list] = {}
     for part in parts:
         for key, (reduce, value, count) in part.items():
-            entry = merged.get(key)
-            if entry is None:
-                merged[key] = [reduce, value, count]
-            elif entry[0] != reduce:
-                raise ValueError(
-                    f"metric '{key}' is recorded with reduce '{reduce}' and '{entry[0]}'"
-                )
-            else:
-                entry[1] = _fold(reduce, entry[1], value)
-                entry[2] += count
+            _merge(merged, key, reduce, value, count)
     return {
         key: value / count if reduce == "mean" else value
         for key, (reduce, value, count) in merged.items()
@@ -151,8 +143,11 @@ class Observed:
         cls.__init__ = registered
 
     def weight_version(self) -> int | None:
-        """The weight version this actor computes with (None: it has no weights)."""
-        return getattr(self, "version", None)
+        """The weight version this actor computes with: its `WeightReceiver`'s
+        (replicas, reference, critic), else its own `version` (the trainer), else
+        None (no weights)."""
+        weights = getattr(self, "weights", None)
+        return weights.version if weights is not None else getattr(self, "version", None)
 
 
 class Watch(Actor):

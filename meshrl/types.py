@@ -69,8 +69,10 @@ class Completions:
     def concat(parts: list[Completions], pad_token_id: int) -> Completions:
         """Stack replica outputs: prompts padded on the left, completions on the right."""
         versions = {p.weight_version for p in parts}
-        multi = any(p.completion_attention is not None for p in parts)
-        assert multi or len(versions) == 1, f"replicas generated with different weights {versions}"
+        multi_turn = any(p.completion_attention is not None for p in parts)
+        assert multi_turn or len(versions) == 1, (
+            f"replicas generated with different weights {versions}"
+        )
         P = max(p.prompt_ids.size(1) for p in parts)
         T = max(p.completion_ids.size(1) for p in parts)
 
@@ -78,7 +80,6 @@ class Completions:
             extra = width - t.size(1)
             return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
-        multi_turn = any(p.completion_attention is not None for p in parts)
         return Completions(
             completion_attention=torch.cat([pad(p.attention, T, 0, False) for p in parts])
             if multi_turn
