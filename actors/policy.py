@@ -53,7 +53,8 @@ class Policy(Drillable, Actor):
         # Each replica samples its own stream, reproducibly. (On the CPU: vLLM
         # takes its requests' seeds from it.)
         device = self.device if policy_cfg.engine == "hf" else "cpu"
-        self.generator = torch.Generator(device).manual_seed(seed * 1009 + current_rank().rank)
+        self.rank = current_rank().rank  # read here: endpoints see no rank
+        self.generator = torch.Generator(device).manual_seed(seed * 1009 + self.rank)
 
     @endpoint
     @observed
@@ -106,6 +107,15 @@ class Policy(Drillable, Actor):
     @endpoint
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+    @endpoint
+    def save_state(self, directory: str) -> None:
+        """This replica's part of a checkpoint: its sampling stream."""
+        torch.save(self.generator.get_state().cpu(), f"{directory}/policy_rng_{self.rank}.pt")
+
+    @endpoint
+    def load_state(self, directory: str) -> None:
+        self.generator.set_state(torch.load(f"{directory}/policy_rng_{self.rank}.pt"))
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

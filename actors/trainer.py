@@ -184,6 +184,15 @@ class Trainer(Drillable, Actor):
         return self.version
 
     @endpoint
+    def set_lr(self, lr: float) -> None:
+        """A new peak learning rate from the next step on; the schedule (warm-up,
+        decay) keeps its shape around it."""
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+
+    @endpoint
     @observed
     def publish(self) -> WeightHandle | None:
         """Write the current weights, tagged with the version, where replicas pull

@@ -30,15 +30,17 @@ Subclass and override one hook (`rollout`, `compute_advantages`, `loss`,
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main
+from algorithms.base import Algorithm, HookLoss, RLConfig, main
+from meshrl.collector import Batch
 from meshrl.config import ConfigError
 from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, masked_mean, policy_loss
-from meshrl.mesh import RemoteCallError
+from meshrl.run import Run
+from meshrl.steplog import rollout_metrics
+from meshrl.supervisor import RoleLost, step_metrics
 from meshrl.types import Completions, TrainBatch
 
 
@@ -83,68 +85,113 @@ class GRPO(Algorithm):
 
     # --- the loop ---------------------------------------------------------------------
 
-    def run(self) -> list[dict]:
-        """Spawn the meshes, train for `cfg.steps` steps, save, and stop every proc."""
-        cfg = self.cfg
-        self.setup()
+    def run(self, num_steps: int | None = None) -> list[dict]:
+        """Spawn the meshes (first call), train `num_steps` more steps (None: to
+        `cfg.steps`, then save the model and stop every proc)."""
+        from actors.environment import Environment
+        from actors.policy import Policy
+        from actors.reference import Reference
+        from actors.reward_model import RewardModel
+        from actors.trainer import Trainer
+
+        cfg, state = self.cfg, self.state
+        if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
+            run = self.meshes = Run(cfg, self.name, *self.placement())
+            try:
+                self.trainer = run.spawn(
+                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
+                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
+                    seed=cfg.run.seed, sharding=cfg.placement.sharding,
+                    shm_prefix=run.shm_prefix, rendezvous=True,
+                )  # fmt: skip
+                self.policy = run.spawn(
+                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context
+                )
+                self.environment = run.spawn("environment", Environment, cfg.task, cfg.model)
+                self.reference = self.reward_model = None
+                if cfg.kl_coef > 0:  # a frozen copy of the starting weights
+                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed)
+                if cfg.reward_model.path:
+                    self.reward_model = run.spawn(
+                        "reward_model", RewardModel, cfg.reward_model.path
+                    )
+                self.compose(run, [self.trainer, self.reference, self.policy])
+            except BaseException:
+                self.close()
+                raise
+        run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
+        policy, trainer, reference = self.policy, self.trainer, self.reference
         try:
-            # Version 0 to every replica, warm-start, reference; or a checkpoint's state.
-            first_step = self.start()
-            self.start_logger(cfg.steps, first_step)
-            step = first_step
-            while step < cfg.steps:
-                self.inject_faults(step)  # drills from the `faults:` config, if any
-                started = time.perf_counter()
-                completions, rewards, rollout_info = self.rollout()
-                batch = TrainBatch.from_completions(completions)
-                reference_started = time.perf_counter()
-                if "reference" in self.meshes:
-                    batch.ref_logprobs = self.reference_logprobs(batch)
-                reference_s = time.perf_counter() - reference_started
-                batch.advantages = self.compute_advantages(rewards, batch)
-
-                train_started = time.perf_counter()
-                try:
-                    train_metrics = self.optimize(batch)
-                    sync_started = time.perf_counter()
-                    self.sync_weights()
-                except RemoteCallError as error:
-                    step = self.rewind(step, error)  # lost trainer: back to the newest checkpoint
-                    continue
-                finished = time.perf_counter()
-                self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
-                self.record_samples(step, completions, rewards, batch.advantages)
-
-                self.after_step(
-                    step,
-                    {
+            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
+                while state.step < self.steps_to(num_steps):
+                    step = state.step
+                    sup.drill(step)  # drills from the `faults:` config, if any
+                    with log.timer("step"):
+                        # Generate this step's batch (and `max_staleness` batches ahead):
+                        # group_size copies of each prompt, split over the policy replicas.
+                        while len(state.ahead) <= cfg.max_staleness:
+                            batch = self.collector.layout(
+                                self.collector.sample_prompts(cfg.prompts_per_step)
+                            )
+                            if not self.task.multi_turn:  # (episodes are played in `rollout`)
+                                batch.calls = [
+                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation)
+                                    for i, ids in enumerate(batch.shards)
+                                ]  # fmt: skip
+                            state.ahead.append(batch)
+                        # Collect it, score it on the environment mesh, refill failed groups.
+                        completions, rewards, rollout_info = self.rollout(state.ahead.pop(0))
+                        batch = TrainBatch.from_completions(completions)
+                        with log.timer("reference"):  # rows split over the reference procs
+                            if reference is not None:
+                                batch.ref_logprobs = sup.call_rows(
+                                    reference, "logprobs", batch, cfg.generation.temperature
+                                )
+                        batch.advantages = self.compute_advantages(rewards, batch)
+                        try:
+                            # Each trainer rank steps on its shard of every minibatch
+                            # (DDP or FSDP2 inside the mesh) ...
+                            with log.timer("train"):
+                                train_metrics = step_metrics([
+                                    sup.call_sharded(trainer, "train_step", batch.rows(rows))
+                                    for rows in self.minibatches(len(batch))
+                                ])  # fmt: skip
+                            # ... then publishes the new version, and every replica
+                            # pulls it: shared memory on this host, RDMA across hosts.
+                            with log.timer("weight_sync"):
+                                handle = sync.publish(trainer)  # trainer.publish
+                                sync.pull(policy, handle)  # policy.load_weights
+                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                            self.ckpt.rewind(lost, sup, log, len(batch))
+                            continue
+                    sup.guard_finite(step, train_metrics, self.newest_checkpoint())
+                    self.record_samples(step, completions, rewards, batch.advantages)
+                    self.after_step(step, {
                         "step": step,
-                        **self.rollout_metrics(rewards, completions),
+                        **rollout_metrics(rewards, completions, sync),
                         **rollout_info,  # after the reward keys: a rollout may refine them
                         **train_metrics,
-                        **self.account(trained=len(batch)),
-                        "time/reference_s": reference_s,
-                        "time/train_s": sync_started - train_started,
-                        "time/weight_sync_s": finished - sync_started,
-                        "time/step_s": finished - started,
-                    },
-                )
-                self.end_step(step + 1)  # checkpoint when due; stop on Ctrl-C
-                step += 1
-            self.finish()
-        finally:
-            self.shutdown()
-        return self.logger.history
+                        **self.accounting(trained=len(batch)),
+                    })  # fmt: skip
+                    state.step += 1
+                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
+        except BaseException:
+            self.close()
+            raise
+        if num_steps is None:
+            self.stop()
+        return log.history
 
     # --- hooks: override one of these for a variant ---------------------------------
 
-    def rollout(self) -> tuple[Completions, torch.Tensor, dict]:
-        """This step's `prompts_per_step` prompts with `group_size` completions each,
-        scored (generated ahead when `max_staleness > 0`).
+    def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's batch (`prompts_per_step` prompts x `group_size`, its
+        generation sent by the loop, or its episodes still to play), collected
+        and scored.
 
         Returns completions [B = prompts x group], rewards [B] and metrics to log.
         """
-        return self.next_rollout()
+        return self.collector.finish(batch)
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).
@@ -176,10 +223,6 @@ class GRPO(Algorithm):
                 loss = loss + cfg.kl_coef * kl
             metrics["policy/kl_ref"] = kl.item()
         return loss, metrics
-
-    def after_step(self, step: int, metrics: dict) -> None:
-        """Record the step (metrics.jsonl, progress bar)."""
-        self.log_step(metrics)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,139 @@ def load_state(path: str, device, **parts) -> dict:
     for key, target in parts.items():
         target.load_state_dict(state[key])
     return {k: v for k, v in state.items() if k not in parts}
+
+
+class Checkpointer:
+    """Checkpoints of a run: every stateful role's part and the controller's
+    `LoopState`, committed atomically every `checkpoint.every` steps; resume
+    from one, and go back to the newest after a lost trainer (`rewind`).
+
+    `roles`: the stateful roles; each has `save_state(directory)` and
+    `load_state(directory)` endpoints and writes its own files (e.g.
+    `trainer.pt`). `after_restore()` runs after the roles are restored (publish
+    the restored weights to the replicas). `collector` (a `Collector`, when the
+    loop generates ahead) saves and restores the batches of `LoopState.ahead`.
+    Sizes of `same_size` roles must match the checkpoint's (a replica's sampling
+    stream is its own)."""
+
+    def __init__(
+        self,
+        run,
+        state,
+        roles: list,
+        cfg: CheckpointConfig,
+        after_restore=None,
+        collector=None,
+        same_size: tuple[str, ...] = ("policy",),
+    ):
+        self.run, self.state, self.cfg = run, state, cfg
+        self.roles = [r for r in roles if r is not None]
+        self.after_restore, self.collector, self.same_size = after_restore, collector, same_size
+        self.saved_at = -1
+
+    def latest(self) -> str | None:
+        return latest(self.run.dir)
+
+    def _each_role(self, endpoint: str, directory: str) -> None:
+        from meshrl.mesh import wait
+
+        for role in self.roles:
+            future = getattr(role, endpoint).call(directory)
+            wait(future, f"{role.name}.{endpoint}", self.run.timeout_s)
+
+    def maybe_save(self) -> None:
+        """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C
+        or SIGTERM asked to stop, a checkpoint if checkpoints are on and this step
+        has none yet, then KeyboardInterrupt."""
+        done, stop = self.state.step, self.run.stop_request.requested
+        due = self.cfg.every and (done % self.cfg.every == 0 or stop)
+        if due and self.saved_at != done:
+            self.save()
+        if stop:
+            saved = f"; checkpoint {self.latest()}" if self.cfg.every else ""
+            raise KeyboardInterrupt(f"stopped after {done} steps{saved}")
+
+    def save(self) -> str:
+        """Write the checkpoint after `state.step` steps. A part that cannot be
+        written (full disk, unwritable directory) stops the run with one line;
+        the previous checkpoint stays the newest valid one."""
+        import torch
+
+        from meshrl.mesh import RemoteCallError
+
+        done, collector = self.state.step, self.collector
+        # Generation under way for the next steps is part of the state: collected
+        # now and saved, so a resumed run trains on exactly these samples.
+        for batch in self.state.ahead if collector else ():
+            collector.collect(batch)
+        loop = self.state.state_dict(collector.save if collector else None)
+        try:
+            partial = begin(self.run.dir, done)
+            self._each_role("save_state", partial)
+            sizes = {role.name: role.size for role in self.roles}
+            torch.save({"loop": loop, "sizes": sizes}, f"{partial}/loop.pt")
+            path = commit(partial, self.cfg.keep)
+        except (OSError, RemoteCallError) as error:
+            if isinstance(error, RemoteCallError) and error.proc_lost:
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise CheckpointError(
+                f"checkpoint after step {done} could not be written: {first} "
+                f"(newest valid checkpoint: {self.latest()})"
+            ) from error
+        self.saved_at = done
+        return path
+
+    def restore(self, path: str, counts: bool = True) -> int:
+        """Every role's state and the loop's from the checkpoint at `path`; returns
+        its step. `counts=False` keeps the ledger and counters (a rewind)."""
+        import torch
+
+        saved = torch.load(f"{path}/loop.pt", weights_only=False)
+        for role in self.roles:
+            if role.name in self.same_size and saved["sizes"].get(role.name) != role.size:
+                raise ConfigError(
+                    f"config key 'placement.{role.name}': the checkpoint {path} has "
+                    f"{saved['sizes'].get(role.name)} {role.name} procs, this run {role.size}"
+                )
+        self._each_role("load_state", path)
+        if self.after_restore is not None:
+            self.after_restore()
+        restore_batch = self.collector.restore if self.collector else None
+        self.state.load_state_dict(saved["loop"], restore_batch, counts=counts)
+        self.saved_at = self.state.step
+        return self.state.step
+
+    def resume(self) -> int | None:
+        """With `checkpoint.resume`: restore the run's checkpoint and return its
+        step; else None (a fresh run)."""
+        if self.run.resume_from is None:
+            return None
+        step = self.restore(self.run.resume_from)
+        print(f"resumed from {self.run.resume_from} at step {step}", flush=True)
+        return step
+
+    def rewind(self, lost, supervisor, log, samples_per_step: int) -> int:
+        """A proc of a role whose state lives only in it (trainer, critic) died
+        during step `state.step`: replace its procs, restore every role from the
+        newest checkpoint and return its step, where the loop continues. Samples
+        of the steps undone, and those generated ahead, count as dropped."""
+        path = self.latest()
+        if path is None:
+            raise lost  # no checkpoint (checkpoint.every = 0)
+        supervisor.spend_recovery(lost.role, lost)
+        print(f"recovering {lost.role} from {path}: {lost}", flush=True)
+        self.run.respawn(lost.role)
+        ledger, step = self.state.ledger, self.state.step
+        in_flight = 0
+        for batch in self.state.ahead:  # generation for the steps being undone
+            in_flight += len(batch)
+            ledger.generated += 0 if batch.counted else len(batch)
+        self.state.ahead = []
+        back_to = self.restore(path, counts=False)
+        self.run.report()  # actors' metrics of the undone steps belong to no step
+        log.rewind(back_to)
+        # Steps back_to .. step-1 were trained and are undone; step's samples never were.
+        ledger.trained -= (step - back_to) * samples_per_step
+        ledger.drop("trainer_rewind", (step + 1 - back_to) * samples_per_step + in_flight)
+        return back_to

@@ -1,0 +1,288 @@
+"""A step's rollouts on the controller: prompts drawn, completions collected from
+the policy replicas, rewards from the environment (and a reward model), failed
+groups replaced, and every sample entered in the ledger.
+
+The loop sends generation itself (`policy.slice(procs=i).generate.call_one`)
+into a `Batch` laid out here (`Collector.layout`); `finish(batch)` collects
+it and scores it. A lost proc is replaced and the call made again (the
+`Supervisor`); what a failed generation produced is counted as dropped
+(`policy_lost`), a batch more than `max_staleness` versions old is generated
+again (`stale`), and a group with a failed episode is replaced by new prompts
+(`env_failed`). Multi-turn episodes (`meshrl.rollout`) are played in `finish`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshrl.mesh import split, start_each
+from meshrl.rollout import ChatFormat, run_episodes, to_completions
+from meshrl.types import Completions, Prompt
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLong(ValueError):
+    """A prompt does not fit the model's context; one line."""
+
+
+@dataclass
+class Batch:
+    """One step's generation: laid out, sent to the replicas, collected later."""
+
+    prompts: list[Prompt]
+    group: list[Prompt]  # each prompt group_size times
+    shards: list[list[list[int]]]  # per replica: its prompts' token ids
+    published: int  # weight versions published when it was sent
+    calls: list | None = None  # per replica: the generate future
+    respawns: int = 0  # policy mesh replacements when it was sent
+    started: float = field(default_factory=time.perf_counter)
+    completions: Completions | None = None
+    lost: int = 0
+    counted: bool = False  # entered in the ledger as generated
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+
+class Collector:
+    """`cfg`: an on-policy config (group_size, generation, task, max_staleness);
+    `state`: the `LoopState` (its rng draws the prompts, its ledger counts the
+    samples); `sup`: the `Supervisor`; `sync`: the `WeightSync`; `policy`,
+    `environment` and `reward_model` the roles (`reward_model` may be None)."""
+
+    max_refills = 3
+    """Times in a row failed episodes' groups are sampled again before the run stops."""
+
+    def __init__(self, cfg, state, sup, sync, tokenizer, task, context, policy, environment,
+                 reward_model=None):  # fmt: skip
+        self.cfg, self.state, self.sup, self.sync = cfg, state, sup, sync
+        self.tokenizer, self.task, self.context = tokenizer, task, context
+        self.format = ChatFormat(tokenizer)  # the chat template, when it has one
+        self.policy, self.environment, self.reward_model = policy, environment, reward_model
+        self.last_episodes: list = []
+
+    # --- prompts --------------------------------------------------------------------------
+
+    def sample_prompts(self, num_prompts: int) -> list[Prompt]:
+        """`num_prompts` prompts from the task that fit the model's context with
+        `generation.max_new_tokens` to spare. A prompt that does not is skipped
+        and another drawn (`samples/skipped_overlong_prompts`), or is an error
+        (`generation.overlong_prompt=error`)."""
+        generation = self.cfg.generation
+        room = self.context - generation.max_new_tokens
+        prompts: list[Prompt] = []
+        for _ in range(100):  # draws of a batch, before concluding nothing fits
+            drawn = self.task.sample(num_prompts - len(prompts), self.state.rng)
+            lengths = map(len, self.format.prompts([p.text for p in drawn]))  # one batch call
+            for prompt, length in zip(drawn, lengths, strict=True):
+                if length <= room:
+                    prompts.append(prompt)
+                    continue
+                message = (
+                    f"a prompt of {length} tokens does not fit the model's context of "
+                    f"{self.context} with generation.max_new_tokens="
+                    f"{generation.max_new_tokens}: {prompt.text[:40]!r}"
+                )
+                if generation.overlong_prompt == "error":
+                    raise PromptTooLong(f"{message} (generation.overlong_prompt=skip skips it)")
+                self.state.count("skipped_prompts")
+            if len(prompts) == num_prompts:
+                return prompts
+        raise PromptTooLong(f"no prompt fits: {message}")
+
+    def layout(self, prompts: list[Prompt]) -> Batch:
+        """`group_size` copies of each prompt, their token ids split evenly over
+        the replicas (`Batch.shards`), nothing sent yet."""
+        k = self.cfg.group_size
+        ids = [i for i in self.format.prompts([p.text for p in prompts]) for _ in range(k)]
+        return Batch(
+            prompts,
+            [p for p in prompts for _ in range(k)],
+            split(ids, self.policy.size),
+            self.sync.published,
+            respawns=self.policy.respawns,
+        )
+
+    def start(self, prompts: list[Prompt]) -> Batch:
+        """Lay out `prompts` and send their generation to the replicas."""
+        batch = self.layout(prompts)
+        if not self.task.multi_turn:
+            batch.calls = start_each(
+                self.policy, "generate", [(s, self.cfg.generation) for s in batch.shards]
+            )
+        return batch
+
+    # --- collecting and scoring -----------------------------------------------------------
+
+    def collect(self, batch: Batch) -> Completions:
+        """A batch's completions. A policy proc that dies is replaced and a call that
+        raised may be retried: the generation is done again, and what the failed
+        call generated on every replica is counted as dropped (`policy_lost`)."""
+        if batch.completions is None:
+            args = [(s, self.cfg.generation) for s in batch.shards]
+            started = (batch.calls, batch.respawns) if batch.calls is not None else None
+            parts, repeats = self.sup.call(self.policy, "generate", args, started)
+            batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+            batch.lost = repeats * len(batch)
+        if not batch.counted:
+            batch.counted = True
+            self.state.ledger.generated += len(batch) + batch.lost
+            self.state.ledger.drop("policy_lost", batch.lost)
+        return batch.completions
+
+    def finish(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
+        """The batch's completions [B = prompts x group], rewards [B] and metrics.
+        A batch generated more than `max_staleness` versions ago is dropped
+        (`stale`) and generated again."""
+        started = time.perf_counter()
+        if self.task.multi_turn:
+            completions, rewards, info = self.play(batch.prompts)
+        else:
+            completions = self.collect(batch)
+            info = {"time/generate_s": time.perf_counter() - batch.started}
+            staleness = self.sync.published - batch.published
+            if staleness > self.cfg.max_staleness:
+                self.state.ledger.drop("stale", len(batch))
+                batch = self.start(batch.prompts)
+                completions, staleness = self.collect(batch), 0
+            info["weights/staleness"] = staleness
+            scored = time.perf_counter()
+            completions, rewards = self.score(batch.group, completions, info)
+            info["time/score_s"] = time.perf_counter() - scored
+        rewards = self.add_model_reward(completions, rewards, info)
+        info["time/rollout_s"] = time.perf_counter() - started
+        return completions, rewards, info
+
+    def generate_and_score(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
+        """`group_size` completions per prompt, generated now and scored."""
+        return self.finish(self.start(prompts))
+
+    def score(
+        self, group: list[Prompt], completions: Completions, info: dict, refills: int = 0
+    ) -> tuple[Completions, torch.Tensor]:
+        """Rewards from the environment mesh, each proc scoring a contiguous part.
+        Scoring that failed for a lost proc is done again on the same completions;
+        the groups of episodes that failed are replaced by new prompts' (`refill`)."""
+        n = self.environment.size
+        shards = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
+        scores, _ = self.sup.call(self.environment, "score", list(shards))
+        rewards = torch.tensor([r for part, _ in scores for r in part])
+        failures, offset = {}, 0
+        for part, failed in scores:
+            failures.update({offset + row: reason for row, reason in failed.items()})
+            offset += len(part)
+        if not failures:
+            return completions, rewards
+        k = self.cfg.group_size
+        groups = sorted({row // k for row in failures})
+        self.count_failures(list(failures.values()), len(groups) * k, info, refills)
+        keep = torch.tensor([r for r in range(len(rewards)) if r // k not in groups])
+        new = self.start(self.sample_prompts(len(groups)))
+        new_completions, new_rewards = self.score(new.group, self.collect(new), info, refills + 1)
+        return (
+            Completions.concat([completions.rows(keep), new_completions], self.tokenizer.pad_token_id),
+            torch.cat([rewards[keep], new_rewards]),
+        )
+
+    def count_failures(self, reasons: list[str], dropped: int, info: dict, refills: int) -> None:
+        if refills >= self.max_refills:
+            raise RuntimeError(
+                f"environment: episodes failed in {self.max_refills} refills in a row; "
+                f"the last: {reasons[-1]}"
+            )
+        for reason in reasons:
+            logger.warning("episode failed: %s", reason)
+        self.state.ledger.drop("env_failed", dropped)
+        self.state.count("episodes_failed", len(reasons))
+        info["episodes/failed"] = info.get("episodes/failed", 0) + len(reasons)
+
+    def play(self, prompts: list[Prompt]) -> tuple[Completions, torch.Tensor, dict]:
+        """Multi-turn episodes (`meshrl.rollout`): `group_size` per prompt, the
+        model's turns on the policy replicas and the environment's replies on
+        the environment procs, interleaved. A group with a failed episode is
+        dropped (counted, its reasons logged) and new prompts played instead."""
+        k, kept, info = self.cfg.group_size, [], {}
+        roles = {"policy": self.policy, "environment": self.environment}
+        for attempt in range(self.max_refills + 1):
+            group = [p for p in prompts for _ in range(k)]
+            episodes, timing = run_episodes(
+                group,
+                lambda role: roles[role].actors,
+                self.policy.size,
+                self.environment.size,
+                self.format,
+                self.cfg.generation,
+                self.task.turns,
+                self.context,
+                self.sup.timeout_s,
+                on_lost=self.sup.recover,
+                key_prefix=f"{self.sync.published}.{attempt}.",
+            )
+            self.state.ledger.generated += len(episodes)
+            failed = {i // k for i, e in enumerate(episodes) if e.failed}
+            kept += [e for i, e in enumerate(episodes) if i // k not in failed]
+            if not failed:
+                break
+            reasons = [e.failed for e in episodes if e.failed]
+            self.count_failures(reasons, len(failed) * k, info, attempt)
+            prompts = self.sample_prompts(len(failed))
+        completions, rewards = to_completions(kept, self.tokenizer.pad_token_id)
+        mask, attention = completions.completion_mask, completions.attention
+        info.update(
+            {
+                "time/generate_s": timing["time/episode_generate_s"],
+                "time/episodes_s": timing["time/episodes_s"],
+                "episodes/turns_mean": sum(e.turns for e in kept) / len(kept),
+                "episodes/truncated": sum(e.truncated for e in kept),
+                "tokens/environment": int((attention - mask).sum().item()),
+            }
+        )
+        self.last_episodes = kept
+        return completions, rewards, info
+
+    def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
+        """With a reward model: rule_weight x the environment's reward + weight x
+        the reward model's score of prompt + completion (both logged)."""
+        if self.reward_model is None:
+            return rewards
+        cfg = self.cfg.reward_model
+        prompts, texts = decode(self.tokenizer, completions)
+        n = self.reward_model.size
+        texts = [p + t for p, t in zip(prompts, texts, strict=True)]
+        parts, _ = self.sup.call(self.reward_model, "score", [(c,) for c in split(texts, n)])
+        model = torch.tensor([s for part in parts for s in part])
+        info["reward/rule_mean"] = rewards.mean().item()
+        info["reward/model_mean"] = model.mean().item()
+        return cfg.rule_weight * rewards + cfg.weight * model
+
+    # --- batches generated ahead, in checkpoints ------------------------------------------
+
+    def save(self, batch: Batch) -> tuple:
+        """What a checkpoint keeps of a batch generated ahead (`collect` it first)."""
+        assert batch.completions is not None and batch.counted, "collect the batch first"
+        return batch.prompts, batch.completions, self.sync.published - batch.published
+
+    def restore(self, saved: tuple) -> Batch:
+        prompts, completions, behind = saved
+        batch = self.layout(prompts)
+        batch.completions, batch.published = completions, self.sync.published - behind
+        batch.counted = True  # in the restored ledger (or counted again by a rewind)
+        return batch
+
+
+def decode(tokenizer: Any, completions: Completions) -> tuple[list[str], list[str]]:
+    """The prompts' and the completions' texts (an episode's whole transcript)."""
+    prompts = [
+        ids[m.bool()].tolist()
+        for ids, m in zip(completions.prompt_ids, completions.prompt_mask, strict=True)
+    ]
+    return (
+        tokenizer.batch_decode(prompts, skip_special_tokens=True),
+        tokenizer.batch_decode(completions.completion_lists(), skip_special_tokens=True),
+    )

@@ -1,0 +1,214 @@
+"""A run: its directory, its meshes and their lifetime, and its stop request.
+
+    with Run(cfg, "grpo", procs={"policy": 2, "trainer": 1}) as run:
+        policy = run.spawn("policy", Policy, cfg.model)
+        trainer = run.spawn("trainer", Trainer, cfg.model, rendezvous=True)
+        ...
+
+`Run` creates (or, resuming, reuses) the run directory, saves the resolved
+config, spawns one proc mesh per role (`meshrl.mesh.RoleMeshes`), writes
+`status.json` from a thread, and on `close()` stops every proc and removes the
+run's shared-memory weight files. `run.spawn` returns a `Role`: a handle on one
+actor per proc that stays valid when the role's procs are replaced
+(`run.respawn`). Ctrl-C and SIGTERM are this run's (`run.stop_request`), not the
+process's, so runs one after another in a notebook kernel never share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from meshrl import checkpoint
+from meshrl.config import ConfigError, save_config
+from meshrl.mesh import RoleMeshes
+from meshrl.metrics import make_run_dir
+from meshrl.status import StatusFile
+from meshrl.status import table as status_table
+from meshrl.weights import SHM_DIR
+
+
+class StopRequest:
+    """Ctrl-C and SIGTERM for one run.
+
+    While the loop steps (`with stop.catching():`), the first signal asks it to
+    stop at the end of the step (`requested`); a second one, or one outside the
+    loop, raises KeyboardInterrupt at once. `request()` does what a signal does.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, reason: str = "stop requested") -> None:
+        if self.requested:
+            raise KeyboardInterrupt(reason)
+        self.requested = True
+        print(f"\n{reason}: stopping at the end of this step (again to stop at once)", flush=True)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.request(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[StopRequest]:
+        """Route SIGINT and SIGTERM (a scheduler's preemption) to this run while
+        the block runs, in the main thread; the previous handlers come back after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+class Role:
+    """One actor per proc of a role's mesh, flat over hosts (`procs`).
+
+    Endpoints are reached as on a Monarch actor mesh (`role.generate.call_one`,
+    `role.slice(procs=i)`); the mesh behind them is replaced when the role's
+    procs are (`Run.respawn`), and `respawns` counts how often."""
+
+    def __init__(self, run: Run, name: str, make: Any):
+        self.name, self._run, self._make = name, run, make
+        self.actors = make()
+        self.respawns = 0
+
+    @property
+    def size(self) -> int:
+        return self._run.meshes.size(self.name)
+
+    def slice(self, **where: Any) -> Any:
+        return self.actors.slice(**where)
+
+    def respawned(self) -> None:
+        """Its procs were replaced: spawn its actors again."""
+        self.actors = self._make()
+        self.respawns += 1
+
+    def __getattr__(self, endpoint: str) -> Any:
+        if endpoint.startswith("_"):
+            raise AttributeError(endpoint)
+        return getattr(self.actors, endpoint)
+
+    def __repr__(self) -> str:
+        return f"Role({self.name!r}, procs={self.size}, respawns={self.respawns})"
+
+
+class Run:
+    """The run directory, the config saved in it, the meshes and their lifetime.
+
+    `procs` maps each role to its procs per host (`job.hosts` gives the hosts);
+    `share` maps a role to another whose procs it runs in (colocation); roles in
+    `busy_together` compute at the same time and share the cores (see
+    `RoleMeshes`). With `checkpoint.resume` the run continues in the
+    checkpoint's directory (`resume_from`). Use as a context manager, or call
+    `close()`; both are safe to call twice."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        name: str,
+        procs: dict[str, int],
+        share: dict[str, str] | None = None,
+        busy_together: list[tuple[str, ...]] | None = None,
+    ):
+        self.cfg, self.name = cfg, name
+        self.timeout_s = cfg.run.call_timeout_s
+        self.resume_from = find_resume(cfg)
+        if self.resume_from is None:
+            self.dir = make_run_dir(cfg.run.dir, cfg.run.name, name)
+        else:  # <run dir>/checkpoints/step_N
+            self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
+        save_config(cfg, f"{self.dir}/config.yaml")
+        self.stop_request = StopRequest()
+        # Shared-memory weight files of this run's trainers, removed at `close`.
+        self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.roles: dict[str, Role] = {}
+        self.status: StatusFile | None = None
+        self.meshes = RoleMeshes(
+            procs,
+            cfg.job,
+            threads_per_proc=cfg.placement.threads_per_proc or None,
+            share=share,
+            busy_together=busy_together,
+        )
+        self.status = StatusFile(self.dir, self.meshes.status, cfg.run.status_every_s)
+        self.status.start()
+
+    def spawn(
+        self, role: str, actor_class: type, *args: Any, rendezvous: bool = False, **kwargs: Any
+    ) -> Role:
+        """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
+        also `master=(address, port)` of rank 0 for torch.distributed, a fresh
+        one each time the role is spawned again."""
+
+        def make() -> Any:
+            extra = {"master": self.meshes.rendezvous(role)} if rendezvous else {}
+            return self.meshes.spawn(role, role, actor_class, *args, **kwargs, **extra)
+
+        try:
+            self.roles[role] = handle = Role(self, role, make)
+        except BaseException:
+            self.close()
+            raise
+        return handle
+
+    def __contains__(self, role: str) -> bool:
+        return role in self.roles
+
+    def respawn(self, role: str) -> list[Role]:
+        """Replace the procs `role` runs in (after one of them died) and spawn
+        again the actors of every role in them; returns those roles."""
+        own = self.meshes.share.get(role, role)
+        self.meshes.respawn(own)
+        again = [h for r, h in self.roles.items() if self.meshes.share.get(r, r) == own]
+        for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
+            handle.respawned()
+        return again
+
+    def report(self) -> tuple[dict[str, float], list[dict]]:
+        """What every actor recorded since the last report, reduced over the
+        meshes (`meshrl.telemetry`), and each proc's status."""
+        return self.meshes.report(self.timeout_s)
+
+    def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
+        """Ask every proc of every mesh now: its actors, their weight versions, the
+        endpoint under way, the last call; a proc that is gone shows as dead.
+        Prints the table (`show`) and returns one dict per proc."""
+        procs = self.meshes.status(timeout_s)
+        if show:
+            print(status_table(procs))
+        return procs
+
+    def close(self) -> None:
+        """Stop every proc this run spawned and remove its shared-memory files."""
+        if self.status is not None:
+            self.status.stop()  # before the meshes go: it asks their procs
+        self.meshes.stop()
+        # A proc that was killed could not remove its shared-memory files.
+        for path in glob.glob(f"{SHM_DIR}/{self.shm_prefix}-*"):
+            os.unlink(path)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def find_resume(cfg: Any) -> str | None:
+    """The checkpoint to continue from, per `checkpoint.resume`, or None."""
+    resume = cfg.checkpoint.resume
+    if resume != "auto":
+        return resume or None
+    if not cfg.run.name:
+        raise ConfigError("config key 'checkpoint.resume': 'auto' needs run.name (the run)")
+    return checkpoint.latest(os.path.join(cfg.run.dir, cfg.run.name))

@@ -1,0 +1,112 @@
+"""Step timing and logging for a controller loop.
+
+    with log.timer("train"):          # adds time/train_s to this step's record
+        ...
+    log.step({"step": step, **metrics})
+
+`StepLog.step` writes one record: the loop's metrics, the step's timers, and
+what every actor recorded since the last step (`meshrl.telemetry.record`,
+reduced over the meshes) to `metrics.jsonl` and the sinks (`RunLogger`), and
+each proc's state to `status.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from meshrl.metrics import RunLogger
+
+
+class StepLog:
+    def __init__(
+        self,
+        run: Any,
+        total_steps: int,
+        first_step: int = 0,
+        headline: str = "reward/mean",
+    ):
+        """A resumed run (`first_step` > 0) keeps the records of earlier steps and
+        drops later ones."""
+        self.run = run
+        cfg = run.cfg.run
+        run.report()  # actors' metrics from before the loop belong to no step
+        self.logger = RunLogger(
+            run.dir,
+            total_steps,
+            progress=cfg.progress,
+            desc=run.name,
+            headline=headline,
+            first_step=first_step,
+            sinks=tuple(cfg.sinks),
+        )
+        self.times: dict[str, float] = {}
+
+    @property
+    def history(self) -> list[dict]:
+        return self.logger.history
+
+    @contextlib.contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        """Time the block into this step's `time/<name>_s` (summed if repeated)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}_s"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        """Record one step (see the module docstring); the timers start over."""
+        recorded, procs = self.run.report()
+        if self.run.status is not None:
+            self.run.status.write(procs, step=metrics.get("step"))
+        times, self.times = self.times, {}
+        self.logger.log({**recorded, **times, **metrics})
+
+    def samples(
+        self, step: int, prompts: list[str], texts: list[str], rewards, advantages, mask
+    ) -> None:
+        """Every `run.samples_every` steps: the step's prompts, completions, rewards
+        and advantages (a per-token advantage as its mean) in samples.jsonl."""
+        every = self.run.cfg.run.samples_every
+        if not every or step % every:
+            return
+        if advantages.dim() == 2:
+            advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        rows = [
+            {"prompt": p, "completion": c, "reward": float(r), "advantage": float(a)}
+            for p, c, r, a in zip(prompts, texts, rewards, advantages, strict=True)
+        ]
+        self.logger.log_samples(step, rows, console=self.run.cfg.run.console_samples)
+
+    def rewind(self, step: int) -> None:
+        self.times = {}
+        self.logger.rewind(step)
+
+    def close(self, plot: bool = True, weights: str = "") -> None:
+        """The headline curve (`reward.png`, `eval.png`) and the summary line."""
+        self.logger.close()
+        if plot:
+            self.logger.plot_reward(f"{self.logger.headline.split('/')[0]}.png")
+            print(f"{self.run.name}: {self.logger.summary()}{weights}", flush=True)
+
+
+def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
+    """What every on-policy step logs about its rollouts and weights."""
+    mask = completions.completion_mask
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "reward/max": rewards.max().item(),
+        "tokens/generated": int(mask.sum().item()),
+        "completion/mean_length": mask.sum(1).mean().item(),
+        "weights/version": sync.version,
+        "weights/shm_replicas": sync.paths.count("shm"),
+        "weights/rdma_replicas": sync.paths.count("rdma"),
+        "weights/generated_with": completions.weight_version,
+    }

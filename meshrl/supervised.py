@@ -1,0 +1,62 @@
+"""Supervised steps on the trainer mesh: batches of prompt + target tokens, and
+the warm-start that teaches a task's answer format before RL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshrl.types import TrainBatch
+
+
+def supervised_batch(
+    prompt_ids: list[list[int]], targets: list[list[int]], pad_id: int
+) -> TrainBatch:
+    """Prompt + target token ids -> a TrainBatch whose completion is the target."""
+    P, T = max(map(len, prompt_ids)), max(map(len, targets))
+    ids = torch.full((len(prompt_ids), P + T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), P + T)
+    for row, (prompt, target) in enumerate(zip(prompt_ids, targets, strict=True)):
+        ids[row, P - len(prompt) : P + len(target)] = torch.tensor(prompt + target)
+        mask[row, P - len(prompt) : P + len(target)] = 1
+    completion_mask = mask[:, P:]
+    return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
+
+
+def supervised_steps(
+    sup: Any,
+    trainer: Any,
+    batches: Callable[[int], TrainBatch],
+    steps: int,
+    lr: float,
+    log_path: str,
+    what: str,
+) -> list[float]:
+    """`steps` supervised steps (`trainer.warm_start_step`, its own AdamW at `lr`)
+    on `batches(step)`, each logged to `log_path`; returns the NLL of each."""
+    losses = []
+    with open(log_path, "w") as log:
+        for step in range(steps):
+            metrics = sup.call_sharded(trainer, "warm_start_step", batches(step), lr)
+            log.write(json.dumps({"step": step, **metrics}) + "\n")
+            losses.append(metrics["loss/nll"])
+    if losses:
+        print(f"{what}: {steps} supervised steps, nll {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
+
+
+def demonstrations(collector: Any, batch_size: int) -> TrainBatch:
+    """A batch of the task's demonstrations: prompts drawn as for RL, each with
+    the task's answer and EOS as the target."""
+    tokenizer = collector.tokenizer
+    prompts = collector.sample_prompts(batch_size)
+    prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
+    targets = [
+        tokenizer(collector.task.demonstration(p), add_special_tokens=False).input_ids
+        + [tokenizer.eos_token_id]
+        for p in prompts
+    ]
+    return supervised_batch(prompt_ids, targets, tokenizer.pad_token_id)
