@@ -27,6 +27,7 @@ import torch
 
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.collector import Batch
 from meshrl.config import ConfigError
 from meshrl.types import Completions
 
@@ -49,14 +50,17 @@ class DAPOConfig(GRPOConfig):
 class DAPO(GRPO):
     name = "dapo"
 
-    def rollout(self) -> tuple[Completions, torch.Tensor, dict]:
-        """Dynamic sampling: keep only groups whose rewards vary, refill, repeat."""
-        cfg, k = self.cfg, self.cfg.group_size
+    def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
+        """Dynamic sampling: keep only groups whose rewards vary, refill, repeat.
+        The loop's batch is the first round."""
+        cfg, k, collector = self.cfg, self.cfg.group_size, self.collector
         kept, dropped, all_rewards, times = [], [], [], {}
         rounds = 0
         while len(kept) < cfg.prompts_per_step and rounds < cfg.max_sampling_rounds:
-            prompts = self.sample_prompts(cfg.prompts_per_step)
-            completions, rewards, round_times = self.generate_and_score(prompts)
+            if rounds:
+                batch = collector.start(collector.sample_prompts(cfg.prompts_per_step))
+            prompts = batch.prompts
+            completions, rewards, round_times = collector.finish(batch)
             for key, value in round_times.items():  # summed over rounds; a count is the last
                 times[key] = value if key.startswith("faults/") else times.get(key, 0) + value
             all_rewards.append(rewards)
@@ -70,7 +74,7 @@ class DAPO(GRPO):
         completions = Completions.concat([c for c, _ in groups], self.tokenizer.pad_token_id)
         sampled = torch.cat(all_rewards)
         # Groups sampled but not in the batch are dropped (sample accounting).
-        self.totals["dropped_filtered"] += len(sampled) - len(groups) * k
+        self.state.ledger.drop("filtered", len(sampled) - len(groups) * k)
         return (
             completions,
             torch.cat([r for _, r in groups]),

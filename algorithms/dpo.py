@@ -19,16 +19,15 @@ In Python: `DPO(load_config(DPOConfig, "algorithms/configs/dpo.yaml")).run()`.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, main, supervised_batch
+from algorithms.base import Algorithm, HookLoss, main
+from meshrl.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.config import (
     ConfigError,
     ModelConfig,
@@ -38,10 +37,16 @@ from meshrl.config import (
     check_lora_placement,
 )
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
+from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, sequence_logprobs
-from meshrl.mesh import start_each
+from meshrl.mesh import RemoteCallError
+from meshrl.run import Run
+from meshrl.steplog import StepLog
+from meshrl.supervised import supervised_batch, supervised_steps
+from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
 from meshrl.types import TrainBatch
+from meshrl.weight_sync import WeightSync
 
 SHIPPED_PREFERENCES = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -97,6 +102,8 @@ class DPOConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     run: RunConfig = field(default_factory=RunConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     def validate(self) -> None:
         for section in (
@@ -107,6 +114,8 @@ class DPOConfig:
             self.placement,
             self.run,
             self.job,
+            self.checkpoint,
+            self.faults,
         ):
             section.validate()
         check_lora_placement(self.model, self.placement)
@@ -129,40 +138,70 @@ class DPO(Algorithm):
     name = "dpo"
     headline = "eval/accuracy"
 
-    def run(self) -> list[dict]:
-        cfg = self.cfg
+    def run(self, num_steps: int | None = None) -> list[dict]:
+        """Spawn the meshes (first call), train `num_steps` more steps (None: to
+        `cfg.steps`, then save the model and stop every proc)."""
+        from actors.reference import Reference
+        from actors.trainer import Trainer
+
+        cfg, state = self.cfg, self.state
+        if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
+            self.load_pairs()
+            procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
+            run = self.meshes = Run(cfg, self.name, procs)
+            try:
+                self.trainer = run.spawn(
+                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
+                    total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
+                    shm_prefix=run.shm_prefix, rendezvous=True,
+                )  # fmt: skip
+                self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed)
+                self.sup = sup = Supervisor(run, cfg.faults, state)
+                self.sync = WeightSync(sup)
+                self.ckpt = Checkpointer(run, state, [self.trainer, self.reference], cfg.checkpoint)
+                sup.on_respawn("reference", self.reload_reference)
+                if self.ckpt.resume() is None:
+                    if cfg.sft.steps:
+                        self.sft()
+                    # The starting (SFT) weights, published by the trainer: the reference
+                    # pulls them (shared memory on this host, RDMA across) and keeps them.
+                    sup.call_all(self.reference, "load_weights", self.sync.publish(self.trainer))
+                self.log = StepLog(run, cfg.steps, state.step, self.headline)
+                self.before = self.evaluate()
+                print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
+            except BaseException:
+                self.close()
+                raise
+        run, sup, log = self.meshes, self.sup, self.log
         try:
-            pairs = load_preferences(cfg.data.path)
-        except DatasetError as error:
-            raise ConfigError(str(error)) from None
-        self.train_pairs, self.eval_pairs = split_holdout(
-            pairs, cfg.data.eval_fraction, cfg.run.seed
-        )
-        self.setup()
-        try:
-            if cfg.sft.steps:
-                self.sft()
-            self.sync_weights()  # publish the starting (SFT) weights ...
-            self.load_reference()  # ... which the reference keeps
-            self.start_logger(cfg.steps)
-            before = self.evaluate()
-            print(f"dpo: held-out accuracy before training {before.get('eval/accuracy')}")
-            for step in range(cfg.steps):
-                started = time.perf_counter()
-                batch = self.pair_batch(self.next_pairs())
-                batch.ref_logprobs = self.reference_logprobs(batch)
-                metrics = self.train_pairs_step(batch, "train_step")
-                record = {"step": step, **metrics, "time/step_s": time.perf_counter() - started}
-                if step == 0:
-                    record.update({f"{k}_before": v for k, v in before.items()})
-                if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-                    record.update(self.evaluate())
-                self.log_step(record)
-                self.end_step(step + 1)  # stops here on Ctrl-C
-            self.finish()
-        finally:
-            self.shutdown()
-        return self.logger.history
+            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
+                while state.step < self.steps_to(num_steps):
+                    step = state.step
+                    sup.drill(step)  # drills from the `faults:` config, if any
+                    with log.timer("step"):
+                        batch = self.pair_batch(self.next_pairs())
+                        # Both responses' log-probs under the reference, rows split over its
+                        # procs; then a DPO step on the trainer mesh, each rank whole pairs.
+                        batch.ref_logprobs = sup.call_rows(self.reference, "logprobs", batch)
+                        try:
+                            metrics = self.pairs_step(batch, "train_step")
+                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                            self.ckpt.rewind(lost, sup, log, 0)
+                            continue
+                    record = {"step": step, **metrics, **sup.metrics()}
+                    if step == 0:
+                        record.update({f"{k}_before": v for k, v in self.before.items()})
+                    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+                        record.update(self.evaluate())
+                    self.after_step(step, record)
+                    state.step += 1
+                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
+        except BaseException:
+            self.close()
+            raise
+        if num_steps is None:
+            self.stop()
+        return log.history
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -186,17 +225,27 @@ class DPO(Algorithm):
 
     # --- data -------------------------------------------------------------------------
 
+    def load_pairs(self) -> None:
+        """The preference file, split into train and held-out pairs."""
+        cfg = self.cfg
+        try:
+            pairs = load_preferences(cfg.data.path)
+        except DatasetError as error:
+            raise ConfigError(str(error)) from None
+        self.train_pairs, self.eval_pairs = split_holdout(
+            pairs, cfg.data.eval_fraction, cfg.run.seed
+        )
+
     def next_pairs(self) -> list[PreferencePair]:
-        """The next `batch_size` train pairs: shuffled passes over the split."""
-        if not getattr(self, "_queue", None):
-            self._queue = list(self.train_pairs)
-            self.rng.shuffle(self._queue)
-        while len(self._queue) < self.cfg.batch_size:
-            more = list(self.train_pairs)
-            self.rng.shuffle(more)
-            self._queue += more
-        batch, self._queue = self._queue[: self.cfg.batch_size], self._queue[self.cfg.batch_size :]
-        return batch
+        """The next `batch_size` train pairs: shuffled passes over the split (the
+        position is in the `LoopState`, so a resumed run goes on where it was)."""
+        queue = self.state.data.setdefault("queue", [])
+        while len(queue) < self.cfg.batch_size:
+            more = list(range(len(self.train_pairs)))
+            self.state.rng.shuffle(more)
+            queue += more
+        taken, self.state.data["queue"] = queue[: self.cfg.batch_size], queue[self.cfg.batch_size :]
+        return [self.train_pairs[i] for i in taken]
 
     def pair_batch(self, pairs: list[PreferencePair]) -> TrainBatch:
         """Rows [chosen_0 .. chosen_n-1, rejected_0 .. rejected_n-1], each response
@@ -209,40 +258,26 @@ class DPO(Algorithm):
 
     # --- the meshes -------------------------------------------------------------------
 
-    def roles(self) -> dict[str, int]:
-        return {"trainer": self.cfg.placement.trainer, "reference": self.cfg.placement.reference}
-
-    def spawn_actors(self) -> None:
-        from actors.reference import Reference
-
-        cfg = self.cfg
-        self.spawn_trainer(cfg.steps)
-        self.reference = self.meshes.spawn(
-            "reference", "reference", Reference, cfg.model, cfg.run.seed
-        )
-
-    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.call_rows("reference", "logprobs", batch)
-
-    def train_pairs_step(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
+    def pairs_step(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
         """`endpoint` on every trainer rank with whole pairs: rank i takes pairs
         i, i + n, ... (its chosen rows, then the same pairs' rejected rows)."""
-        n, half = self.meshes.size("trainer"), len(batch) // 2
+        n, half = self.trainer.size, len(batch) // 2
         shards = []
         for i in range(n):
             rows = torch.arange(i, half, n)
             shards.append((batch.rows(torch.cat([rows, rows + half])),))
-        return self.collect(start_each(self.trainer, endpoint, shards), f"trainer.{endpoint}")
+        results, _ = self.sup.call(self.trainer, endpoint, shards)
+        return mean_metrics(results)
 
     def evaluate(self) -> dict[str, float]:
         """DPO loss and preference accuracy on the held-out pairs (no update)."""
         if not self.eval_pairs:
             return {}
-        n = self.meshes.size("trainer")
+        n = self.trainer.size
         usable = len(self.eval_pairs) - len(self.eval_pairs) % n
         batch = self.pair_batch(self.eval_pairs[:usable])
-        batch.ref_logprobs = self.reference_logprobs(batch)
-        metrics = self.train_pairs_step(batch, "eval_step")
+        batch.ref_logprobs = self.sup.call_rows(self.reference, "logprobs", batch)
+        metrics = self.pairs_step(batch, "eval_step")
         return {
             "eval/accuracy": metrics["rewards/accuracy"],
             "eval/loss": metrics["loss/dpo"],
@@ -250,16 +285,27 @@ class DPO(Algorithm):
         }
 
     def sft(self) -> None:
-        """Supervised steps on the chosen responses of the train split."""
-        cfg = self.cfg.sft
-        rng = random.Random(self.cfg.run.seed)
-        with open(f"{self.run_dir}/sft.jsonl", "w") as log:
-            for step in range(cfg.steps):
-                pairs = rng.sample(self.train_pairs, min(cfg.batch_size, len(self.train_pairs)))
-                batch = self.pair_batch(pairs).rows(slice(0, len(pairs)))  # the chosen rows
-                metrics = self.train(batch, "warm_start_step", cfg.lr)
-                log.write(json.dumps({"step": step, **metrics}) + "\n")
-        print(f"sft: {cfg.steps} steps on chosen responses, nll {metrics['loss/nll']:.3f}")
+        """Supervised steps on the chosen responses of the train split (sft.jsonl)."""
+        cfg, rng = self.cfg.sft, random.Random(self.cfg.run.seed)
+
+        def chosen(step: int) -> TrainBatch:
+            pairs = rng.sample(self.train_pairs, min(cfg.batch_size, len(self.train_pairs)))
+            return self.pair_batch(pairs).rows(slice(0, len(pairs)))  # the chosen rows
+
+        path = f"{self.meshes.dir}/sft.jsonl"
+        supervised_steps(self.sup, self.trainer, chosen, cfg.steps, cfg.lr, path, "sft")
+
+    def reload_reference(self) -> None:
+        """A replaced reference takes its frozen weights from the newest checkpoint
+        (or, before the first, from the trainer's first published version: the
+        reference never changes)."""
+        saved = self.ckpt.latest()
+        if saved is not None:
+            self.sup.call_all(self.reference, "load_state", saved)
+        else:
+            raise RoleLost(
+                RemoteCallError("reference lost before a checkpoint", "reference"), "reference"
+            )
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ In Python: `PPO(load_config(PPOConfig, "algorithms/configs/ppo.yaml")).run()`.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main, step_metrics
+from algorithms.base import Algorithm, HookLoss, RLConfig, main
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.losses import (
     AGGREGATIONS,
@@ -37,7 +36,10 @@ from meshrl.losses import (
     token_rewards,
     whiten,
 )
-from meshrl.mesh import RemoteCallError, call_all
+from meshrl.mesh import start_each
+from meshrl.run import Run
+from meshrl.steplog import rollout_metrics
+from meshrl.supervisor import RoleLost, mean_metrics, step_metrics
 from meshrl.types import TrainBatch
 
 
@@ -89,54 +91,129 @@ class PPOConfig(RLConfig):
 class PPO(Algorithm):
     name = "ppo"
 
-    def run(self) -> list[dict]:
-        cfg = self.cfg
-        self.setup()
+    def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
+        procs, share, busy = super().placement()
+        # The policy and value steps run at the same time (`policy_and_value_step`).
+        ahead = ("policy",) if self.cfg.max_staleness else ()
+        return (
+            {**procs, "critic": self.cfg.placement.critic},
+            share,
+            [*busy, ("trainer", "critic", *ahead)],
+        )
+
+    def run(self, num_steps: int | None = None) -> list[dict]:
+        """As `GRPO.run`, with a critic mesh and GAE advantages."""
+        from actors.critic import Critic
+        from actors.environment import Environment
+        from actors.policy import Policy
+        from actors.reference import Reference
+        from actors.trainer import Trainer
+
+        cfg, state = self.cfg, self.state
+        if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
+            run = self.meshes = Run(cfg, self.name, *self.placement())
+            try:
+                self.trainer = run.spawn(
+                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
+                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
+                    seed=cfg.run.seed, sharding=cfg.placement.sharding,
+                    shm_prefix=run.shm_prefix, rendezvous=True,
+                )  # fmt: skip
+                self.critic = run.spawn(
+                    "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,
+                    value_clip=cfg.value_clip, seed=cfg.run.seed, rendezvous=True,
+                )  # fmt: skip
+                self.policy = run.spawn(
+                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context
+                )
+                self.environment = run.spawn("environment", Environment, cfg.task, cfg.model)
+                self.reference = self.reward_model = None
+                if cfg.kl_coef > 0:  # a frozen copy of the starting weights
+                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed)
+                self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
+                if state.step == 0 and run.resume_from is None:  # the critic's backbone:
+                    self.sup.call_all(
+                        self.critic, "load_backbone", self.sync.handle
+                    )  # the policy's
+            except BaseException:
+                self.close()
+                raise
+        run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
+        policy, trainer, critic, reference = self.policy, self.trainer, self.critic, self.reference
         try:
-            first_step = self.start()
-            self.start_logger(cfg.steps, first_step)
-            step = first_step
-            while step < cfg.steps:
-                self.inject_faults(step)  # drills from the `faults:` config, if any
-                started = time.perf_counter()
-                completions, scores, rollout_info = self.next_rollout()
-                batch = TrainBatch.from_completions(completions)
-                if "reference" in self.meshes:
-                    batch.ref_logprobs = self.reference_logprobs(batch)
-
-                train_started = time.perf_counter()
-                try:
-                    batch.old_values = self.call_rows("critic", "values", batch)
-                    advantage_info = self.compute_advantages(scores, batch)
-                    train_metrics = self.optimize(batch)
-                    sync_started = time.perf_counter()
-                    self.sync_weights()
-                except RemoteCallError as error:
-                    step = self.rewind(step, error)  # lost trainer/critic: back to a checkpoint
-                    continue
-                finished = time.perf_counter()
-                self.guard_finite(step, train_metrics)  # NaN/inf steps were skipped; too many stop
-                self.record_samples(step, completions, scores, batch.advantages)
-
-                self.log_step(
-                    {
+            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
+                while state.step < self.steps_to(num_steps):
+                    step = state.step
+                    sup.drill(step)  # drills from the `faults:` config, if any
+                    with log.timer("step"):
+                        # Generate this step's batch (and `max_staleness` batches ahead),
+                        # split over the policy replicas; score it on the environment mesh.
+                        while len(state.ahead) <= cfg.max_staleness:
+                            batch = self.collector.layout(
+                                self.collector.sample_prompts(cfg.prompts_per_step)
+                            )
+                            if not self.task.multi_turn:  # (episodes are played in `rollout`)
+                                batch.calls = [
+                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation)
+                                    for i, ids in enumerate(batch.shards)
+                                ]  # fmt: skip
+                            state.ahead.append(batch)
+                        completions, scores, rollout_info = self.collector.finish(
+                            state.ahead.pop(0)
+                        )
+                        batch = TrainBatch.from_completions(completions)
+                        with log.timer("reference"):  # rows split over the reference procs
+                            if reference is not None:
+                                batch.ref_logprobs = sup.call_rows(
+                                    reference, "logprobs", batch, cfg.generation.temperature
+                                )
+                        try:
+                            batch.old_values = sup.call_rows(critic, "values", batch)  # prefixes
+                            advantage_info = self.compute_advantages(scores, batch)
+                            # Each minibatch: a policy step on the trainer mesh and a value
+                            # step on the critic mesh at the same time, each rank its shard.
+                            with log.timer("train"):
+                                train_metrics = step_metrics([
+                                    self.policy_and_value_step(batch.rows(rows))
+                                    for rows in self.minibatches(len(batch))
+                                ])  # fmt: skip
+                            with log.timer("weight_sync"):  # shm on this host, RDMA across
+                                handle = sync.publish(trainer)  # trainer.publish
+                                sync.pull(policy, handle)  # policy.load_weights
+                        except RoleLost as lost:  # trainer or critic lost: back to a checkpoint
+                            self.ckpt.rewind(lost, sup, log, len(batch))
+                            continue
+                    sup.guard_finite(step, train_metrics, self.newest_checkpoint())
+                    self.record_samples(step, completions, scores, batch.advantages)
+                    self.after_step(step, {
                         "step": step,
-                        **self.rollout_metrics(scores, completions),
+                        **rollout_metrics(scores, completions, sync),
                         **advantage_info,
                         **rollout_info,
                         **train_metrics,
-                        **self.account(trained=len(batch)),
-                        "time/train_s": sync_started - train_started,
-                        "time/weight_sync_s": finished - sync_started,
-                        "time/step_s": finished - started,
-                    }
-                )
-                self.end_step(step + 1)  # checkpoint when due; stop on Ctrl-C
-                step += 1
-            self.finish()
-        finally:
-            self.shutdown()
-        return self.logger.history
+                        **self.accounting(trained=len(batch)),
+                    })  # fmt: skip
+                    state.step += 1
+                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
+        except BaseException:
+            self.close()
+            raise
+        if num_steps is None:
+            self.stop()
+        return log.history
+
+    def policy_and_value_step(self, part: TrainBatch) -> dict[str, float]:
+        """`train_step` on the trainer and the critic meshes at once, each rank with
+        its shard of `part`; a raised error is retried per `faults.retry_errors`."""
+        started = [
+            (role, (start_each(role, "train_step", shards(part, role.size)), role.respawns))
+            for role in (self.trainer, self.critic)
+        ]
+        metrics = {}
+        for role, calls in started:
+            results, _ = self.sup.call(role, "train_step", shards(part, role.size), calls)
+            metrics.update(mean_metrics(results))
+        return metrics
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -178,70 +255,10 @@ class PPO(Algorithm):
             max_tokens=cfg.generation.max_new_tokens,
         )
 
-    # --- the critic -------------------------------------------------------------------
 
-    def roles(self) -> dict[str, int]:
-        return {**super().roles(), "critic": self.cfg.placement.critic}
-
-    def busy_together(self) -> list[tuple[str, ...]]:
-        # The policy and value steps run at the same time (`optimize`).
-        ahead = ("policy",) if self.cfg.max_staleness else ()
-        return [*super().busy_together(), ("trainer", "critic", *ahead)]
-
-    def spawn_role(self, role: str) -> None:
-        if role != "critic":
-            return super().spawn_role(role)
-        from actors.critic import Critic
-
-        cfg = self.cfg
-        self.critic = self.meshes.spawn(
-            "critic",
-            "critic",
-            Critic,
-            cfg.model,
-            cfg.critic_optim,
-            total_steps=cfg.total_updates,
-            value_clip=cfg.value_clip,
-            seed=cfg.run.seed,
-            master=self.meshes.rendezvous("critic"),
-        )
-
-    def start(self) -> int:
-        first_step = super().start()
-        if first_step == 0:
-            self.load_critic()  # the critic's backbone starts from the policy RL starts from
-        return first_step
-
-    def load_critic(self) -> None:
-        call_all(
-            self.critic,
-            "load_backbone",
-            self.handle,
-            what="critic.load_backbone",
-            timeout_s=self.timeout_s,
-        )
-
-    def optimize(self, batch: TrainBatch) -> dict[str, float]:
-        """Each minibatch: a policy step on the trainer mesh and a value step on
-        the critic mesh, running at the same time."""
-        steps = []
-        for rows in self.minibatches(len(batch)):
-            part = batch.rows(rows)
-
-            def policy_step(part=part) -> list:
-                return self.start_sharded("trainer", part, "train_step")
-
-            def value_step(part=part) -> list:
-                return self.start_sharded("critic", part, "train_step")
-
-            policy, value = policy_step(), value_step()
-            steps.append(
-                {
-                    **self.collect(policy, "trainer.train_step", again=policy_step),
-                    **self.collect(value, "critic.train_step", again=value_step),
-                }
-            )
-        return step_metrics(steps)
+def shards(batch: TrainBatch, n: int) -> list[tuple[TrainBatch]]:
+    """Each rank's data-parallel shard of `batch` (rows i::n), as call arguments."""
+    return [(batch.shard(i, n),) for i in range(n)]
 
 
 if __name__ == "__main__":

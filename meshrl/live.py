@@ -3,8 +3,8 @@
 `keep("name", lambda: RoleMeshes({...}))` stops whatever was kept under "name"
 before (so re-running a cell that spawns meshes never leaks processes), starts
 the new one and holds it until `stop("name")`, `stop()` (everything), or the
-interpreter exits. Works for anything with a `stop()` or `shutdown()` method:
-`RoleMeshes`, an algorithm after `setup()`.
+interpreter exits. Works for anything with a `stop()`, `close()` or `shutdown()`
+method: `RoleMeshes`, a `Run`, an algorithm.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def stop(name: str | None = None) -> None:
         if value is None:
             continue
         try:
-            (getattr(value, "stop", None) or value.shutdown)()
+            (getattr(value, "stop", None) or getattr(value, "close", None) or value.shutdown)()
         except Exception as error:  # noqa: BLE001 - keep stopping the rest
             logger.warning("could not stop %s: %s", key, error)
 

@@ -147,7 +147,7 @@ def show(run_dir: str, status: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshrl.cli import run_dir_command
+    from meshrl.command import run_dir_command
 
     return run_dir_command("status", argv, read, show)
 

@@ -67,12 +67,12 @@ class Completions:
 
     @staticmethod
     def concat(parts: list[Completions], pad_token_id: int) -> Completions:
-        """Stack replica outputs: prompts padded on the left, completions on the right."""
+        """Stack replica outputs: prompts padded on the left, completions on the right.
+        Parts may come from different weight versions (a refill while generating
+        ahead); `weight_version` is then the oldest, and each row's `logprobs` are
+        still those of the weights that sampled it."""
         versions = {p.weight_version for p in parts}
         multi_turn = any(p.completion_attention is not None for p in parts)
-        assert multi_turn or len(versions) == 1, (
-            f"replicas generated with different weights {versions}"
-        )
         P = max(p.prompt_ids.size(1) for p in parts)
         T = max(p.completion_ids.size(1) for p in parts)
 
