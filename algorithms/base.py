@@ -244,9 +244,21 @@ class Algorithm:
         finally:
             self.close()
 
+    @property
+    def run_dir(self) -> str | None:
+        """The run directory (also after `stop()`)."""
+        return self.meshes.dir if self.meshes is not None else getattr(self, "_run_dir", None)
+
+    @property
+    def last_episodes(self) -> list:
+        """The multi-turn episodes of the last step (`meshrl.rollout.EpisodeState`)."""
+        return self.collector.last_episodes
+
     def close(self) -> None:
         """Stop every proc now (no save)."""
         meshes, self.meshes = self.meshes, None
+        if meshes is not None:
+            self._run_dir = meshes.dir
         if self.log is not None:
             self.log.logger.close()
         if meshes is not None:
@@ -367,7 +379,9 @@ def weight_paths(paths: list[str]) -> str:
     if not paths:
         return ""
     shm, rdma = paths.count("shm"), paths.count("rdma")
-    ways = [f"{shm} by shared memory"] * bool(shm) + [f"{rdma} over RDMA ({rdma_backend()})"] * bool(rdma)
+    ways = [f"{shm} by shared memory"] * bool(shm) + [
+        f"{rdma} over RDMA ({rdma_backend()})"
+    ] * bool(rdma)
     return " | replicas' weights: " + ", ".join(ways)
 
 

@@ -36,10 +36,9 @@ from meshrl.losses import (
     token_rewards,
     whiten,
 )
-from meshrl.mesh import start_each
 from meshrl.run import Run
 from meshrl.steplog import rollout_metrics
-from meshrl.supervisor import RoleLost, mean_metrics, step_metrics
+from meshrl.supervisor import RoleLost, step_metrics
 from meshrl.types import TrainBatch
 
 
@@ -93,7 +92,7 @@ class PPO(Algorithm):
 
     def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
         procs, share, busy = super().placement()
-        # The policy and value steps run at the same time (`policy_and_value_step`).
+        # The policy and value steps run at the same time (`Supervisor.call_sharded` of both).
         ahead = ("policy",) if self.cfg.max_staleness else ()
         return (
             {**procs, "critic": self.cfg.placement.critic},
@@ -174,7 +173,7 @@ class PPO(Algorithm):
                             # step on the critic mesh at the same time, each rank its shard.
                             with log.timer("train"):
                                 train_metrics = step_metrics([
-                                    self.policy_and_value_step(batch.rows(rows))
+                                    sup.call_sharded((trainer, critic), "train_step", batch.rows(rows))
                                     for rows in self.minibatches(len(batch))
                                 ])  # fmt: skip
                             with log.timer("weight_sync"):  # shm on this host, RDMA across
@@ -201,19 +200,6 @@ class PPO(Algorithm):
         if num_steps is None:
             self.stop()
         return log.history
-
-    def policy_and_value_step(self, part: TrainBatch) -> dict[str, float]:
-        """`train_step` on the trainer and the critic meshes at once, each rank with
-        its shard of `part`; a raised error is retried per `faults.retry_errors`."""
-        started = [
-            (role, (start_each(role, "train_step", shards(part, role.size)), role.respawns))
-            for role in (self.trainer, self.critic)
-        ]
-        metrics = {}
-        for role, calls in started:
-            results, _ = self.sup.call(role, "train_step", shards(part, role.size), calls)
-            metrics.update(mean_metrics(results))
-        return metrics
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -254,11 +240,6 @@ class PPO(Algorithm):
             aggregation=cfg.loss_aggregation,
             max_tokens=cfg.generation.max_new_tokens,
         )
-
-
-def shards(batch: TrainBatch, n: int) -> list[tuple[TrainBatch]]:
-    """Each rank's data-parallel shard of `batch` (rows i::n), as call arguments."""
-    return [(batch.shard(i, n),) for i in range(n)]
 
 
 if __name__ == "__main__":

@@ -186,7 +186,9 @@ class Collector:
         new = self.start(self.sample_prompts(len(groups)))
         new_completions, new_rewards = self.score(new.group, self.collect(new), info, refills + 1)
         return (
-            Completions.concat([completions.rows(keep), new_completions], self.tokenizer.pad_token_id),
+            Completions.concat(
+                [completions.rows(keep), new_completions], self.tokenizer.pad_token_id
+            ),
             torch.cat([rewards[keep], new_rewards]),
         )
 

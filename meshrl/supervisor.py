@@ -49,7 +49,7 @@ class NonFiniteLoss(RuntimeError):
 class Supervisor:
     def __init__(self, run: Run, faults: FaultsConfig, state: LoopState):
         self.run, self.faults, self.state = run, faults, state
-        self.timeout_s = run.timeout_s
+        self.timeout_s = run.timeout_s if run is not None else 0.0
         self.catch_up: dict[str, Callable[[], None]] = {}
         self.drilled: set[tuple] = set()
 
@@ -92,12 +92,20 @@ class Supervisor:
                     self.recover(role, error)
                 repeats += 1
 
-    def call_sharded(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> dict:
-        """`endpoint(shard, *args)` on every proc, each with its data-parallel shard
-        of `batch` (rows i::n); the ranks' metrics averaged."""
-        n = role.size
-        results, _ = self.call(role, endpoint, [(batch.shard(i, n), *args) for i in range(n)])
-        return mean_metrics(results)
+    def call_sharded(
+        self, roles: Role | tuple[Role, ...], endpoint: str, batch: TrainBatch, *args: Any
+    ) -> dict:
+        """`endpoint(shard, *args)` on every proc of each role, all at once, each proc
+        with its data-parallel shard of `batch` (rows i::n); each role's ranks'
+        metrics averaged, the roles' merged (a policy and a value step together)."""
+        roles = roles if isinstance(roles, tuple) else (roles,)
+        shards = {r.name: [(batch.shard(i, r.size), *args) for i in range(r.size)] for r in roles}
+        started = [(r, start_each(r, endpoint, shards[r.name]), r.respawns) for r in roles]
+        metrics: dict = {}
+        for role, futures, respawns in started:
+            results, _ = self.call(role, endpoint, shards[role.name], (futures, respawns))
+            metrics.update(mean_metrics(results))
+        return metrics
 
     def call_rows(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs,
@@ -162,7 +170,8 @@ class Supervisor:
         or gradient; `faults.max_nonfinite_steps` of them in a row stop the run
         (the newest checkpoint holds the last good state)."""
         skipped = any(
-            metrics.get(key, 0) > 0 for key in ("train/nonfinite_skipped", "value/nonfinite_skipped")
+            metrics.get(key, 0) > 0
+            for key in ("train/nonfinite_skipped", "value/nonfinite_skipped")
         )
         self.state.count("nonfinite_steps", int(skipped))
         counters = self.state.counters

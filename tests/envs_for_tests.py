@@ -47,4 +47,23 @@ class FlakyScore(ReverseDigits):
         return super().reward(prompt, completion)
 
 
-__all__ = ["Env", "Flaky", "FlakyScore"]
+_score_calls = itertools.count()  # per environment proc
+
+
+class FailsAtCall520(ReverseDigits):
+    """Single-turn, inline: reward call number `fail_at` (counted per environment
+    proc, from 0) raises; the others score as reverse-digits."""
+
+    fail_at = 520
+
+    def reward(self, prompt, completion):
+        if next(_score_calls) == self.fail_at:
+            raise ValueError("reward server unreachable")
+        return super().reward(prompt, completion)
+
+
+class FailsAtCall130(FailsAtCall520):
+    fail_at = 130
+
+
+__all__ = ["Env", "FailsAtCall130", "FailsAtCall520", "Flaky", "FlakyScore"]

@@ -46,10 +46,10 @@ class StopAtStep(GRPO):
 class PPOStopAtStep(PPO):
     stop_at = 2
 
-    def end_step(self, steps_done):
-        super().end_step(steps_done)
-        if steps_done == self.stop_at:
+    def after_step(self, step, metrics):
+        if step == self.stop_at:
             raise KeyboardInterrupt
+        super().after_step(step, metrics)
 
 
 class CountingGRPO(GRPO):
@@ -57,17 +57,17 @@ class CountingGRPO(GRPO):
 
     steps_run = 0
 
-    def end_step(self, steps_done):
+    def after_step(self, step, metrics):
         type(self).steps_run += 1
-        super().end_step(steps_done)
+        super().after_step(step, metrics)
 
 
 class CountingPPO(PPO):
     steps_run = 0
 
-    def end_step(self, steps_done):
+    def after_step(self, step, metrics):
         type(self).steps_run += 1
-        super().end_step(steps_done)
+        super().after_step(step, metrics)
 
 
 def configure(schema, config, tmp_path, name, *overrides):

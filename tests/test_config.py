@@ -185,25 +185,36 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
         load_config(GRPOConfig, None, [f"model.path={tmp_path}"])
 
 
+def prompt_collector(cfg):
+    """A `Collector` that only draws prompts (no meshes: nothing is generated)."""
+    from meshrl.collector import Collector
+    from meshrl.envs import make_task
+    from meshrl.loop import LoopState
+    from meshrl.models import context_length, load_tokenizer
+
+    state = LoopState(seed=cfg.run.seed)
+    tokenizer, task = load_tokenizer(cfg.model), make_task(cfg.task)
+    return state, Collector(
+        cfg, state, None, None, tokenizer, task, context_length(cfg.model), None, None
+    )
+
+
 def test_overlong_prompts_are_skipped_and_counted_or_refused():
-    from algorithms.base import PromptTooLong
-    from algorithms.grpo import GRPO
+    from meshrl.collector import PromptTooLong
 
     # Prompts of 3 to 6 digits are 5 to 8 tokens; the context leaves room for 6.
     keys = ["task.max_digits=6", "model.max_positions=11", "generation.max_new_tokens=5"]
-    algo = GRPO(load_config(GRPOConfig, DEFAULT_CONFIG, keys))
-    algo.prepare()
-    prompts = algo.sample_prompts(64)
+    state, collector = prompt_collector(load_config(GRPOConfig, DEFAULT_CONFIG, keys))
+    prompts = collector.sample_prompts(64)
     assert len(prompts) == 64
     assert {len(p.answer) for p in prompts} == {3, 4}
-    assert algo.skipped_prompts > 0
+    assert state.counters["skipped_prompts"] > 0
 
-    algo = GRPO(
+    _, collector = prompt_collector(
         load_config(GRPOConfig, DEFAULT_CONFIG, [*keys, "generation.overlong_prompt=error"])
     )
-    algo.prepare()
     with pytest.raises(PromptTooLong, match="a prompt of [78] tokens does not fit .* of 11"):
-        algo.sample_prompts(64)
+        collector.sample_prompts(64)
 
 
 def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():

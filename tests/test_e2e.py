@@ -169,9 +169,8 @@ def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
         ["warm_start.steps=0", "placement.policy=2", f"run.dir={tmp_path}", "run.name=status"],
     )
     algo = GRPO(cfg)
-    algo.setup()
     try:
-        algo.start()  # version 0 to both replicas
+        algo.train(0)  # spawn the meshes; version 0 to both replicas
         procs = algo.mesh_status(show=False)
         assert {(p["role"], p["rank"], p["state"]) for p in procs} == {
             ("policy", 0, "alive"),
@@ -196,7 +195,7 @@ def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
         (row,) = [line for line in table(procs).splitlines() if line.startswith("policy[1]")]
         assert "dead" in row
     finally:
-        algo.shutdown()
+        algo.close()
 
 
 def test_reusing_a_run_name_is_refused(tmp_path):

@@ -32,7 +32,7 @@ def test_colocated_policy_runs_in_the_trainer_procs(tmp_path, no_stray_procs):
         tmp_path, "colocated", "steps=4", "placement.trainer=2", "placement.colocate=true"
     )
     assert [r["step"] for r in history] == [0, 1, 2, 3]
-    assert "policy" not in algo.roles()  # no policy mesh: a replica in each trainer proc
+    assert "policy" not in algo.placement()[0]  # no policy mesh: a replica in each trainer proc
     assert all(r["weights/shm_replicas"] == 2 for r in history)
     assert all(r["weights/staleness"] == 0 for r in history)
     assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history)

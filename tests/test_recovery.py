@@ -14,7 +14,10 @@ from algorithms.ppo import PPO, PPOConfig
 from meshrl import checkpoint
 from meshrl.checkpoint import CheckpointError
 from meshrl.config import ConfigError, load_config
+from meshrl.faults import FaultsConfig
+from meshrl.loop import LoopState
 from meshrl.mesh import RemoteCallError, call_all
+from meshrl.supervisor import Supervisor
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_e2e import run_grpo
 
@@ -50,17 +53,19 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, no_stray_pro
     # and its samples counted as dropped.
     assert [r["samples/dropped"] for r in history] == [0, 0, 0, 0, batch, 0]
     assert [r["samples/dropped_policy_lost"] for r in history] == [0, 0, 0, 0, batch, 0]
-    assert [r.split(":")[0] for r in algo.recoveries] == ["environment", "policy"]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["environment", "policy"]
     # The replaced replicas serve the trainer's current version.
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
 
 
 def test_an_exception_in_an_actor_is_not_recovered_but_reported():
-    algo = GRPO(load_config(GRPOConfig, None, []))
+    state = LoopState()
+    sup = Supervisor(None, FaultsConfig(), state)  # no run: no mesh may be touched
+    sup.on_respawn("environment")
     error = RemoteCallError("environment.score[0] failed: ValueError: bad", "environment.score[0]")
     with pytest.raises(RemoteCallError, match="ValueError: bad"):
-        algo.recover("environment", error)  # no mesh is touched: it would raise otherwise
-    assert algo.recoveries == []
+        sup.recover("environment", error)
+    assert state.recoveries == []
 
 
 def test_fault_drill_keys_are_checked():
@@ -97,7 +102,7 @@ def test_killed_trainer_goes_back_to_the_checkpoint_and_ends_as_if_unharmed(
     algo = GRPO(config("drill", "faults.kill=[trainer:1@5]"))
     history = algo.run()
     assert [r["step"] for r in history] == list(range(6))
-    assert [r.split(":")[0] for r in algo.recoveries] == ["trainer"]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
     # Back to the checkpoint after 4 steps: step 4's training and step 5's samples were lost.
     batch = 16 * 8
     assert (
@@ -145,7 +150,7 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
     # The reference reloads from the checkpoint; a lost critic sends the run back
     # to the checkpoint after 2 steps, so step 2 runs twice and 16 samples of
     # step 2 (trained, undone) and 16 of step 3 (never trained) are dropped.
-    assert [r.split(":")[0] for r in algo.recoveries] == ["reference", "critic"]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["reference", "critic"]
     assert history[2]["samples/dropped_trainer_rewind"] == 2 * 16
     # Every raise was retried once and the step went on; a failed generation
     # drops what that call generated.
@@ -231,7 +236,7 @@ def test_nan_loss_steps_are_skipped_on_every_rank_and_too_many_stop(tmp_path, no
     algo = NaNOnRankOne(cfg)
     with pytest.raises(NonFiniteLoss, match=r"steps 4\.\.6: 3 steps in a row .*step_00000006"):
         algo.run()
-    history = algo.logger.history
+    history = algo.log.history
     assert [r["train/nonfinite_skipped"] for r in history] == [0, 0, 1, 0, 1, 1]
     assert [r["faults/nonfinite_steps"] for r in history] == [0, 0, 1, 1, 2, 3]
     after_1, after_2, after_3 = NaNOnRankOne.params
@@ -246,22 +251,22 @@ def test_nan_loss_steps_are_skipped_on_every_rank_and_too_many_stop(tmp_path, no
 # --- a full disk at checkpoint time --------------------------------------------------------
 
 
-class FullDiskAtStep4(GRPO):
-    """The trainer's checkpoint part after step 4 goes to /dev/full, as on a full disk."""
-
-    def each_stateful_role(self, endpoint, directory):
-        if endpoint == "save_state" and directory.endswith("step_00000004"):
-            os.symlink("/dev/full", f"{directory}/trainer.pt.tmp")
-        super().each_stateful_role(endpoint, directory)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intact(
-    tmp_path, no_stray_procs
+    tmp_path, no_stray_procs, monkeypatch
 ):
+    def full_disk_at_step_4(run_dir, step):
+        """The trainer's checkpoint part after step 4 goes to /dev/full."""
+        directory = begin(run_dir, step)
+        if step == 4:
+            os.symlink("/dev/full", f"{directory}/trainer.pt.tmp")
+        return directory
+
+    begin = checkpoint.begin
+    monkeypatch.setattr(checkpoint, "begin", full_disk_at_step_4)
     cfg = configure(tmp_path, "full", "steps=6", "warm_start.steps=0", "checkpoint.every=2")
     with pytest.raises(CheckpointError, match="checkpoint after step 4 could not be written"):
-        FullDiskAtStep4(cfg).run()
+        GRPO(cfg).run()
     assert checkpoint.latest(str(tmp_path / "full")).endswith("step_00000002")
     assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 4

@@ -1,0 +1,280 @@
+"""The controller's pieces: what they keep, how they compose, and the defects the
+old all-in-one base class had (each test here failed on it)."""
+
+import ast
+import inspect
+import io
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algorithms.base import HookLoss
+from algorithms.dpo import DPO, DPOConfig
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import load_config
+from meshrl.loop import Ledger, LoopState
+from meshrl.run import StopRequest
+from meshrl.types import TrainBatch
+from tests.conftest import DEFAULT_CONFIG, REPO
+
+# --- pure pieces -------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_loop_state_saves_and_restores_every_field():
+    from dataclasses import fields
+
+    state = LoopState(seed=3)
+    state.step = 7
+    state.rng.random()
+    torch.rand(3, generator=state.torch_rng)
+    state.ledger.generated, state.ledger.trained = 40, 24
+    state.ledger.drop("stale", 16)
+    state.counters.update(errors_retried=2, nonfinite_steps=1, skipped_prompts=5)
+    state.counters["nonfinite_in_row"] = 1
+    state.recoveries.append("policy: lost")
+    state.data["queue"] = [3, 1, 2]
+    saved = state.state_dict()
+    # A field added to LoopState but not to state_dict fails here.
+    assert {f.name for f in fields(LoopState)} == set(saved)
+
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    restored = LoopState(seed=0)
+    restored.load_state_dict(torch.load(buffer, weights_only=False))
+    again = restored.state_dict()
+    assert again["torch_rng"].equal(saved.pop("torch_rng"))
+    again.pop("torch_rng")
+    assert again == saved
+    assert restored.rng.random() == state.rng.random()
+
+
+@pytest.mark.unit
+def test_a_drop_between_steps_is_logged_by_the_next_step_beside_its_own():
+    ledger = Ledger(generated=256, trained=128)
+    ledger.drop("trainer_rewind", 128)  # a rewind, between two steps
+    ledger.generated += 128 + 8
+    ledger.drop("env_failed", 8)  # the next step's refill
+    metrics = ledger.step_metrics(trained=128, reasons=("stale",))
+    assert metrics["samples/dropped_trainer_rewind"] == 128
+    assert metrics["samples/dropped_env_failed"] == 8
+    assert metrics["samples/dropped_stale"] == 0
+    assert metrics["samples/dropped"] == 136
+    assert metrics["samples/generated_total"] == (
+        metrics["samples/trained_total"] + metrics["samples/dropped_total"]
+    )
+    assert ledger.step_metrics(trained=0)["samples/dropped"] == 0
+
+
+@pytest.mark.unit
+def test_stop_requests_belong_to_their_run():
+    first, second = StopRequest(), StopRequest()
+    with first.catching():
+        os.kill(os.getpid(), signal.SIGINT)  # asks the first run to stop after its step
+    assert first.requested and not second.requested
+    with pytest.raises(KeyboardInterrupt), first.catching():
+        os.kill(os.getpid(), signal.SIGINT)  # a second signal stops at once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.unit
+def test_the_loss_sent_to_the_trainer_is_the_hook_not_the_controller():
+    import pickle
+
+    cfg = load_config(GRPOConfig, DEFAULT_CONFIG, [])
+    loss = HookLoss(GRPO(cfg))
+    copy = pickle.loads(pickle.dumps(loss))
+    assert len(pickle.dumps(loss)) < 20_000  # the config, no tokenizer, no meshes
+    B, T = 4, 3
+    logprobs = torch.full((B, T), -1.0, requires_grad=True)
+    batch = TrainBatch(
+        torch.zeros(B, T, dtype=torch.long),
+        torch.ones(B, T),
+        torch.ones(B, T),
+        torch.full((B, T), -1.0),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    )
+    value, metrics = copy(logprobs, batch)
+    assert torch.isfinite(value) and metrics
+
+
+def _imports(path: str) -> set[str]:
+    """meshrl modules imported anywhere in the file (inside functions too)."""
+    found = set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+@pytest.mark.unit
+def test_the_core_has_no_import_cycle_and_imports_no_upper_layer():
+    root = os.path.join(REPO, "meshrl")
+    modules = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, name), REPO)[:-3].replace(os.sep, ".")
+                modules[rel.removesuffix(".__init__")] = os.path.join(folder, name)
+    graph = {}
+    for module, path in modules.items():
+        imported = _imports(path)
+        assert not any(i.split(".")[0] in ("actors", "algorithms") for i in imported), module
+        graph[module] = {i for i in imported if i in modules and i != module}
+    # Imports of a package's own __init__ by its submodules are not cycles of concern.
+    state: dict[str, int] = {}
+
+    def visit(module, trail):
+        state[module] = 1
+        for target in graph[module]:
+            if target == module.rsplit(".", 1)[0]:
+                continue
+            if state.get(target) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join([*trail, module, target])}")
+            if target not in state:
+                visit(target, [*trail, module])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+@pytest.mark.unit
+def test_files_and_functions_stay_small_and_the_loops_show_the_meshes():
+    for top in ("meshrl", "actors", "algorithms"):
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    source = f.read()
+                assert source.count("\n") <= 500, f"{path}: over 500 lines"
+                for node in ast.walk(ast.parse(source)):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        size = node.end_lineno - node.lineno + 1
+                        assert size <= 100, f"{path}:{node.lineno} {node.name}: {size} lines"
+    from algorithms.dpo import DPO
+    from algorithms.ppo import PPO
+
+    for loop in (GRPO.run, PPO.run):
+        source = inspect.getsource(loop)
+        for piece in ("run.spawn(", "policy.slice(procs=i).generate", "train_step", "publish"):
+            assert piece in source, f"{loop.__qualname__} lacks {piece}"
+        assert "sync.pull(policy" in source and "except RoleLost" in source
+    assert 'sup.call_rows(self.reference, "logprobs"' in inspect.getsource(DPO.run)
+
+
+# --- e2e: the defects --------------------------------------------------------------------
+
+
+def configure(schema, path, tmp_path, name, *overrides):
+    return load_config(
+        schema,
+        path,
+        [*overrides, f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false"],
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_refill_after_a_rewind_keeps_the_rewind_count(tmp_path, no_stray_procs):
+    """The trainer dies at step 3 and the run goes back to step 2, whose second
+    try has a failed reward: its record counts both the rewind and the refill."""
+    cfg = configure(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        tmp_path,
+        "rewind",
+        "steps=4",
+        "warm_start.steps=0",
+        "checkpoint.every=2",
+        "faults.kill=[trainer:0@3]",
+        "task.name=tests.envs_for_tests:FailsAtCall520",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    history = algo.run()
+    batch = cfg.prompts_per_step * cfg.group_size
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    assert history[2]["samples/dropped_trainer_rewind"] == 2 * batch
+    assert history[2]["samples/dropped_env_failed"] == cfg.group_size
+    assert history[2]["samples/dropped"] == 2 * batch + cfg.group_size
+    for record in history:
+        assert record["samples/generated_total"] == (
+            record["samples/trained_total"] + record["samples/dropped_total"]
+        )
+    assert history[-1]["samples/trained_total"] == 4 * batch
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_generation_ahead_with_a_failing_reward_trains_on(tmp_path, no_stray_procs):
+    """With max_staleness=1 the refill's completions come from a newer version than
+    the batch's (a mixed batch); the step trains on them."""
+    cfg = configure(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        tmp_path,
+        "ahead",
+        "steps=3",
+        "warm_start.steps=0",
+        "max_staleness=1",
+        "task.name=tests.envs_for_tests:FailsAtCall130",
+        "run.save_final=false",
+    )
+    history = GRPO(cfg).run()
+    assert [r["step"] for r in history] == [0, 1, 2]
+    assert history[1]["samples/dropped_env_failed"] == cfg.group_size
+    assert history[1]["samples/trained"] == cfg.prompts_per_step * cfg.group_size
+    assert all(r["samples/generated_total"] == r["samples/trained_total"] + r[
+        "samples/dropped_total"] for r in history)  # fmt: skip
+
+
+class InterruptedDPO(DPO):
+    """Ctrl-C during step 1, as a user would press it: the run stops after the step."""
+
+    def after_step(self, step, metrics):
+        super().after_step(step, metrics)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_dpo_resumes_exactly_and_a_second_run_is_not_stopped_by_the_first(tmp_path, no_stray_procs):
+    path = os.path.join(REPO, "algorithms", "configs", "dpo.yaml")
+    keys = ["steps=5", "eval_every=2", "sft.steps=2", "checkpoint.every=4"]
+    DPO(configure(DPOConfig, path, tmp_path, "straight", *keys)).run()
+
+    with pytest.raises(KeyboardInterrupt, match="stopped after 2 steps"):
+        InterruptedDPO(configure(DPOConfig, path, tmp_path, "cut", *keys)).run()
+    # Ctrl-C asked for a stop: a checkpoint after the step, although not due.
+    assert os.path.isdir(tmp_path / "cut" / "checkpoints" / "step_00000002")
+    # The next run in this process is not stopped by the first one's Ctrl-C.
+    DPO(configure(DPOConfig, path, tmp_path, "cut", *keys, "checkpoint.resume=auto")).run()
+
+    straight = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "final" / "model.safetensors"))
+    assert all(torch.equal(straight[k], cut[k]) for k in straight), "parameters differ"
+
+    def records(name):
+        import json
+
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return [
+                {k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+                for line in f
+            ]
+
+    assert records("cut") == records("straight")
