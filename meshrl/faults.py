@@ -7,7 +7,8 @@ proc to exit at once (`os._exit`), as a crash or an OOM kill would.
 `environment.score@7`): in that step the endpoint raises `InjectedError` on
 every proc of the role, as a bug or a transient error would.
 
-What the run does about it is the algorithm's (see `algorithms/base.py`): a
+What the run does about it is the `Supervisor`'s and the loop's
+(`meshrl/supervisor.py`, `Checkpointer.rewind`): a
 lost policy, environment or reference proc is replaced within the step; a lost
 trainer or critic proc sends the run back to its newest checkpoint
 (`checkpoint.every` must be set); an exception is retried up to
