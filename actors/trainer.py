@@ -191,6 +191,12 @@ class Trainer(Drillable, Actor):
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    @endpoint
+    def set_temperature(self, temperature: float) -> None:
+        """The sampling temperature the log-probs are taken at (the policy's)."""
+        self.temperature = temperature
 
     @endpoint
     @observed

@@ -226,6 +226,12 @@ class Algorithm:
         self.cfg.optim.lr = lr
         self.sup.call_all(self.trainer, "set_lr", lr)
 
+    def set_temperature(self, temperature: float) -> None:
+        """Sample at `temperature` from the next step on; the trainer takes its
+        log-probs at the same one (else the ratio would not start at 1)."""
+        self.cfg.generation.temperature = temperature
+        self.sup.call_all(self.trainer, "set_temperature", temperature)
+
     def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
         """Every proc of every mesh, asked now (`Run.mesh_status`)."""
         return self.meshes.mesh_status(timeout_s, show)

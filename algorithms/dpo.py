@@ -173,9 +173,10 @@ class DPO(Algorithm):
                 self.close()
                 raise
         run, sup, log = self.meshes, self.sup, self.log
+        end = self.steps_to(num_steps)
         try:
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < self.steps_to(num_steps):
+                while state.step < end:
                     step = state.step
                     sup.drill(step)  # drills from the `faults:` config, if any
                     with log.timer("step"):

@@ -121,9 +121,10 @@ class GRPO(Algorithm):
                 raise
         run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
         policy, trainer, reference = self.policy, self.trainer, self.reference
+        end = self.steps_to(num_steps)
         try:
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < self.steps_to(num_steps):
+                while state.step < end:
                     step = state.step
                     sup.drill(step)  # drills from the `faults:` config, if any
                     with log.timer("step"):

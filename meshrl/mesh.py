@@ -28,7 +28,10 @@ POLL_S = 0.05
 # (a log record and a UserWarning) at every blocking `Future.get()` there: dozens
 # a step. The controller blocks on purpose, and its futures are driven by
 # Monarch's own runtime, never by that loop, so the warning does not apply.
-_BLOCKING_GET = r"Future\.get\(\) (was )?called from within an active event loop"
+_BLOCKING_GET = (
+    r"Future\.get\(\) (was )?called from within an active event loop"
+    r"|Blocking get\(\) was called from a running asyncio event loop"
+)
 warnings.filterwarnings("ignore", message=_BLOCKING_GET)
 
 
