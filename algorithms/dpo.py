@@ -145,11 +145,11 @@ class DPO(Algorithm):
         from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
-        if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
-            self.load_pairs()
-            procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
-            run = self.meshes = Run(cfg, self.name, procs)
-            try:
+        try:
+            if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
+                self.load_pairs()
+                procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
+                run = self.meshes = Run(cfg, self.name, procs)
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
@@ -169,12 +169,8 @@ class DPO(Algorithm):
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)
                 self.before = self.evaluate()
                 print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
-            except BaseException:
-                self.close()
-                raise
-        run, sup, log = self.meshes, self.sup, self.log
-        end = self.steps_to(num_steps)
-        try:
+            run, sup, log = self.meshes, self.sup, self.log
+            end = self.steps_to(num_steps)
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
                 while state.step < end:
                     step = state.step

@@ -95,9 +95,9 @@ class GRPO(Algorithm):
         from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
-        if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-            run = self.meshes = Run(cfg, self.name, *self.placement())
-            try:
+        try:
+            if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
+                run = self.meshes = Run(cfg, self.name, *self.placement())
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
@@ -116,13 +116,9 @@ class GRPO(Algorithm):
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
                 self.compose(run, [self.trainer, self.reference, self.policy])
-            except BaseException:
-                self.close()
-                raise
-        run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
-        policy, trainer, reference = self.policy, self.trainer, self.reference
-        end = self.steps_to(num_steps)
-        try:
+            run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
+            policy, trainer, reference = self.policy, self.trainer, self.reference
+            end = self.steps_to(num_steps)
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
                 while state.step < end:
                     step = state.step

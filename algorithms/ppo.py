@@ -106,12 +106,13 @@ class PPO(Algorithm):
         from actors.environment import Environment
         from actors.policy import Policy
         from actors.reference import Reference
+        from actors.reward_model import RewardModel
         from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
-        if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-            run = self.meshes = Run(cfg, self.name, *self.placement())
-            try:
+        try:
+            if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
+                run = self.meshes = Run(cfg, self.name, *self.placement())
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
@@ -129,18 +130,16 @@ class PPO(Algorithm):
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
                     self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed)
+                if cfg.reward_model.path:
+                    self.reward_model = run.spawn(
+                        "reward_model", RewardModel, cfg.reward_model.path
+                    )
                 self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
-                if state.step == 0 and run.resume_from is None:  # the critic's backbone:
-                    self.sup.call_all(
-                        self.critic, "load_backbone", self.sync.handle
-                    )  # the policy's
-            except BaseException:
-                self.close()
-                raise
-        run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
-        policy, trainer, critic, reference = self.policy, self.trainer, self.critic, self.reference
-        end = self.steps_to(num_steps)
-        try:
+                if run.resume_from is None:  # the critic's backbone starts as the policy
+                    self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
+            run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
+            policy, trainer, reference = self.policy, self.trainer, self.reference
+            end = self.steps_to(num_steps)
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
                 while state.step < end:
                     step = state.step

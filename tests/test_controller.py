@@ -254,7 +254,10 @@ class InterruptedDPO(DPO):
 @pytest.mark.timeout(300)
 def test_dpo_resumes_exactly_and_a_second_run_is_not_stopped_by_the_first(tmp_path, no_stray_procs):
     path = os.path.join(REPO, "algorithms", "configs", "dpo.yaml")
+    # A retried error at step 0: the resumed run must go on counting it (a counter
+    # that is not in the checkpoint would start again from 0 and the records differ).
     keys = ["steps=5", "eval_every=2", "sft.steps=2", "checkpoint.every=4"]
+    keys += ["faults.retry_errors=1", "faults.raise_in=[trainer.train_step@0]"]
     DPO(configure(DPOConfig, path, tmp_path, "straight", *keys)).run()
 
     with pytest.raises(KeyboardInterrupt, match="stopped after 2 steps"):
@@ -278,6 +281,7 @@ def test_dpo_resumes_exactly_and_a_second_run_is_not_stopped_by_the_first(tmp_pa
             ]
 
     assert records("cut") == records("straight")
+    assert records("cut")[-1]["faults/errors_retried"] == 1
 
 
 # --- the pieces compose beyond the fixed role set ------------------------------------------
