@@ -60,9 +60,8 @@ def main() -> int:
             ],
         )
         algo = GRPO(cfg)
-        algo.setup()
         try:
-            algo.start()
+            algo.train(0)  # spawn the meshes, version 0 on the replicas
             rng = random.Random(0)
 
             def play(latency: float) -> float:
@@ -70,7 +69,7 @@ def main() -> int:
                 for p in prompts:
                     p.data = {"latency_s": latency}
                 started = time.perf_counter()
-                _, _, info = algo.play(prompts)
+                _, _, info = algo.collector.play(prompts)
                 assert info["episodes/turns_mean"] == args.turns, info
                 assert len(algo.last_episodes) == args.episodes
                 return time.perf_counter() - started
@@ -79,7 +78,7 @@ def main() -> int:
             generation = min(play(0.0) for _ in range(args.repeats))
             wall = min(play(args.latency) for _ in range(args.repeats))
         finally:
-            algo.shutdown()
+            algo.close()
     one_episode = args.turns * args.latency
     serial = generation + args.episodes * one_episode
     ideal = generation + one_episode

@@ -96,9 +96,9 @@ def main() -> int:
     wall = time.perf_counter() - started
 
     last = history[-1]
-    dropped = {k: v for k, v in sorted(algo.totals.items()) if k.startswith("dropped")}
+    dropped = dict(sorted(algo.state.ledger.dropped.items()))
     lost = last["samples/generated_total"] - last["samples/trained_total"] - sum(dropped.values())
-    recovered = Counter(r.split(":")[0] for r in algo.recoveries)
+    recovered = Counter(r.split(":")[0] for r in algo.state.recoveries)
     rewards = [r["reward/mean"] for r in history]
     figures = {
         "algo": args.algo,

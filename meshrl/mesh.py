@@ -212,6 +212,71 @@ def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int
     os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
 
 
+class ProcPool:
+    """Proc meshes kept for reuse by later `RoleMeshes` on this host.
+
+    A proc spends about 5 s of CPU importing torch and transformers before its
+    first actor runs; a test suite or a notebook that runs many short runs pays
+    it once per pooled proc instead of once per run. `RoleMeshes.stop()` stops
+    the actors of a healthy single-proc mesh and gives the mesh back here; a
+    later `RoleMeshes` with the same threads and device offset takes it and
+    spawns fresh actors on it. A mesh whose proc died, or whose actors would not
+    stop, is never pooled. Enable with `reuse_procs()`; `close()` stops them."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[tuple[Any, set[int]]]] = {}
+
+    def take(self, key: tuple) -> Any | None:
+        meshes = self.free.get(key)
+        return meshes.pop()[0] if meshes else None
+
+    def give(self, key: tuple, mesh: Any, pids: set[int]) -> None:
+        self.free.setdefault(key, []).append((mesh, pids))
+
+    def pids(self) -> set[int]:
+        """Pids of the pooled procs (alive, waiting for a run)."""
+        return {pid for meshes in self.free.values() for _, pids in meshes for pid in pids}
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        meshes = [mesh for entries in self.free.values() for mesh, _ in entries]
+        self.free = {}
+
+        def stop(mesh: Any) -> None:  # side by side, as in `RoleMeshes.stop`
+            try:
+                mesh.stop().get(timeout=timeout_s)
+            except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
+                logger.warning("could not stop a pooled proc mesh: %s", error)
+
+        if meshes:
+            with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-pool") as pool:
+                list(pool.map(stop, meshes))
+
+
+_pool: ProcPool | None = None
+
+
+def reuse_procs(enabled: bool = True) -> ProcPool | None:
+    """Keep the single-proc meshes of finished local runs for later runs in this
+    process (see `ProcPool`); `enabled=False` stops the pooled procs."""
+    global _pool
+    if not enabled:
+        if _pool is not None:
+            _pool.close()
+        _pool = None
+        return None
+    if _pool is None:
+        import atexit
+
+        _pool = ProcPool()
+        atexit.register(reuse_procs, False)
+    return _pool
+
+
+def pooled_pids() -> set[int]:
+    """Pids of procs waiting in the pool (none when reuse is off)."""
+    return _pool.pids() if _pool is not None else set()
+
+
 class RoleMeshes:
     """One Monarch proc mesh per role, on this host or on a Monarch job's hosts.
 
@@ -247,6 +312,7 @@ class RoleMeshes:
         self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
+        self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.job: Any = None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -276,13 +342,27 @@ class RoleMeshes:
             self.stop()
             raise
 
+    def _pool_key(self, role: str) -> tuple | None:
+        """What a pooled mesh must match to serve `role`, or None: not poolable
+        (pooling off, hosts of a job, or several procs, whose actors may hold a
+        torch.distributed group)."""
+        threads, count, device_offset = self._spawn_args[role]
+        if _pool is None or self.job_cfg.kind != "local" or count != 1:
+            return None
+        return (threads, device_offset)
+
     def _spawn_procs(self, role: str) -> None:
         threads, count, device_offset = self._spawn_args[role]
-        self.meshes[role] = self._hosts[role].spawn_procs(
-            per_host={"procs": count},
-            bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
-            name=role,
-        )
+        key = self._pool_key(role)
+        mesh = _pool.take(key) if key is not None else None
+        if mesh is None:
+            mesh = self._hosts[role].spawn_procs(
+                per_host={"procs": count},
+                bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
+                name=role,
+            )
+        self.meshes[role] = mesh
+        self.actors[role] = []
         from meshrl.telemetry import Watch
 
         self.watches[role] = self.spawn(role, "watch", Watch, role)
@@ -321,6 +401,7 @@ class RoleMeshes:
     def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
         """One `actor_class` per proc of `role`, as a mesh with one dimension, `procs`."""
         actors = self[role].spawn(name, actor_class, *args, **kwargs)
+        self.actors.setdefault(self._own(role), []).append(actors)
         return actors.flatten("procs") if "hosts" in actors.sizes else actors
 
     def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:
@@ -336,15 +417,35 @@ class RoleMeshes:
         probe = self.spawn(role, "rendezvous", Rendezvous)
         return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
 
+    def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
+        """Stop `role`'s actors and give its procs to the pool, if they are poolable
+        and alive; False when they must be stopped instead."""
+        key = self._pool_key(role) if role in self._spawn_args else None
+        if key is None or watch is None:
+            return False
+        try:
+            status = wait(watch.status.call(), f"{role}.watch", 5.0)
+            pids = {answer["pid"] for _, answer in status.items()}
+            for actors in reversed(self.actors.get(role, [])):
+                actors.stop().get(timeout=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - then the procs are stopped, not kept
+            logger.debug("not pooling the %s procs: %s", role, error)
+            return False
+        _pool.give(key, mesh, pids)
+        return True
+
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop every proc, then the job's hosts. Safe to call twice; never raises."""
+        """Stop every proc, then the job's hosts (procs that a `ProcPool` keeps:
+        their actors only). Safe to call twice; never raises."""
         meshes, self.meshes = self.meshes, {}
-        self.watches = {}
+        watches, self.watches = self.watches, {}
 
         # One thread per mesh: a mesh's stop waits for its procs to exit (about a
         # second each with torch loaded), and Monarch drives a future only while
         # something waits on it, so waiting in turn would add the seconds up.
         def stop_one(role: str) -> None:
+            if self._give_back(role, meshes[role], watches.get(role), timeout_s):
+                return
             try:
                 # Not `wait`: polling a `stop()` future with short timeouts cancels it.
                 meshes[role].stop().get(timeout=timeout_s)

@@ -156,6 +156,10 @@ class Watch(Actor):
 
     def __init__(self, role: str):
         self.role = role
+        # A new Watch starts a run in this proc (a pooled proc may have served one
+        # before): the actors and metrics of earlier runs are not this one's.
+        _actors.clear()
+        drain()
 
     def _status(self) -> dict[str, Any]:
         now = time.time()

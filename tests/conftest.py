@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshrl.mesh import monarch_pids
+from meshrl.mesh import monarch_pids, pooled_pids, reuse_procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
@@ -19,13 +19,27 @@ def monarch_procs() -> set[int]:
 
 
 def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]:
-    """Procs started since `before` that are still alive after `timeout_s`."""
+    """Procs started since `before` that are still alive after `timeout_s`, other
+    than those the proc pool keeps for the next test."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = monarch_procs() - before
+        left = monarch_procs() - before - pooled_pids()
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.25)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def proc_pool():
+    """Runs in this process reuse the single-proc meshes of earlier tests' runs
+    (`meshrl.mesh.ProcPool`): a proc boots torch and transformers once, not once
+    per test. Stopped, and checked gone, at the end of the session."""
+    before = monarch_procs()
+    pool = reuse_procs()
+    yield pool
+    reuse_procs(False)
+    left = wait_for_no_new_procs(before)
+    assert not left, f"pooled Monarch procs outlived the session: {sorted(left)}"
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ import time
 from meshrl.envs import Env, Episode, Step
 from meshrl.envs.digits import ReverseDigits
 
-_calls = itertools.count()  # per environment proc
-
 
 class Flaky(ReverseDigits):
     """Multi-turn reverse-digits whose first three episodes fail: one raises, one
@@ -17,8 +15,12 @@ class Flaky(ReverseDigits):
 
     max_turns = 2
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.calls = itertools.count()  # per environment actor
+
     def episode(self, prompt):
-        return _FlakyEpisode(next(_calls), prompt)
+        return _FlakyEpisode(next(self.calls), prompt)
 
 
 class _FlakyEpisode(Episode):
@@ -39,30 +41,27 @@ class _FlakyEpisode(Episode):
 
 
 class FlakyScore(ReverseDigits):
-    """Single-turn, run inline (not threaded): the first reward call raises."""
+    """Single-turn, run inline (not threaded): reward call number `fail_at`
+    (counted per environment actor, from 0) raises; the others score as
+    reverse-digits."""
+
+    fail_at = 0
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.calls = itertools.count()
 
     def reward(self, prompt, completion):
-        if next(_calls) == 0:
+        if next(self.calls) == self.fail_at:
             raise ValueError("reward server unreachable")
         return super().reward(prompt, completion)
 
 
-_score_calls = itertools.count()  # per environment proc
-
-
-class FailsAtCall520(ReverseDigits):
-    """Single-turn, inline: reward call number `fail_at` (counted per environment
-    proc, from 0) raises; the others score as reverse-digits."""
-
+class FailsAtCall520(FlakyScore):
     fail_at = 520
 
-    def reward(self, prompt, completion):
-        if next(_score_calls) == self.fail_at:
-            raise ValueError("reward server unreachable")
-        return super().reward(prompt, completion)
 
-
-class FailsAtCall130(FailsAtCall520):
+class FailsAtCall130(FlakyScore):
     fail_at = 130
 
 

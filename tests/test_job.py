@@ -26,7 +26,7 @@ class CheckedGRPO(GRPO):
         if step in (0, self.cfg.steps - 1):
             params = call_all(self.trainer, "parameters", what="p", timeout_s=60)
             same = all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
-            CheckedGRPO.checks.append((self.meshes.size("trainer"), len(params), same))
+            CheckedGRPO.checks.append((self.trainer.size, len(params), same))
 
 
 @pytest.mark.e2e
