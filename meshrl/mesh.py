@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from meshrl import proc_pool
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
@@ -212,71 +214,6 @@ def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int
     os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
 
 
-class ProcPool:
-    """Proc meshes kept for reuse by later `RoleMeshes` on this host.
-
-    A proc spends about 5 s of CPU importing torch and transformers before its
-    first actor runs; a test suite or a notebook that runs many short runs pays
-    it once per pooled proc instead of once per run. `RoleMeshes.stop()` stops
-    the actors of a healthy single-proc mesh and gives the mesh back here; a
-    later `RoleMeshes` with the same threads and device offset takes it and
-    spawns fresh actors on it. A mesh whose proc died, or whose actors would not
-    stop, is never pooled. Enable with `reuse_procs()`; `close()` stops them."""
-
-    def __init__(self) -> None:
-        self.free: dict[tuple, list[tuple[Any, set[int]]]] = {}
-
-    def take(self, key: tuple) -> Any | None:
-        meshes = self.free.get(key)
-        return meshes.pop()[0] if meshes else None
-
-    def give(self, key: tuple, mesh: Any, pids: set[int]) -> None:
-        self.free.setdefault(key, []).append((mesh, pids))
-
-    def pids(self) -> set[int]:
-        """Pids of the pooled procs (alive, waiting for a run)."""
-        return {pid for meshes in self.free.values() for _, pids in meshes for pid in pids}
-
-    def close(self, timeout_s: float = 20.0) -> None:
-        meshes = [mesh for entries in self.free.values() for mesh, _ in entries]
-        self.free = {}
-
-        def stop(mesh: Any) -> None:  # side by side, as in `RoleMeshes.stop`
-            try:
-                mesh.stop().get(timeout=timeout_s)
-            except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
-                logger.warning("could not stop a pooled proc mesh: %s", error)
-
-        if meshes:
-            with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-pool") as pool:
-                list(pool.map(stop, meshes))
-
-
-_pool: ProcPool | None = None
-
-
-def reuse_procs(enabled: bool = True) -> ProcPool | None:
-    """Keep the single-proc meshes of finished local runs for later runs in this
-    process (see `ProcPool`); `enabled=False` stops the pooled procs."""
-    global _pool
-    if not enabled:
-        if _pool is not None:
-            _pool.close()
-        _pool = None
-        return None
-    if _pool is None:
-        import atexit
-
-        _pool = ProcPool()
-        atexit.register(reuse_procs, False)
-    return _pool
-
-
-def pooled_pids() -> set[int]:
-    """Pids of procs waiting in the pool (none when reuse is off)."""
-    return _pool.pids() if _pool is not None else set()
-
-
 class RoleMeshes:
     """One Monarch proc mesh per role, on this host or on a Monarch job's hosts.
 
@@ -347,14 +284,14 @@ class RoleMeshes:
         (pooling off, hosts of a job, or several procs, whose actors may hold a
         torch.distributed group)."""
         threads, count, device_offset = self._spawn_args[role]
-        if _pool is None or self.job_cfg.kind != "local" or count != 1:
+        if proc_pool.pool is None or self.job_cfg.kind != "local" or count != 1:
             return None
         return (threads, device_offset)
 
     def _spawn_procs(self, role: str) -> None:
         threads, count, device_offset = self._spawn_args[role]
         key = self._pool_key(role)
-        mesh = _pool.take(key) if key is not None else None
+        mesh = proc_pool.pool.take(key) if key is not None else None
         if mesh is None:
             mesh = self._hosts[role].spawn_procs(
                 per_host={"procs": count},
@@ -431,7 +368,7 @@ class RoleMeshes:
         except BaseException as error:  # noqa: BLE001 - then the procs are stopped, not kept
             logger.debug("not pooling the %s procs: %s", role, error)
             return False
-        _pool.give(key, mesh, pids)
+        proc_pool.pool.give(key, mesh, pids)
         return True
 
     def stop(self, timeout_s: float = 20.0) -> None:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from meshrl.mesh import monarch_pids, pooled_pids, reuse_procs
+from meshrl.mesh import monarch_pids
+from meshrl.proc_pool import pooled_pids, reuse_procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
@@ -30,7 +31,7 @@ def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def proc_pool():
+def reused_procs():
     """Runs in this process reuse the single-proc meshes of earlier tests' runs
     (`meshrl.mesh.ProcPool`): a proc boots torch and transformers once, not once
     per test. Stopped, and checked gone, at the end of the session."""
