@@ -250,6 +250,9 @@ class RoleMeshes:
         self.meshes: dict[str, Any] = {}
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
+        self.process_group_roles: set[str] | None = None
+        """Roles whose actors join a torch.distributed group (their multi-proc meshes
+        are never pooled); None: unknown, so only single-proc meshes are."""
         self.job: Any = None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -281,12 +284,14 @@ class RoleMeshes:
 
     def _pool_key(self, role: str) -> tuple | None:
         """What a pooled mesh must match to serve `role`, or None: not poolable
-        (pooling off, hosts of a job, or several procs, whose actors may hold a
-        torch.distributed group)."""
+        (pooling off, hosts of a job, or several procs whose actors may have
+        joined a torch.distributed group: see `process_group_roles`)."""
         threads, count, device_offset = self._spawn_args[role]
-        if proc_pool.pool is None or self.job_cfg.kind != "local" or count != 1:
+        if proc_pool.pool is None or self.job_cfg.kind != "local":
             return None
-        return (threads, device_offset)
+        if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
+            return None
+        return (threads, count, device_offset)
 
     def _spawn_procs(self, role: str) -> None:
         threads, count, device_offset = self._spawn_args[role]

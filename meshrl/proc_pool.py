@@ -2,7 +2,7 @@
 
 `reuse_procs()` turns it on (the test suite does); `RoleMeshes` then takes a
 matching idle proc mesh from the pool instead of spawning one, and gives its
-healthy single-proc meshes back when it stops.
+healthy meshes back when it stops (see `ProcPool`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ class ProcPool:
     A proc spends about 5 s of CPU importing torch and transformers before its
     first actor runs; a test suite or a notebook that runs many short runs pays
     it once per pooled proc instead of once per run. `RoleMeshes.stop()` stops
-    the actors of a healthy single-proc mesh and gives the mesh back here; a
-    later `RoleMeshes` with the same threads and device offset takes it and
-    spawns fresh actors on it. A mesh whose proc died, or whose actors would not
+    the actors of a healthy mesh (of one proc, or of several whose actors formed
+    no torch.distributed group) and gives the mesh back here; a later
+    `RoleMeshes` wanting as many procs with the same threads and device offset
+    takes it and spawns fresh actors on it. A mesh whose proc died, or whose actors would not
     stop, is never pooled. Enable with `reuse_procs()`; `close()` stops them."""
 
     def __init__(self) -> None:

@@ -140,6 +140,7 @@ class Run:
             share=share,
             busy_together=busy_together,
         )
+        self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
         self.status = StatusFile(self.dir, self.meshes.status, cfg.run.status_every_s)
         self.status.start()
 
@@ -149,6 +150,9 @@ class Run:
         """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
         also `master=(address, port)` of rank 0 for torch.distributed, a fresh
         one each time the role is spawned again."""
+
+        if rendezvous:  # its actors form a torch.distributed group over its procs
+            self.meshes.process_group_roles.add(self.meshes.share.get(role, role))
 
         def make() -> Any:
             extra = {"master": self.meshes.rendezvous(role)} if rendezvous else {}

@@ -1,5 +1,7 @@
 """Every shipped algorithm end to end on real meshes: each learns its task from
-the command line, each runs from Python, and a one-hook GRPO subclass is used."""
+its shipped config (DPO from the command line, the on-policy ones from Python,
+where they reuse the suite's procs), each runs from Python with more procs per
+role, and a one-hook GRPO subclass is used."""
 
 import json
 import math
@@ -55,24 +57,26 @@ def first_last(records, key="reward/mean", k=10):
 
 
 # Each on-policy algorithm, from its shipped config, for 120 steps: the reward
-# starts at chance (~0.1) after the format-only warm-start and must climb.
+# starts at chance (~0.1) after the format-only warm-start and must climb. (The
+# command line runs the same object: test_e2e.py runs it as a user would.)
 LEARNERS = {
-    "rloo": ("algorithms.rloo", "rloo"),
-    "reinforce_pp": ("algorithms.reinforce_pp", "reinforce_pp"),
-    "dr_grpo": ("algorithms.grpo", "dr_grpo"),
-    "dapo": ("algorithms.dapo", "dapo"),
-    "gspo": ("algorithms.grpo", "gspo"),
-    "ppo": ("algorithms.ppo", "ppo"),
+    "rloo": (RLOO, GRPOConfig),
+    "reinforce_pp": (ReinforcePP, ReinforcePPConfig),
+    "dr_grpo": (GRPO, GRPOConfig),
+    "dapo": (DAPO, DAPOConfig),
+    "gspo": (GRPO, GRPOConfig),
+    "ppo": (PPO, PPOConfig),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LEARNERS))
-def test_algorithm_learns_from_the_command_line(name, tmp_path, no_stray_procs):
-    module, config = LEARNERS[name]
+def test_algorithm_learns_from_its_shipped_config(name, tmp_path, no_stray_procs):
+    cls, schema = LEARNERS[name]
     # The critic starts from nothing and fits the returns only once the policy's
     # reward settles (measured: explained variance ~0.05 until step 120, ~0.5 by 200).
     steps = 200 if name == "ppo" else 120
-    records = run_cli(module, config, tmp_path, f"steps={steps}")
+    overrides = [f"steps={steps}", f"run.dir={tmp_path}", "run.name=run", *QUIET]
+    records = cls(load_config(schema, os.path.join(CONFIGS, f"{name}.yaml"), overrides)).run()
     assert [r["step"] for r in records] == list(range(steps))
     first, last = first_last(records)
     assert first < 0.25 and last - first >= 0.3, (first, last)
