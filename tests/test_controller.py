@@ -19,6 +19,7 @@ from meshrl.loop import Ledger, LoopState
 from meshrl.run import StopRequest
 from meshrl.types import TrainBatch
 from tests.conftest import DEFAULT_CONFIG, REPO
+from tests.test_recovery import configure
 
 # --- pure pieces -------------------------------------------------------------------------
 
@@ -178,22 +179,12 @@ def test_files_and_functions_stay_small_and_the_loops_show_the_meshes():
 # --- e2e: the defects --------------------------------------------------------------------
 
 
-def configure(schema, path, tmp_path, name, *overrides):
-    return load_config(
-        schema,
-        path,
-        [*overrides, f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false"],
-    )
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_refill_after_a_rewind_keeps_the_rewind_count(tmp_path, no_stray_procs):
     """The trainer dies at step 3 and the run goes back to step 2, whose second
     try has a failed reward: its record counts both the rewind and the refill."""
     cfg = configure(
-        GRPOConfig,
-        DEFAULT_CONFIG,
         tmp_path,
         "rewind",
         "steps=4",
@@ -223,8 +214,6 @@ def test_generation_ahead_with_a_failing_reward_trains_on(tmp_path, no_stray_pro
     """With max_staleness=1 the refill's completions come from a newer version than
     the batch's (a mixed batch); the step trains on them."""
     cfg = configure(
-        GRPOConfig,
-        DEFAULT_CONFIG,
         tmp_path,
         "ahead",
         "steps=3",
@@ -258,14 +247,16 @@ def test_dpo_resumes_exactly_and_a_second_run_is_not_stopped_by_the_first(tmp_pa
     # that is not in the checkpoint would start again from 0 and the records differ).
     keys = ["steps=5", "eval_every=2", "sft.steps=2", "checkpoint.every=4"]
     keys += ["faults.retry_errors=1", "faults.raise_in=[trainer.train_step@0]"]
-    DPO(configure(DPOConfig, path, tmp_path, "straight", *keys)).run()
+    DPO(configure(tmp_path, "straight", *keys, schema=DPOConfig, path=path)).run()
 
     with pytest.raises(KeyboardInterrupt, match="stopped after 2 steps"):
-        InterruptedDPO(configure(DPOConfig, path, tmp_path, "cut", *keys)).run()
+        InterruptedDPO(configure(tmp_path, "cut", *keys, schema=DPOConfig, path=path)).run()
     # Ctrl-C asked for a stop: a checkpoint after the step, although not due.
     assert os.path.isdir(tmp_path / "cut" / "checkpoints" / "step_00000002")
     # The next run in this process is not stopped by the first one's Ctrl-C.
-    DPO(configure(DPOConfig, path, tmp_path, "cut", *keys, "checkpoint.resume=auto")).run()
+    DPO(
+        configure(tmp_path, "cut", *keys, "checkpoint.resume=auto", schema=DPOConfig, path=path)
+    ).run()
 
     straight = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "final" / "model.safetensors"))
@@ -302,7 +293,7 @@ def test_two_policy_trainer_pairs_train_apart_in_one_script(tmp_path, no_stray_p
     from meshrl.supervisor import Supervisor
     from meshrl.weight_sync import WeightSync
 
-    cfg = configure(GRPOConfig, DEFAULT_CONFIG, tmp_path, "two", "prompts_per_step=4")
+    cfg = configure(tmp_path, "two", "prompts_per_step=4")
     algo = GRPO(cfg)  # for its tokenizer, task and loss hook
     procs = {"policy_a": 1, "trainer_a": 1, "policy_b": 1, "trainer_b": 1, "environment": 1}
     state = LoopState(seed=cfg.run.seed)
