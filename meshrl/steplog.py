@@ -52,7 +52,11 @@ class StepLog:
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
-        """Time the block into this step's `time/<name>_s` (summed if repeated)."""
+        """Time the block into this step's `time/<name>_s` (summed if repeated).
+        `timer("step")` opens a step: what a step that was not logged (undone by
+        a rewind) timed is dropped."""
+        if name == "step":
+            self.times = {}
         started = time.perf_counter()
         try:
             yield
