@@ -42,7 +42,7 @@ from meshrl.envs import make_task
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
-from meshrl.mesh import RemoteCallError
+from meshrl.mesh import RemoteCallError, one_line
 from meshrl.models import context_length, load_tokenizer
 from meshrl.steplog import StepLog
 from meshrl.supervised import demonstrations, supervised_steps
@@ -389,15 +389,6 @@ def weight_paths(paths: list[str]) -> str:
         f"{rdma} over RDMA ({rdma_backend()})"
     ] * bool(rdma)
     return " | replicas' weights: " + ", ".join(ways)
-
-
-def one_line(error: BaseException) -> str:
-    """The error as one line: its own message for meshrl's errors (which name the
-    key, file or call), else its type and first line."""
-    if isinstance(error, (ConfigError, RemoteCallError, OSError)):
-        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:

@@ -40,7 +40,6 @@ from meshrl.data import DatasetError, PreferencePair, load_preferences, split_ho
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, sequence_logprobs
-from meshrl.mesh import RemoteCallError
 from meshrl.run import Run
 from meshrl.steplog import StepLog
 from meshrl.supervised import supervised_batch, supervised_steps
@@ -291,18 +290,6 @@ class DPO(Algorithm):
 
         path = f"{self.meshes.dir}/sft.jsonl"
         supervised_steps(self.sup, self.trainer, chosen, cfg.steps, cfg.lr, path, "sft")
-
-    def reload_reference(self) -> None:
-        """A replaced reference takes its frozen weights from the newest checkpoint
-        (or, before the first, from the trainer's first published version: the
-        reference never changes)."""
-        saved = self.ckpt.latest()
-        if saved is not None:
-            self.sup.call_all(self.reference, "load_state", saved)
-        else:
-            raise RoleLost(
-                RemoteCallError("reference lost before a checkpoint", "reference"), "reference"
-            )
 
 
 if __name__ == "__main__":

@@ -153,11 +153,16 @@ class Checkpointer:
         return latest(self.run.dir)
 
     def _each_role(self, endpoint: str, directory: str) -> None:
-        from meshrl.mesh import wait
+        from meshrl.mesh import call_all
 
         for role in self.roles:
-            future = getattr(role, endpoint).call(directory)
-            wait(future, f"{role.name}.{endpoint}", self.run.timeout_s)
+            call_all(
+                role,
+                endpoint,
+                directory,
+                what=f"{role.name}.{endpoint}",
+                timeout_s=self.run.timeout_s,
+            )
 
     def maybe_save(self) -> None:
         """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C
@@ -177,7 +182,7 @@ class Checkpointer:
         the previous checkpoint stays the newest valid one."""
         import torch
 
-        from meshrl.mesh import RemoteCallError
+        from meshrl.mesh import RemoteCallError, one_line
 
         done, collector = self.state.step, self.collector
         # Generation under way for the next steps is part of the state: collected
@@ -194,9 +199,8 @@ class Checkpointer:
         except (OSError, RemoteCallError) as error:
             if isinstance(error, RemoteCallError) and error.proc_lost:
                 raise
-            first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             raise CheckpointError(
-                f"checkpoint after step {done} could not be written: {first} "
+                f"checkpoint after step {done} could not be written: {one_line(error)} "
                 f"(newest valid checkpoint: {self.latest()})"
             ) from error
         self.saved_at = done

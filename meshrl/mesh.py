@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from meshrl import proc_pool
+from meshrl.config_files import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,15 @@ class RemoteCallError(RuntimeError):
     @property
     def role(self) -> str:
         return self.what.split(".")[0]
+
+
+def one_line(error: BaseException) -> str:
+    """The error as one line: its own message for meshrl's errors (which name the
+    key, file or call), else its type and first line."""
+    if isinstance(error, (ConfigError, RemoteCallError, OSError)):
+        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 # --- faults --------------------------------------------------------------------------

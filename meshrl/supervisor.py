@@ -24,7 +24,7 @@ import torch
 from meshrl.config import ConfigError
 from meshrl.faults import FaultsConfig
 from meshrl.loop import LoopState
-from meshrl.mesh import RemoteCallError, gather, start_each, wait
+from meshrl.mesh import RemoteCallError, call_all, gather, start_each, wait
 from meshrl.run import Role, Run
 from meshrl.types import TrainBatch
 
@@ -65,8 +65,9 @@ class Supervisor:
 
     def call_all(self, role: Role, endpoint: str, *args: Any) -> list:
         """`endpoint(*args)` on every proc of `role`; results in rank order (no retry)."""
-        values = self.wait(getattr(role, endpoint).call(*args), f"{role.name}.{endpoint}")
-        return [value for _, value in values.items()]
+        return call_all(
+            role, endpoint, *args, what=f"{role.name}.{endpoint}", timeout_s=self.timeout_s
+        )
 
     def call(
         self, role: Role, endpoint: str, args_per_rank: list, started: tuple | None = None
