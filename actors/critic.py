@@ -19,7 +19,7 @@ from meshrl.faults import Drillable
 from meshrl.losses import value_loss
 from meshrl.models import completion_values, device_for_this_proc, load_value_model
 from meshrl.optim import build_optimizer
-from meshrl.parallel import clipped_step, data_parallel, shutdown
+from meshrl.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
 from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightReceiver
@@ -36,6 +36,7 @@ class Critic(Drillable, Actor):
         value_clip: float = 0.2,
         seed: int = 0,
         master: tuple[str, int] = ("127.0.0.1", 0),
+        micro_batches: int = 1,
     ):
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
@@ -49,6 +50,7 @@ class Critic(Drillable, Actor):
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.value_clip = value_clip
+        self.micro_batches = micro_batches
 
     @endpoint
     @observed
@@ -78,19 +80,34 @@ class Critic(Drillable, Actor):
         (needs `batch.returns` and `batch.old_values`)."""
         self.drill("train_step")
         batch = batch.apply(lambda t: t.to(self.device))
-        values = completion_values(
-            self.module, batch.input_ids, batch.attention_mask, batch.num_completion_tokens
+        _, metrics, grad_norm, skipped = accumulated_step(
+            batch.split(self.micro_batches),
+            self._loss,
+            self.model,
+            self.optimizer,
+            self.optim_cfg.max_grad_norm,
         )
-        loss, metrics = value_loss(
-            values, batch.old_values, batch.returns, batch.completion_mask, self.value_clip
-        )
-        metrics["value/grad_norm"], skipped = clipped_step(
-            loss, self.model, self.optimizer, self.optim_cfg.max_grad_norm
-        )
+        metrics["value/grad_norm"] = grad_norm
         metrics["value/nonfinite_skipped"] = float(skipped)
         metrics["value/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return metrics
+
+    def _loss(self, part: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped value loss of one micro-batch, a mean over the whole batch."""
+        values = completion_values(
+            self.module, part.input_ids, part.attention_mask, part.num_completion_tokens
+        )
+        return value_loss(
+            values, part.old_values, part.returns, part.completion_mask, self.value_clip, part.scale
+        )
+
+    @endpoint
+    def gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The gradient `train_step` would take on this shard (averaged over the
+        ranks, before clipping), on CPU, with no step (for inspection and tests)."""
+        batch = batch.apply(lambda t: t.to(self.device))
+        return accumulated_gradients(batch.split(self.micro_batches), self._loss, self.model)
 
     @endpoint
     def save_state(self, directory: str) -> None:

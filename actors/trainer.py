@@ -27,7 +27,8 @@ from meshrl.losses import nll_loss
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.optim import build_optimizer
 from meshrl.parallel import (
-    clipped_step,
+    accumulated_gradients,
+    accumulated_step,
     data_parallel,
     full_parameters,
     is_sharded,
@@ -56,6 +57,7 @@ class Trainer(Drillable, Actor):
         master: tuple[str, int] = ("127.0.0.1", 0),
         sharding: str = "ddp",
         shm_prefix: str | None = None,
+        micro_batches: int = 1,
     ):
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
@@ -78,6 +80,7 @@ class Trainer(Drillable, Actor):
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
+        self.micro_batches = micro_batches
         self.temperature = temperature
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards.
         owns = self.rank == 0 or self.sharded
@@ -104,12 +107,19 @@ class Trainer(Drillable, Actor):
         )
 
     def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
+        """One optimizer step on this rank's shard, `micro_batches` passes of it.
+        Each pass's loss divides by the whole batch's counts (`batch.scale`), so
+        the accumulated, rank-averaged gradient is the whole batch's."""
         batch = batch.apply(lambda t: t.to(self.device))
-        loss, metrics = loss_fn(self._logprobs(self.module, batch), batch)
-        metrics["train/grad_norm"], skipped = clipped_step(
-            loss, self.model, optimizer, self.optim_cfg.max_grad_norm
+        loss, metrics, grad_norm, skipped = accumulated_step(
+            batch.split(self.micro_batches),
+            lambda part: loss_fn(self._logprobs(self.module, part), part),
+            self.model,
+            optimizer,
+            self.optim_cfg.max_grad_norm,
         )
-        metrics["train/loss"] = loss.item()
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/loss"] = loss
         metrics["train/nonfinite_skipped"] = float(skipped)
         return metrics
 
@@ -135,11 +145,42 @@ class Trainer(Drillable, Actor):
             )
         metrics = self._step(
             batch,
-            lambda logprobs, b: nll_loss(logprobs, b.completion_mask),
+            lambda logprobs, b: nll_loss(logprobs, b.completion_mask, b.scale),
             self.warm_start_optimizer,
         )
         self.version += 1
         return metrics
+
+    @endpoint
+    @observed
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] log-probs of the batch's completion tokens under the current
+        weights, without a gradient: the old log-probs of a batch, taken before
+        its first optimizer step (every rank must be called when sharded)."""
+        batch = batch.apply(lambda t: t.to(self.device))
+        self.model.eval()
+        with torch.no_grad():
+            logprobs = self._logprobs(self.model, batch)
+        self.model.train()
+        return logprobs.cpu()
+
+    @endpoint
+    def gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The gradient `train_step` would take on this shard (averaged over the
+        ranks, before clipping), full tensors on CPU, with no step (for
+        inspection and tests; every rank must be called)."""
+        batch = batch.apply(lambda t: t.to(self.device))
+        return accumulated_gradients(
+            batch.split(self.micro_batches),
+            lambda part: self.loss_fn(self._logprobs(self.module, part), part),
+            self.model,
+        )
+
+    @endpoint
+    def set_loss(self, loss_fn: LossFn) -> None:
+        """Train with another loss from the next step on (a phase change: SFT,
+        then RL; or an experiment in a notebook)."""
+        self.loss_fn = loss_fn
 
     @endpoint
     @observed

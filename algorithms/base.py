@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from meshrl.checkpoint import CheckpointConfig, Checkpointer
-from meshrl.collector import Collector, decode
+from meshrl.collector import Batch, Collector, decode
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -33,6 +33,7 @@ from meshrl.config import (
     RewardModelConfig,
     RunConfig,
     TaskConfig,
+    TrainerConfig,
     WarmStartConfig,
     check_lora_placement,
     parse_cli,
@@ -42,12 +43,13 @@ from meshrl.envs import make_task
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
+from meshrl.losses import mismatch_metrics, mismatch_weights
 from meshrl.mesh import RemoteCallError, one_line
 from meshrl.models import context_length, load_tokenizer
 from meshrl.steplog import StepLog
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
-from meshrl.types import TrainBatch
+from meshrl.types import Completions, TrainBatch
 from meshrl.weight_sync import WeightSync
 from meshrl.weights import rdma_backend
 
@@ -81,6 +83,7 @@ class RLConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -98,6 +101,7 @@ class RLConfig:
             self.policy,
             self.reward_model,
             self.optim,
+            self.trainer,
             self.placement,
             self.task,
             self.warm_start,
@@ -143,6 +147,29 @@ class RLConfig:
                 f"config key 'minibatches': {batch} completions per step do not split into "
                 f"{self.minibatches} minibatches x {self.ranks('trainer')} trainer procs"
             )
+        per_rank = batch // (self.minibatches * self.ranks("trainer"))
+        if self.trainer.micro_batches > per_rank:
+            raise ConfigError(
+                f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
+                f"than the {per_rank} rows each trainer proc gets per optimizer step"
+            )
+        recompute = self.recompute_old_logprobs
+        if not recompute and self.trainer.correction != "none":
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
+                f"'{self.trainer.correction}' needs the trainer's old log-probs"
+            )
+        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
+                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
+                "distribution, so every ratio would be biased (set it to auto or true)"
+            )
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""
+        return self.trainer.recompute(self.model, self.generation, self.policy.engine)
 
     def ranks(self, role: str) -> int:
         """Procs of a role over all its hosts."""
@@ -360,6 +387,39 @@ class Algorithm:
             order = torch.randperm(batch_size, generator=self.state.torch_rng)
             parts += [order[i * size : (i + 1) * size] for i in range(cfg.minibatches)]
         return parts
+
+    def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's batch (`prompts_per_step` prompts x `group_size`, its
+        generation sent by the loop, or its episodes still to play), collected
+        and scored.
+
+        Returns completions [B = prompts x group], rewards [B] and metrics to log.
+        """
+        return self.collector.finish(batch)
+
+    def old_logprobs(self, batch: TrainBatch) -> dict[str, float]:
+        """When `trainer.recompute_old_logprobs` is on: the trainer's own log-probs
+        of `batch`, taken before its first optimizer step, become the old ones
+        (rows split over the trainer's procs), the sampler's move to
+        `batch.sampler_logprobs`, and `trainer.correction` weighs each token for
+        the mismatch between the two. Returns the `sampling/` figures."""
+        cfg = self.cfg
+        if not cfg.recompute_old_logprobs:
+            return {}
+        with self.log.timer("old_logprobs"):
+            trainer_logprobs = self.sup.call_rows(self.trainer, "logprobs", batch)
+        batch.sampler_logprobs, batch.old_logprobs = batch.old_logprobs, trainer_logprobs
+        batch.weights = mismatch_weights(
+            batch.old_logprobs,
+            batch.sampler_logprobs,
+            batch.completion_mask,
+            cfg.trainer.correction,
+            cfg.trainer.correction_low,
+            cfg.trainer.correction_high,
+        )
+        return mismatch_metrics(
+            batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
+        )
 
     def accounting(self, trained: int) -> dict:
         """The step's sample ledger and the run's fault counters."""

@@ -39,7 +39,7 @@ from meshrl.config import (
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
-from meshrl.losses import dpo_loss, sequence_logprobs
+from meshrl.losses import dpo_loss, scale_of, sequence_logprobs
 from meshrl.run import Run
 from meshrl.steplog import StepLog
 from meshrl.supervised import supervised_batch, supervised_steps
@@ -207,6 +207,8 @@ class DPO(Algorithm):
         policy = sequence_logprobs(logprobs, batch.completion_mask)
         ref = sequence_logprobs(batch.ref_logprobs, batch.completion_mask)
         half = len(policy) // 2
+        scale = scale_of(batch.completion_mask, batch.scale)  # means over the whole batch
+        pairs = scale.sequences // 2
         loss, metrics = dpo_loss(
             policy[:half],
             policy[half:],
@@ -214,9 +216,11 @@ class DPO(Algorithm):
             ref[half:],
             beta=cfg.beta,
             label_smoothing=cfg.label_smoothing,
+            pairs=pairs,
+            ranks=scale.ranks,
         )
-        metrics["logps/chosen"] = policy[:half].mean().item()
-        metrics["logps/rejected"] = policy[half:].mean().item()
+        metrics["logps/chosen"] = scale.sequence_mean(policy[:half].detach(), pairs).item()
+        metrics["logps/rejected"] = scale.sequence_mean(policy[half:].detach(), pairs).item()
         return loss, metrics
 
     # --- data -------------------------------------------------------------------------
@@ -250,7 +254,9 @@ class DPO(Algorithm):
         prompts = [tok(p.prompt).input_ids for p in pairs] * 2
         responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
         targets = [tok(r, add_special_tokens=False).input_ids + [eos] for r in responses]
-        return supervised_batch(prompts, targets, tok.pad_token_id)
+        batch = supervised_batch(prompts, targets, tok.pad_token_id)
+        batch.paired = True  # micro-batches keep each pair's two rows together
+        return batch
 
     # --- the meshes -------------------------------------------------------------------
 
@@ -261,7 +267,7 @@ class DPO(Algorithm):
         shards = []
         for i in range(n):
             rows = torch.arange(i, half, n)
-            shards.append((batch.rows(torch.cat([rows, rows + half])),))
+            shards.append((batch.shard(i, n, torch.cat([rows, rows + half])),))
         results, _ = self.sup.call(self.trainer, endpoint, shards)
         return mean_metrics(results)
 
@@ -269,9 +275,8 @@ class DPO(Algorithm):
         """DPO loss and preference accuracy on the held-out pairs (no update)."""
         if not self.eval_pairs:
             return {}
-        n = self.trainer.size
-        usable = len(self.eval_pairs) - len(self.eval_pairs) % n
-        batch = self.pair_batch(self.eval_pairs[:usable])
+        # Every pair counts: uneven shards still give the whole set's means (LossScale).
+        batch = self.pair_batch(self.eval_pairs)
         batch.ref_logprobs = self.sup.call_rows(self.reference, "logprobs", batch)
         metrics = self.pairs_step(batch, "eval_step")
         return {

@@ -35,13 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.base import Algorithm, HookLoss, RLConfig, main
-from meshrl.collector import Batch
 from meshrl.config import ConfigError
-from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, masked_mean, policy_loss
+from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
 from meshrl.run import Run
 from meshrl.steplog import rollout_metrics
 from meshrl.supervisor import RoleLost, step_metrics
-from meshrl.types import Completions, TrainBatch
+from meshrl.types import TrainBatch
 
 
 @dataclass
@@ -101,8 +100,8 @@ class GRPO(Algorithm):
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
-                    seed=cfg.run.seed, sharding=cfg.placement.sharding,
-                    shm_prefix=run.shm_prefix, rendezvous=True,
+                    seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
+                    micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context
@@ -144,8 +143,9 @@ class GRPO(Algorithm):
                                 batch.ref_logprobs = sup.call_rows(
                                     reference, "logprobs", batch, cfg.generation.temperature
                                 )
-                        batch.advantages = self.compute_advantages(rewards, batch)
                         try:
+                            rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
+                            batch.advantages = self.compute_advantages(rewards, batch)
                             # Each trainer rank steps on its shard of every minibatch
                             # (DDP or FSDP2 inside the mesh) ...
                             with log.timer("train"):
@@ -181,15 +181,6 @@ class GRPO(Algorithm):
 
     # --- hooks: override one of these for a variant ---------------------------------
 
-    def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
-        """This step's batch (`prompts_per_step` prompts x `group_size`, its
-        generation sent by the loop, or its episodes still to play), collected
-        and scored.
-
-        Returns completions [B = prompts x group], rewards [B] and metrics to log.
-        """
-        return self.collector.finish(batch)
-
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).
 
@@ -199,7 +190,8 @@ class GRPO(Algorithm):
         return group_advantages(rewards, self.cfg.group_size, scale=self.cfg.advantage_scale)
 
     def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc: clipped surrogate (+ KL to the reference)."""
+        """Runs on every trainer proc, on its shard of the batch: clipped surrogate
+        (+ KL to the reference), each a mean over the whole batch (`batch.scale`)."""
         cfg = self.cfg
         loss, metrics = policy_loss(
             logprobs,
@@ -211,9 +203,11 @@ class GRPO(Algorithm):
             aggregation=cfg.loss_aggregation,
             ratio_level=cfg.ratio_level,
             max_tokens=cfg.generation.max_new_tokens,
+            scale=batch.scale,
+            weights=batch.weights,
         )
         if batch.ref_logprobs is not None and cfg.kl_coef > 0:
-            kl = masked_mean(
+            kl = scale_of(batch.completion_mask, batch.scale).token_mean(
                 kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
             )
             if not self.kl_in_reward:

@@ -116,12 +116,13 @@ class PPO(Algorithm):
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
-                    seed=cfg.run.seed, sharding=cfg.placement.sharding,
-                    shm_prefix=run.shm_prefix, rendezvous=True,
+                    seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
+                    micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.critic = run.spawn(
                     "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,
-                    value_clip=cfg.value_clip, seed=cfg.run.seed, rendezvous=True,
+                    value_clip=cfg.value_clip, seed=cfg.run.seed,
+                    micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context
@@ -157,9 +158,7 @@ class PPO(Algorithm):
                                     for i, ids in enumerate(batch.shards)
                                 ]  # fmt: skip
                             state.ahead.append(batch)
-                        completions, scores, rollout_info = self.collector.finish(
-                            state.ahead.pop(0)
-                        )
+                        completions, scores, rollout_info = self.rollout(state.ahead.pop(0))
                         batch = TrainBatch.from_completions(completions)
                         with log.timer("reference"):  # rows split over the reference procs
                             if reference is not None:
@@ -167,6 +166,7 @@ class PPO(Algorithm):
                                     reference, "logprobs", batch, cfg.generation.temperature
                                 )
                         try:
+                            rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
                             batch.old_values = sup.call_rows(critic, "values", batch)  # prefixes
                             advantage_info = self.compute_advantages(scores, batch)
                             # Each minibatch: a policy step on the trainer mesh and a value
@@ -239,6 +239,8 @@ class PPO(Algorithm):
             clip_high=cfg.clip_high,
             aggregation=cfg.loss_aggregation,
             max_tokens=cfg.generation.max_new_tokens,
+            scale=batch.scale,
+            weights=batch.weights,
         )
 
 

@@ -7,10 +7,50 @@ are plain floats for logging.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """The denominators of one optimizer step's loss, counted over its whole batch.
+
+    A trainer rank sees a shard of the batch (and a micro-batch of that shard),
+    and data parallelism averages the ranks' gradients (DDP, and FSDP2's
+    reduce-scatter). So a rank's loss is `ranks * sum(its terms) / global count`:
+    averaged over the ranks and summed over micro-batches, that is exactly the
+    loss one proc computes on the whole batch, and so is its gradient. The same
+    holds for every figure a loss reports through this scale, so metrics are a
+    shard's part of the batch's value (summed over micro-batches, averaged over
+    ranks). `tokens` counts the mask's ones, `sequences` the rows.
+    """
+
+    tokens: float
+    sequences: int
+    ranks: int = 1
+
+    @staticmethod
+    def of(mask: torch.Tensor, ranks: int = 1) -> LossScale:
+        """The scale of a whole batch with this [B, T] mask, split over `ranks`."""
+        return LossScale(float(mask.sum()), mask.size(0), ranks)
+
+    def token_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This part's share of the batch's masked token mean of `values`."""
+        return self.ranks * (values * mask).sum() / max(self.tokens, 1.0)
+
+    def sequence_mean(self, values: torch.Tensor, sequences: float | None = None) -> torch.Tensor:
+        """This part's share of the batch's mean of per-sequence `values` [B]
+        (over `sequences` items instead of the rows, e.g. DPO's pairs)."""
+        return self.ranks * values.sum() / max(sequences or self.sequences, 1)
+
+
+def scale_of(mask: torch.Tensor, scale: LossScale | None) -> LossScale:
+    """`scale`, or the local batch's own when None (one proc, whole batch)."""
+    return scale if scale is not None else LossScale.of(mask)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -67,21 +107,27 @@ def kl_estimate(
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, max_tokens: int | None = None
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    max_tokens: int | None = None,
+    scale: LossScale | None = None,
 ) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to a scalar.
+    """Reduce a [B, T] per-token loss to a scalar, with the batch's global
+    counts from `scale` (None: this batch is the whole batch).
 
     token-mean: sum(m L) / sum(m) over the batch (DAPO).
     seq-mean-token-mean: mean over sequences of sum_t(m L) / sum_t(m) (GRPO).
     seq-mean-token-sum-norm: sum(m L) / (B * max_tokens) (Dr. GRPO).
     """
+    scale = scale_of(mask, scale)
     if aggregation == "token-mean":
-        return masked_mean(per_token, mask)
+        return scale.token_mean(per_token, mask)
     if aggregation == "seq-mean-token-mean":
-        return masked_mean(per_token, mask, dim=1).mean()
+        return scale.sequence_mean(masked_mean(per_token, mask, dim=1))
     if aggregation == "seq-mean-token-sum-norm":
         max_tokens = max_tokens or mask.size(1)
-        return (per_token * mask).sum() / (mask.size(0) * max_tokens)
+        return scale.sequence_mean((per_token * mask).sum(1) / max_tokens)
     raise ValueError(f"aggregation '{aggregation}' is not one of {', '.join(AGGREGATIONS)}")
 
 
@@ -95,15 +141,20 @@ def policy_loss(
     aggregation: str = "token-mean",
     ratio_level: str = "token",
     max_tokens: int | None = None,
+    scale: LossScale | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017), as used by GRPO/DAPO/GSPO.
 
-    L = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) per token, with
+    L = -w min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) per token, with
     rho = exp(logprobs - old_logprobs) (`ratio_level="token"`) or the GSPO
-    sequence ratio exp(masked mean_t(logprobs - old_logprobs)) (`"sequence"`).
-    logprobs, old_logprobs, mask [B, T]; advantages [B] or [B, T].
+    sequence ratio exp(masked mean_t(logprobs - old_logprobs)) (`"sequence"`),
+    and w the train-inference mismatch weights (`mismatch_weights`; 1 when None).
+    logprobs, old_logprobs, mask, weights [B, T]; advantages [B] or [B, T].
+    `scale` holds the whole batch's counts when this is a shard of it.
     """
     clip_high = clip_low if clip_high is None else clip_high
+    scale = scale_of(mask, scale)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     log_ratio = logprobs - old_logprobs
@@ -115,28 +166,38 @@ def policy_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, aggregation, max_tokens)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, aggregation, max_tokens, scale)
     with torch.no_grad():
+        log_ratio = log_ratio.detach()
         metrics = {
             "loss/policy": loss.item(),
-            "policy/clip_fraction": masked_mean((clipped < unclipped).float(), mask).item(),
-            # k3 estimate of KL(old || new) from samples of old (Schulman 2020).
-            "policy/approx_kl": masked_mean(torch.expm1(-log_ratio) + log_ratio, mask).item(),
-            "policy/ratio_mean": masked_mean(ratio, mask).item(),
-            # Sampler vs trainer on the same tokens, per token. On a batch's first
-            # optimizer step this is the generation/training mismatch (numerics,
-            # and staleness when generation runs ahead); later steps add the updates.
-            "sampling/logprob_abs_diff": masked_mean((logprobs - old_logprobs).abs(), mask).item(),
-            "sampling/kl": masked_mean(
+            "policy/clip_fraction": scale.token_mean((clipped < unclipped).float(), mask).item(),
+            # k3 estimate of KL(old || new) from samples of old (Schulman 2020):
+            # with r = new / old, E_old[(r - 1) - log r].
+            "policy/approx_kl": scale.token_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
+            "policy/ratio_mean": scale.token_mean(ratio, mask).item(),
+            # Old log-probs vs the trainer's, per token. On a batch's first optimizer
+            # step this is the generation/training mismatch when the old log-probs
+            # are the sampler's (numerics, and staleness when generation runs
+            # ahead); later steps add the updates.
+            "sampling/logprob_abs_diff": scale.token_mean(
+                (logprobs.detach() - old_logprobs).abs(), mask
+            ).item(),
+            "sampling/kl": scale.token_mean(
                 kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask
             ).item(),
         }
     return loss, metrics
 
 
-def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """Supervised next-token loss on masked tokens: -sum(m log p) / sum(m)."""
-    loss = -masked_mean(logprobs, mask)
+def nll_loss(
+    logprobs: torch.Tensor, mask: torch.Tensor, scale: LossScale | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised next-token loss on masked tokens: -sum(m log p) / sum(m) over
+    the whole batch (`scale`, as in `policy_loss`)."""
+    loss = -scale_of(mask, scale).token_mean(logprobs, mask)
     return loss, {"loss/nll": loss.item()}
 
 
@@ -235,21 +296,24 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float = 0.2,
+    scale: LossScale | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss of PPO (as in OpenAI baselines / TRL's PPO):
-    0.5 * masked mean of max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2).
+    0.5 * masked mean of max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2),
+    the mean over the whole batch's tokens (`scale`, as in `policy_loss`).
 
     values, old_values, returns, mask [B, T].
     """
+    scale = scale_of(mask, scale)
     clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
     unclipped = (values - returns).pow(2)
     clipped = (clipped_values - returns).pow(2)
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = 0.5 * scale.token_mean(torch.maximum(unclipped, clipped), mask)
     with torch.no_grad():
         metrics = {
             "loss/value": loss.item(),
-            "value/clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
-            "value/mean": masked_mean(values, mask).item(),
+            "value/clip_fraction": scale.token_mean((clipped > unclipped).float(), mask).item(),
+            "value/mean": scale.token_mean(values.detach(), mask).item(),
         }
     return loss, metrics
 
@@ -277,6 +341,8 @@ def dpo_loss(
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    pairs: int | None = None,
+    ranks: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Direct preference optimization (Rafailov et al. 2023), with the
     conservative label smoothing of cDPO (Mitchell 2023).
@@ -286,20 +352,141 @@ def dpo_loss(
     loss = mean of -(1 - eps) log sigmoid(beta D) - eps log sigmoid(-beta D).
     Metrics: implicit rewards beta (pi - ref) of chosen and rejected, their
     margin, and accuracy = fraction of pairs whose chosen reward is higher
-    (ties count one half, so an untrained policy scores 0.5).
+    (ties count one half, so an untrained policy scores 0.5). Means are over
+    `pairs` (the whole batch's, when these are one of `ranks` shards of it; as
+    `LossScale`), by default the pairs given.
     """
+    scale = LossScale(0.0, pairs or policy_chosen_logps.numel(), ranks)
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)
     logits = chosen_rewards - rejected_rewards  # = beta * D
     losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
-    loss = losses.mean()
+    loss = scale.sequence_mean(losses)
     with torch.no_grad():
         wins = (logits > 0).float() + 0.5 * (logits == 0).float()
         metrics = {
             "loss/dpo": loss.item(),
-            "rewards/chosen": chosen_rewards.mean().item(),
-            "rewards/rejected": rejected_rewards.mean().item(),
-            "rewards/margin": logits.mean().item(),
-            "rewards/accuracy": wins.mean().item(),
+            "rewards/chosen": scale.sequence_mean(chosen_rewards.detach()).item(),
+            "rewards/rejected": scale.sequence_mean(rejected_rewards.detach()).item(),
+            "rewards/margin": scale.sequence_mean(logits.detach()).item(),
+            "rewards/accuracy": scale.sequence_mean(wins).item(),
         }
     return loss, metrics
+
+
+# --- train-inference mismatch ---------------------------------------------------------
+#
+# The sampler (an inference engine, other kernels, another dtype, a truncated
+# top-p distribution) and the trainer disagree on the old policy's log-probs.
+# With log_ratio = trainer - sampler log-probs of the sampled tokens, the
+# importance weight rho = exp(log_ratio) turns the sampler's samples into an
+# estimate under the trainer's old policy. Each correction below returns
+# detached per-token weights [B, T] that multiply the per-token policy loss.
+
+CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence", "icepop", "geo-mask")
+
+
+def tis_weights(log_ratio: torch.Tensor, mask: torch.Tensor, high: float = 2.0) -> torch.Tensor:
+    """Truncated importance sampling, token level (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"):
+    w = min(rho, high). [B, T] -> [B, T], 0 off the mask."""
+    return torch.exp(log_ratio).clamp(max=high) * mask
+
+
+def mis_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, high: float = 2.0, level: str = "token"
+) -> torch.Tensor:
+    """Masked importance sampling (Liu, Li et al. 2025, "When speed kills
+    stability: demystifying RL collapse from the training-inference mismatch"):
+    w = rho where rho <= high, else 0, with rho per token (`level="token"`) or
+    per sequence, rho = exp(sum_t log_ratio) on every token of the row
+    (`"sequence"`). [B, T] -> [B, T], 0 off the mask."""
+    if level == "sequence":
+        rho = torch.exp((log_ratio * mask).sum(1, keepdim=True)).expand_as(log_ratio)
+    elif level == "token":
+        rho = torch.exp(log_ratio)
+    else:
+        raise ValueError(f"level '{level}' is not one of token, sequence")
+    return torch.where(rho <= high, rho, torch.zeros_like(rho)) * mask
+
+
+def icepop_weights(
+    log_ratio: torch.Tensor, mask: torch.Tensor, low: float = 0.5, high: float = 2.0
+) -> torch.Tensor:
+    """IcePop (Ling Team 2025, "Every step evolves: scaling RL for trillion-scale
+    thinking model"): w = rho on tokens with low <= rho <= high; tokens outside
+    the band are masked out (w = 0). [B, T] -> [B, T]."""
+    rho = torch.exp(log_ratio)
+    keep = (rho >= low) & (rho <= high)
+    return torch.where(keep, rho, torch.zeros_like(rho)) * mask
+
+
+def geometric_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, low: float = 0.5, high: float = 2.0
+) -> torch.Tensor:
+    """A sequence mask on the geometric mean of the token ratios,
+    g = exp(masked mean_t log_ratio): every token of a row weighs 1 when
+    low <= g <= high and 0 otherwise (no reweighting; verl's "geometric"
+    rejection sampling). Length-normalized, so long rows are not rejected for
+    their length. [B, T] -> [B, T]."""
+    g = torch.exp(masked_mean(log_ratio, mask, dim=1)).unsqueeze(1)
+    return ((g >= low) & (g <= high)).float().expand_as(log_ratio) * mask
+
+
+def mismatch_weights(
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> torch.Tensor | None:
+    """The weights of correction `kind` (one of CORRECTIONS; "none" gives None)
+    for the trainer's old log-probs against the sampler's. [B, T] -> [B, T]."""
+    log_ratio = (old_logprobs - sampler_logprobs).float() * mask
+    if kind == "none":
+        return None
+    if kind == "tis":
+        return tis_weights(log_ratio, mask, high)
+    if kind in ("mis-token", "mis-sequence"):
+        return mis_weights(log_ratio, mask, high, kind.split("-")[1])
+    if kind == "icepop":
+        return icepop_weights(log_ratio, mask, low, high)
+    if kind == "geo-mask":
+        return geometric_mask(log_ratio, mask, low, high)
+    raise ValueError(f"correction '{kind}' is not one of {', '.join(CORRECTIONS)}")
+
+
+def mismatch_metrics(
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """How far the sampler is from the trainer, over the masked tokens, with
+    rho = trainer / sampler probability of each sampled token:
+
+    - `sampling/k3_kl`: KL(sampler || trainer), k3 estimate E[(rho - 1) - log rho];
+    - `sampling/chi2`: chi-square divergence, E[rho^2] - 1;
+    - `sampling/ess`: effective sample size fraction, E[rho]^2 / E[rho^2] (1 when
+      they agree; the share of the batch the weighted estimate is worth);
+    - with `weights`: `sampling/masked_fraction` (tokens of weight 0) and
+      `sampling/truncated_fraction` (tokens whose weight is below a rho > 1).
+    """
+    log_ratio = (old_logprobs - sampler_logprobs).float()
+    rho = torch.exp(log_ratio)
+    mean_rho, mean_rho2 = masked_mean(rho, mask), masked_mean(rho.pow(2), mask)
+    metrics = {
+        "sampling/k3_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
+        "sampling/chi2": (mean_rho2 - 1).item(),
+        "sampling/ess": (mean_rho.pow(2) / mean_rho2.clamp(min=1e-30)).item(),
+        "sampling/logprob_abs_diff_sampler": masked_mean(log_ratio.abs(), mask).item(),
+    }
+    if weights is not None:
+        on = mask > 0
+        metrics["sampling/masked_fraction"] = masked_mean(
+            ((weights == 0) & on).float(), mask
+        ).item()
+        truncated = (weights > 0) & (weights < rho - 1e-6) & (rho > 1)
+        metrics["sampling/truncated_fraction"] = masked_mean(truncated.float(), mask).item()
+    return metrics

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,21 +105,26 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def clipped_step(
-    loss: torch.Tensor,
+def accumulated_step(
+    parts: list,
+    loss_of: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
-) -> tuple[float, bool]:
-    """Backward, clip the gradient norm, step. Returns the norm before clipping
-    and whether the step was skipped: a NaN or infinite loss or gradient on any
-    rank skips it on every rank, leaving weights and optimizer state as they were."""
+) -> tuple[float, dict[str, float], float, bool]:
+    """One optimizer step over micro-batches `parts` (gradient accumulation):
+    backward of each part's loss, whose losses add up to the batch's (see
+    `meshrl.losses.LossScale`), then clip the gradient norm and step.
+
+    Returns the summed loss, the summed metrics, the norm before clipping, and
+    whether the step was skipped: a NaN or infinite loss or gradient on any rank
+    skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    total, metrics = backward_each(parts, loss_of)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
         grad_norm = grad_norm.full_tensor()
-    bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float().reshape(1)
+    bad = (~torch.isfinite(total) | ~torch.isfinite(grad_norm.cpu())).float().reshape(1)
     if dist.is_available() and dist.is_initialized():
         # Each rank's own loss may differ; the ranks must still agree to skip.
         bad = bad.to(grad_norm.device)
@@ -127,4 +134,46 @@ def clipped_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    return grad_norm.item(), skipped
+    return total.item(), metrics, grad_norm.item(), skipped
+
+
+def accumulated_gradients(
+    parts: list,
+    loss_of: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
+    model: torch.nn.Module,
+) -> dict[str, torch.Tensor]:
+    """The gradient `accumulated_step` would step with (reduced over the ranks,
+    before clipping), as CPU copies of the full tensors, without stepping;
+    the gradients are cleared again. Collective when the model is data-parallel."""
+    from torch.distributed.tensor import DTensor
+
+    model.zero_grad(set_to_none=True)
+    backward_each(parts, loss_of)
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).cpu().clone()
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def backward_each(
+    parts: list, loss_of: Callable[[Any], tuple[torch.Tensor, dict[str, float]]]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Backward of each part's loss, gradients accumulating; returns the summed
+    loss and metrics. An empty part (a rank with fewer rows than micro-batches)
+    runs the first part again with its loss times 0: every data-parallel rank
+    must run as many forward/backward passes, and so collectives, as the others."""
+    total, metrics = torch.zeros(()), {}
+    for part in parts:
+        empty = len(part) == 0
+        loss, part_metrics = loss_of(parts[0] if empty else part)
+        if empty:
+            (loss * 0).backward()
+            continue
+        loss.backward()
+        total = total + loss.detach().float().cpu()
+        for key, value in part_metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return total, metrics

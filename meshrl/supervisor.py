@@ -109,11 +109,15 @@ class Supervisor:
         return metrics
 
     def call_rows(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
-        """`endpoint` on contiguous row blocks of `batch` over `role`'s procs,
-        concatenated in row order (reference log-probs, critic values)."""
-        n, size = role.size, len(batch) // role.size
-        blocks = [(batch.rows(slice(i * size, (i + 1) * size)), *args) for i in range(n)]
-        parts, _ = self.call(role, endpoint, blocks)
+        """`endpoint` on contiguous row blocks of `batch` over `role`'s procs (as
+        even as the rows allow), concatenated in row order (reference and
+        trainer log-probs, critic values)."""
+        blocks = torch.arange(len(batch)).tensor_split(role.size)
+        calls = [
+            (batch.rows(slice(int(b[0]), int(b[-1]) + 1)) if len(b) else batch.rows(b), *args)
+            for b in blocks
+        ]
+        parts, _ = self.call(role, endpoint, calls)
         return torch.cat(parts)
 
     # --- faults ---------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from meshrl.losses import LossScale
+
 
 @dataclass
 class Prompt:
@@ -110,6 +112,17 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference model, when KL is used
     old_values: torch.Tensor | None = None  # [B, T] critic values at rollout (PPO)
     returns: torch.Tensor | None = None  # [B, T] value targets (PPO)
+    sampler_logprobs: torch.Tensor | None = None
+    """[B, T] the sampler's log-probs, when `old_logprobs` are the trainer's own
+    (`trainer.recompute_old_logprobs`)."""
+    weights: torch.Tensor | None = None
+    """[B, T] train-inference mismatch weights (`trainer.correction`), or None."""
+    scale: LossScale | None = None
+    """The whole optimizer step's counts, set when the batch is cut into
+    data-parallel shards (`shard`); None on a whole batch."""
+    paired: bool = False
+    """Rows are [first; second] of the same items (DPO's chosen; rejected): a
+    split keeps each item's two rows together."""
 
     @property
     def num_completion_tokens(self) -> int:
@@ -137,17 +150,34 @@ class TrainBatch:
             **{
                 f.name: fn(getattr(self, f.name))
                 for f in fields(self)
-                if getattr(self, f.name) is not None
+                if isinstance(getattr(self, f.name), torch.Tensor)
             },
         )
 
-    def shard(self, index: int, count: int) -> TrainBatch:
-        """Rows index::count -> the data-parallel shard of rank `index` of `count`."""
-        return self.apply(lambda t: t[index::count])
+    def shard(self, index: int, count: int, rows: torch.Tensor | slice | None = None) -> TrainBatch:
+        """The data-parallel shard of rank `index` of `count`: rows index::count
+        (or `rows`), carrying this whole batch's `LossScale` so that the ranks'
+        averaged gradients are the whole batch's."""
+        scale = self.scale or LossScale.of(self.completion_mask, count)
+        part = self.rows(slice(index, None, count) if rows is None else rows)
+        return replace(part, scale=scale, paired=self.paired and rows is not None)
+
+    def split(self, parts: int) -> list[TrainBatch]:
+        """`parts` consecutive micro-batches (gradient accumulation), each keeping
+        the batch's scale: their losses add up to the batch's. Always `parts` of
+        them, some empty when there are fewer rows: every data-parallel rank must
+        run as many backward passes as the others."""
+        scale = self.scale or LossScale.of(self.completion_mask)
+        items = len(self) // 2 if self.paired else len(self)
+        blocks = torch.arange(items).tensor_split(parts)
+        if self.paired:
+            blocks = [torch.cat([b, b + items]) for b in blocks]
+        return [replace(self.rows(b), scale=scale, paired=self.paired) for b in blocks]
 
     def rows(self, index: torch.Tensor | slice) -> TrainBatch:
-        """The rows picked by `index` (a slice or a tensor of row numbers)."""
-        return self.apply(lambda t: t[index])
+        """The rows picked by `index` (a slice or a tensor of row numbers), no
+        longer `paired` (say so again when they are)."""
+        return replace(self.apply(lambda t: t[index]), paired=False)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)

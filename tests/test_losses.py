@@ -6,18 +6,25 @@ import pytest
 import torch
 
 from meshrl.losses import (
+    LossScale,
     aggregate,
     dpo_loss,
     explained_variance,
     gae,
+    geometric_mask,
     group_advantages,
+    icepop_weights,
     kl_estimate,
     masked_mean,
+    mis_weights,
+    mismatch_metrics,
+    mismatch_weights,
     nll_loss,
     policy_loss,
     returns_to_go,
     rloo_advantages,
     sequence_logprobs,
+    tis_weights,
     token_rewards,
     value_loss,
     whiten,
@@ -292,3 +299,208 @@ def test_sequence_logprobs_and_empty_rows():
         logprobs, logprobs, torch.ones(2), mask, aggregation="seq-mean-token-mean"
     )
     assert loss.item() == pytest.approx(-0.5)  # the empty row counts as a 0 in the mean
+
+
+# --- one loss at any placement --------------------------------------------------------
+
+
+def _shard_batch():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([1, 10, 1, 10, 3, 7])
+    mask = (torch.arange(10) < lengths.unsqueeze(1)).float()
+    logp = (-2 + 0.5 * torch.randn(6, 10, generator=g)).requires_grad_()
+    old = -2 + 0.5 * torch.randn(6, 10, generator=g)
+    adv = torch.randn(6, generator=g)
+    return logp, old, adv, mask
+
+
+def _placed_gradient(loss_of, logp, mask, ranks, micro, global_scale=True):
+    """The gradient DDP would step with: ranks' shards rows i::ranks, each cut
+    into `micro` consecutive micro-batches whose backward passes accumulate,
+    then averaged over ranks. With `global_scale=False`, each shard normalizes
+    by its own counts (the rule before LossScale)."""
+    logp.grad = None
+    scale = LossScale.of(mask, ranks) if global_scale else None
+    total = torch.zeros_like(logp)
+    for r in range(ranks):
+        rows = torch.arange(r, mask.size(0), ranks)
+        for part in rows.tensor_split(micro):
+            loss = loss_of(logp[part], part, LossScale.of(mask[part]) if scale is None else scale)
+            total += torch.autograd.grad(loss, logp)[0]
+    return total / ranks
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_sharded_losses_give_the_whole_batch_gradient(aggregation):
+    logp, old, adv, mask = _shard_batch()
+
+    def loss_of(lp, rows, scale):
+        loss, _ = policy_loss(
+            lp, old[rows], adv[rows], mask[rows], aggregation=aggregation, scale=scale
+        )
+        kl = scale.token_mean(kl_estimate(lp, old[rows]), mask[rows])
+        return loss + 0.1 * kl
+
+    whole = _placed_gradient(loss_of, logp, mask, 1, 1)
+    for ranks, micro in ((2, 1), (3, 1), (1, 2), (2, 2)):
+        got = _placed_gradient(loss_of, logp, mask, ranks, micro)
+        assert ((got - whole).norm() / whole.norm()).item() < 1e-6, (ranks, micro)
+    # Each shard dividing by its own counts is another objective, except for
+    # sum-norm whose denominator is fixed per row.
+    local = _placed_gradient(loss_of, logp, mask, 2, 1, global_scale=False)
+    error = ((local - whole).norm() / whole.norm()).item()
+    assert error > 1e-2 if aggregation == "token-mean" else True
+
+
+def test_sharded_value_nll_and_dpo_losses_give_the_whole_batch_gradient():
+    logp, old, _, mask = _shard_batch()
+    returns = torch.randn_like(old)
+
+    def value(lp, rows, scale):
+        return value_loss(lp, old[rows], returns[rows], mask[rows], 0.2, scale)[0]
+
+    def nll(lp, rows, scale):
+        return nll_loss(lp, mask[rows], scale)[0]
+
+    for loss_of in (value, nll):
+        whole = _placed_gradient(loss_of, logp, mask, 1, 1)
+        got = _placed_gradient(loss_of, logp, mask, 2, 2)
+        assert ((got - whole).norm() / whole.norm()).item() < 1e-6
+    # DPO: 3 pairs, rows [chosen; rejected]; ranks take whole pairs, 2 and 1.
+    seq = sequence_logprobs(logp, mask)
+    ref = seq.detach() + torch.randn(6)
+
+    def dpo(pairs):
+        loss, _ = dpo_loss(
+            seq[pairs], seq[pairs + 3], ref[pairs], ref[pairs + 3], 0.5, pairs=3, ranks=2
+        )
+        return loss
+
+    (whole,) = torch.autograd.grad(
+        dpo_loss(seq[:3], seq[3:], ref[:3], ref[3:], 0.5)[0], logp, retain_graph=True
+    )
+    halves = [
+        torch.autograd.grad(dpo(p), logp, retain_graph=True)[0]
+        for p in (torch.tensor([0, 2]), torch.tensor([1]))
+    ]
+    assert torch.allclose(sum(halves) / 2, whole, atol=1e-7)
+
+
+def test_approx_kl_is_k3_of_kl_old_to_new():
+    # r = new / old per token; k3 = (r - 1) - log r, whose mean under old samples
+    # estimates KL(old || new).
+    old = torch.tensor([[-1.0, -2.0]])
+    new = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2)
+    _, m = policy_loss(new, old, torch.zeros(1), mask)
+    r = [math.exp(-0.5), math.exp(1.0)]
+    want = sum((x - 1) - math.log(x) for x in r) / 2
+    assert m["policy/approx_kl"] == pytest.approx(want, rel=1e-6)
+    # On a categorical with old sampled exactly, the k3 mean is the exact KL.
+    p_old = torch.tensor([0.5, 0.3, 0.2])
+    p_new = torch.tensor([0.2, 0.3, 0.5])
+    exact = (p_old * (p_old / p_new).log()).sum().item()
+    log_ratio = (p_new / p_old).log()
+    k3 = (p_old * (torch.expm1(log_ratio) - log_ratio)).sum().item()
+    assert k3 == pytest.approx(exact, rel=1e-6)
+
+
+# --- train-inference mismatch ---------------------------------------------------------
+
+
+def _ratios(*values):
+    return torch.tensor([values]).log()
+
+
+def test_tis_truncates_each_token_ratio():
+    w = tis_weights(_ratios(0.5, 1.5, 3.0), torch.tensor([[1.0, 1.0, 0.0]]), high=2.0)
+    assert torch.allclose(w, torch.tensor([[0.5, 1.5, 0.0]]))
+    w = tis_weights(_ratios(0.5, 1.5, 3.0), torch.ones(1, 3), high=2.0)
+    assert torch.allclose(w, torch.tensor([[0.5, 1.5, 2.0]]))
+
+
+def test_mis_masks_tokens_or_whole_sequences_above_the_threshold():
+    mask = torch.ones(2, 2)
+    log_ratio = torch.tensor([[math.log(0.5), math.log(3.0)], [math.log(1.2), math.log(1.5)]])
+    token = mis_weights(log_ratio, mask, high=2.0, level="token")
+    assert torch.allclose(token, torch.tensor([[0.5, 0.0], [1.2, 1.5]]))
+    # Sequence ratios: 0.5 * 3 = 1.5 (kept, on every token), 1.2 * 1.5 = 1.8 (kept).
+    seq = mis_weights(log_ratio, mask, high=2.0, level="sequence")
+    assert torch.allclose(seq, torch.tensor([[1.5, 1.5], [1.8, 1.8]]))
+    seq = mis_weights(log_ratio, mask, high=1.6, level="sequence")
+    assert torch.allclose(seq, torch.tensor([[1.5, 1.5], [0.0, 0.0]]))
+
+
+def test_icepop_keeps_the_ratio_inside_the_band_and_masks_outside():
+    w = icepop_weights(_ratios(0.4, 0.5, 1.0, 2.0, 2.5), torch.ones(1, 5), low=0.5, high=2.0)
+    assert torch.allclose(w, torch.tensor([[0.0, 0.5, 1.0, 2.0, 0.0]]))
+
+
+def test_geometric_mask_uses_the_length_normalized_sequence_ratio():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # Row 0: geometric mean sqrt(4 * 4) = 4 -> masked; row 1: (4 * 0.25 * 1)^(1/3) = 1 -> kept,
+    # though one token's ratio is 4.
+    log_ratio = torch.tensor([[4.0, 4.0, 9.0], [4.0, 0.25, 1.0]]).log()
+    w = geometric_mask(log_ratio, mask, low=0.5, high=2.0)
+    assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+
+
+def test_mismatch_metrics_by_hand():
+    sampler = torch.tensor([[0.0, 0.0, 0.0]])
+    old = torch.tensor([[math.log(0.5), math.log(2.0), 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights = mismatch_weights(old, sampler, mask, "tis", high=1.5)
+    m = mismatch_metrics(old, sampler, mask, weights)
+    rho = [0.5, 2.0]
+    assert m["sampling/k3_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in rho) / 2)
+    assert m["sampling/chi2"] == pytest.approx((0.25 + 4) / 2 - 1)
+    assert m["sampling/ess"] == pytest.approx(1.25**2 / 2.125)
+    assert m["sampling/truncated_fraction"] == pytest.approx(0.5)  # the 2.0 became 1.5
+    assert m["sampling/masked_fraction"] == 0.0
+    assert mismatch_weights(old, sampler, mask, "none") is None
+    with pytest.raises(ValueError, match="correction 'bogus'"):
+        mismatch_weights(old, sampler, mask, "bogus")
+
+
+@pytest.mark.parametrize("kind", ["tis", "mis-token", "mis-sequence", "icepop", "geo-mask"])
+def test_corrections_bring_a_perturbed_samplers_gradient_back_on_policy(kind):
+    """A one-token policy over 6 actions, softmax(theta), whose on-policy
+    surrogate gradient is exact: -sum_y pi(y) A(y) grad log pi(y). 200k draws
+    come from a perturbed sampler: the policy's logits plus noise (the
+    importance-sampling corrections), or for geo-mask, which rejects rather than
+    reweighs, a sampler exact on 80% of the rows and badly broken (noise 3) on
+    the rest. Corrected, the gradient is closer to the exact one than
+    uncorrected, and its cosine to it is >= 0.99."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.3, -1.0], requires_grad=True)
+    reward = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
+    pi = torch.softmax(theta, 0)
+    advantage = reward - (pi.detach() * reward).sum()
+    policy = -(pi.detach() * advantage * torch.log_softmax(theta, 0)).sum()
+    (exact,) = torch.autograd.grad(policy, theta)
+
+    n = 200_000
+    noise = 3.0 if kind == "geo-mask" else 0.3
+    q = torch.softmax(theta.detach() + noise * torch.randn(6, generator=g), 0)
+    broken = torch.rand(n, generator=g) < (0.2 if kind == "geo-mask" else 1.0)
+    y = torch.where(
+        broken,
+        torch.multinomial(q, n, replacement=True, generator=g),
+        torch.multinomial(pi.detach(), n, replacement=True, generator=g),
+    )
+    logp = torch.log_softmax(theta, 0)[y].unsqueeze(1)  # [n, 1]: one token per sequence
+    sampler = torch.where(broken, torch.log(q)[y], logp.detach().squeeze(1)).unsqueeze(1)
+    mask = torch.ones(n, 1)
+    weights = mismatch_weights(logp.detach(), sampler, mask, kind, low=0.5, high=2.0)
+
+    def gradient(w):
+        loss, _ = policy_loss(logp, logp.detach(), advantage[y], mask, weights=w)
+        return torch.autograd.grad(loss, theta, retain_graph=True)[0]
+
+    cosine = torch.nn.functional.cosine_similarity
+    uncorrected = cosine(gradient(None), exact, dim=0).item()
+    corrected = cosine(gradient(weights), exact, dim=0).item()
+    assert corrected > uncorrected, (corrected, uncorrected)
+    assert corrected >= 0.99, (corrected, uncorrected)
