@@ -16,7 +16,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.engines import make_engine
 from meshrl.faults import Drillable
-from meshrl.models import device_for_this_proc, load_model, load_tokenizer
+from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
 from meshrl.telemetry import observed, record
 from meshrl.types import Completions
 from meshrl.weights import WeightHandle, WeightReceiver
@@ -37,7 +37,9 @@ class Policy(Drillable, Actor):
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
         tokenizer = load_tokenizer(model_cfg)
-        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+        # One stop set for every engine: the tokenizer's EOS and the model's own.
+        self.stop_ids = stop_token_ids(self.model, tokenizer)
         # Every engine's weights come through this model: pulled in place by version.
         self.weights = WeightReceiver(self.model)
         self.engine = make_engine(
@@ -45,7 +47,7 @@ class Policy(Drillable, Actor):
             self.model,
             model_cfg,
             self.pad_id,
-            self.eos_id,
+            self.stop_ids,
             seed,
             policy_cfg.gpu_memory_utilization,
             context,

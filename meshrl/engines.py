@@ -42,8 +42,8 @@ def vllm_missing() -> str | None:
 class HFEngine:
     """Batched KV-cache sampling with the replica's HF model."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int):
-        self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+    def __init__(self, model: torch.nn.Module, pad_id: int, stop_ids: list[int]):
+        self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
 
     def generate(
         self,
@@ -59,7 +59,7 @@ class HFEngine:
             ids,
             mask,
             max_new_tokens=generation.max_new_tokens,
-            eos_token_id=self.eos_id,
+            eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             temperature=generation.temperature,
             top_p=generation.top_p,
@@ -80,7 +80,7 @@ class VLLMEngine:
         model: torch.nn.Module,
         model_cfg: ModelConfig,
         pad_id: int,
-        eos_id: int,
+        stop_ids: list[int],
         seed: int,
         gpu_memory_utilization: float,
         max_model_len: int,
@@ -92,7 +92,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
 
-        self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+        self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
         path = model_cfg.path
         if path is None:  # the embedded model: vLLM loads from a directory
             self._dir = tempfile.TemporaryDirectory(prefix="meshrl-vllm-")
@@ -131,7 +131,7 @@ class VLLMEngine:
                 top_p=generation.top_p,
                 max_tokens=generation.max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob
-                stop_token_ids=[self.eos_id],
+                stop_token_ids=list(self.stop_ids),
                 seed=seed,
             )
             for seed in seeds
@@ -168,13 +168,13 @@ def make_engine(
     model: torch.nn.Module,
     model_cfg: ModelConfig,
     pad_id: int,
-    eos_id: int,
+    stop_ids: list[int],
     seed: int,
     gpu_memory_utilization: float = 0.5,
     max_model_len: int = 2048,
 ):
     if engine == "vllm":
         return VLLMEngine(
-            model, model_cfg, pad_id, eos_id, seed, gpu_memory_utilization, max_model_len
+            model, model_cfg, pad_id, stop_ids, seed, gpu_memory_utilization, max_model_len
         )
-    return HFEngine(model, pad_id, eos_id)
+    return HFEngine(model, pad_id, stop_ids)

@@ -35,7 +35,7 @@ def sample(
     prompt_mask: torch.Tensor,
     *,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -46,7 +46,7 @@ def sample(
 
     prompt_ids, prompt_mask [B, P] -> (completion_ids [B, T], logprobs [B, T],
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
-    generated tokens up to and including EOS. A `stats` dict receives
+    generated tokens up to and including EOS (any of `eos_token_id`'s ids). A `stats` dict receives
     `entropy_sum`: the entropy of softmax(logits / temperature) summed over
     the generated tokens (divide by completion_mask.sum() for the mean).
     """
@@ -58,6 +58,7 @@ def sample(
     )
     next_position = positions[:, -1:] + 1
     finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
+    stop = torch.tensor(eos_token_id, device=prompt_ids.device).reshape(-1)
     tokens, logprobs, masks = [], [], []
     entropy_sum = torch.zeros((), device=prompt_ids.device)
     for _ in range(max_new_tokens):
@@ -71,7 +72,7 @@ def sample(
         tokens.append(torch.where(finished, pad_token_id, token))
         logprobs.append(torch.where(finished, 0.0, token_logp))
         masks.append(~finished)
-        finished = finished | (token == eos_token_id)
+        finished = finished | torch.isin(token, stop)
         if bool(finished.all()):
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)

@@ -63,6 +63,17 @@ def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
+def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The ids that end a completion, one set for every engine: the tokenizer's
+    EOS and the model's `generation_config.eos_token_id` (one id or several,
+    e.g. a chat model's end-of-turn and end-of-text), which vLLM also stops on."""
+    ids = [tokenizer.eos_token_id]
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra]
+    return sorted({i for i in ids if i is not None})
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if cfg.path is None:
         return build_char_tokenizer()

@@ -60,20 +60,35 @@ class ChatFormat:
         ]
         return self.tokenizer(rendered, add_special_tokens=False).input_ids
 
-    def reply(self, text: str) -> list[int]:
+    def reply(self, text: str, turn: list[int] | None = None) -> list[int]:
+        """An environment reply's tokens, after the model's `turn` (its tokens).
+
+        With a chat template they start with whatever the template puts after
+        an assistant message that the model did not sample: the text after its
+        end-of-turn token (ChatML's newline after `<|im_end|>`), or the whole
+        closing when the turn was cut at max_new_tokens. So the episode's ids
+        are the template's rendering of the same conversation."""
         if not self.chat:
             return self.tokenizer(text, add_special_tokens=False).input_ids
-        # The template's text for a tool message after an assistant turn: render
-        # with and without it and keep the difference (system prompts and the
-        # like that a template adds at the start cancel out).
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        # Render with and without the tool message and keep the difference
+        # (system prompts and the like that a template adds at the start cancel out).
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
         before = self.tokenizer.apply_chat_template(base, tokenize=False)
         after = self.tokenizer.apply_chat_template(
             [*base, {"role": "tool", "content": text}], add_generation_prompt=True, tokenize=False
         )
         if not after.startswith(before):
             raise ValueError("the chat template renders an episode's start differently per turn")
-        return self.tokenizer(after[len(before) :], add_special_tokens=False).input_ids
+        closing = before[before.rindex(_MARK) + len(_MARK) :]  # after the assistant's text
+        if turn:
+            stop = self.tokenizer.decode(turn[-1:])
+            if stop and closing.startswith(stop):  # the model ended its turn itself
+                closing = closing[len(stop) :]
+        return self.tokenizer(closing + after[len(before) :], add_special_tokens=False).input_ids
+
+
+_MARK = "\u2063turn\u2063"
+"""Stands for an assistant message's text while rendering the template around it."""
 
 
 @dataclass
@@ -93,6 +108,7 @@ class EpisodeState:
     truncated: bool = False
     info: Counter = field(default_factory=Counter)
     last_action: str = ""
+    last_turn: list[int] = field(default_factory=list)
     final: bool = False
 
     def context(self) -> list[int]:
@@ -191,6 +207,7 @@ def run_episodes(
                 episode.versions += [result.weight_version] * len(tokens)
                 episode.turns += 1
                 episode.last_action = tokenizer.decode(tokens, skip_special_tokens=True)
+                episode.last_turn = tokens
                 room = context - len(episode.context()) - generation.max_new_tokens
                 episode.final = episode.turns >= max_turns or room <= 0
                 acted.append(i)
@@ -204,7 +221,7 @@ def run_episodes(
                 if step.done or episode.final:
                     episode.reward, episode.done = step.reward, True
                     continue
-                reply = fmt.reply(step.observation)
+                reply = fmt.reply(step.observation, episode.last_turn)
                 if len(episode.context()) + len(reply) + generation.max_new_tokens > context:
                     # The reply would not leave room for another turn: the episode ends here.
                     episode.reward, episode.done, episode.truncated = step.reward, True, True

@@ -11,8 +11,10 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl import checkpoint
 from meshrl.config import load_config
@@ -207,30 +209,43 @@ def test_reusing_a_run_name_is_refused(tmp_path):
     assert (tmp_path / "taken" / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_multi_proc_placement_with_kl_in_process(tmp_path, no_stray_procs):
-    """The notebook path: build the config in code and call run()."""
+def test_multi_proc_placement_with_kl_gives_the_one_trainer_proc_weights(tmp_path, no_stray_procs):
+    """Same math at any placement, end to end: 3 steps of the token-mean loss with
+    a KL term and the seed fixed, on 2 trainer procs through the notebook path
+    (config in code, run()) and on 1 through the CLI's entry point, end at the
+    same weights within 1e-4 relative (Adam amplifies reduction-order noise)."""
+    overrides = [
+        "steps=3",
+        "warm_start.steps=0",
+        "kl_coef=0.05",
+        "loss_aggregation=token-mean",
+        "placement.policy=2",
+        "placement.environment=2",
+        "placement.reference=2",
+        f"run.dir={tmp_path}",
+        "run.progress=false",
+    ]
     cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=3",
-            "warm_start.steps=0",
-            "kl_coef=0.05",
-            "placement.policy=2",
-            "placement.trainer=2",
-            "placement.environment=2",
-            "placement.reference=2",
-            f"run.dir={tmp_path}",
-            "run.name=multi",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+        GRPOConfig, DEFAULT_CONFIG, [*overrides, "placement.trainer=2", "run.name=two"]
     )
     history = GRPO(cfg).run()
     assert len(history) == 3
     assert all(math.isfinite(r["policy/kl_ref"]) and r["policy/kl_ref"] >= 0 for r in history)
     assert history[0]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-5)  # policy == reference
     assert history[-1]["weights/version"] == 3
+
+    argv = ["--config", DEFAULT_CONFIG, *overrides, "placement.trainer=1", "run.name=one"]
+    assert main(GRPO, GRPOConfig, argv) == 0
+    one, two = (
+        load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two")
+    )
+    assert one.keys() == two.keys()
+    start = load_model(cfg.model, cfg.run.seed).state_dict()
+    moved = [(one[k] - start[k]).norm() for k in one if k in start]
+    assert max(moved) > 1e-3  # the steps did move the weights
+    for key in one:
+        error = ((one[key] - two[key]).norm() / one[key].norm()).item()
+        assert error < 1e-4, f"{key}: relative difference {error:.2e} between 1 and 2 trainer procs"
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])

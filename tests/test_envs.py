@@ -105,6 +105,15 @@ def test_code_reward_is_the_fraction_of_tests_passed():
     assert env.reward(prompt, "while True:\n    pass") == 0.0  # stopped by the sandbox
     for p in env.sample(3, random.Random(0)):
         assert env.reward(p, p.answer) == 1.0
+    # Programs that game the harness instead of defining f: all score 0.
+    for hack in (
+        "import builtins; builtins.exec = lambda *a, **k: None",  # tests would run nothing
+        "print('\\n' + __import__('__main__')._spec['nonce'], 4)",  # the nonce by name
+        "import builtins; builtins.exec = lambda *a, **k: None\ndef f(x):\n    return 0",
+        "import builtins; builtins.AssertionError = type('E', (Exception,), {})\nf = abs",
+    ):
+        assert env.reward(prompt, hack) == 0.0, hack
+    assert env.reward(prompt, "f = lambda x: 2 * x") == 0.75  # any binding defines
 
 
 def test_chat_template_formats_prompts_and_tool_replies():
@@ -122,6 +131,31 @@ def test_chat_template_formats_prompts_and_tool_replies():
     chat = ChatFormat(tok)
     assert tok.decode(chat.prompts(["hi"])[0]) == "[user]hi[assistant]"
     assert tok.decode(chat.reply("4")) == "[tool]4[assistant]"
+
+
+def test_an_episodes_ids_are_the_templates_rendering_of_its_conversation():
+    """ChatML-like: each message closes with EOS and a newline. The model's turn
+    ends at EOS, so the newline comes with the tool's reply; a turn cut at
+    max_new_tokens gets the whole closing."""
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    chat = ChatFormat(tok)
+    conversation = [{"role": "user", "content": "12>"}]
+    (ids,) = chat.prompts(["12>"])
+    for answer, ended in (("21", True), ("333", False)):
+        turn = tok(answer, add_special_tokens=False).input_ids + (
+            [tok.eos_token_id] if ended else []
+        )
+        ids = ids + turn + chat.reply("ok", turn)
+        conversation += [
+            {"role": "assistant", "content": answer},
+            {"role": "tool", "content": "ok"},
+        ]
+        rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        assert ids == tok(rendered, add_special_tokens=False).input_ids
 
 
 def test_datasets_load_with_field_mapping(tmp_path):

@@ -11,7 +11,13 @@ from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.envs.digits import positional_match
 from meshrl.generation import sample, top_p_filter
-from meshrl.models import build_char_tokenizer, completion_logprobs, load_model, load_tokenizer
+from meshrl.models import (
+    build_char_tokenizer,
+    completion_logprobs,
+    load_model,
+    load_tokenizer,
+    stop_token_ids,
+)
 from meshrl.weights import TornWeights, WeightPublisher, WeightReceiver
 
 pytestmark = pytest.mark.unit
@@ -84,6 +90,33 @@ def test_sampling_logprobs_match_full_forward_and_stop_at_eos():
     with torch.no_grad():
         recomputed = completion_logprobs(model, full_ids, full_mask, ids.shape[1], temperature=0.7)
     assert torch.allclose(recomputed * mask, logprobs * mask, atol=1e-5)
+
+
+def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
+    """A chat model ends a turn on its own EOS (generation_config) as well as the
+    tokenizer's: the stop set holds both, and sampling stops on either."""
+    model = load_model(ModelConfig(), seed=0).eval()
+    tok = build_char_tokenizer()
+    digit = tok.convert_tokens_to_ids("7")
+    model.generation_config.eos_token_id = [tok.eos_token_id, digit]
+    stop = stop_token_ids(model, tok)
+    assert stop == sorted({tok.eos_token_id, digit})
+    enc = tok(["471>"] * 64, padding=True, return_tensors="pt")
+    ids, _, mask = sample(
+        model,
+        enc.input_ids,
+        enc.attention_mask.float(),
+        max_new_tokens=12,
+        eos_token_id=stop,
+        pad_token_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    ended = 0
+    for row in range(64):
+        n = int(mask[row].sum())
+        assert all(t not in stop for t in ids[row, : n - 1].tolist())  # nothing after a stop id
+        ended += ids[row, n - 1].item() in stop
+    assert ended > 0
 
 
 def test_reverse_digits_reward_depends_on_prompt():

@@ -7,13 +7,18 @@ A dataset row needs the prompt and `tests`: a list of Python statements
 (usually `assert ...`). The shipped generator writes small function tasks.
 
 The tests' pass count comes back on a line tagged with a random nonce, read
-from stdin before the program runs. A program that searches the harness's
-frames for the nonce can still forge it: reward hacking is bounded by that,
-not excluded.
+from stdin before the program runs and kept out of the program's reach by
+name (not in `__main__`). A program that never defines the names the tests
+call scores 0 without running, and tests run with the builtins as they were
+before the program (so rebinding `exec` or `AssertionError` passes nothing).
+A program that searches the harness's frames for the nonce can still forge
+it: reward hacking is bounded by that, not excluded (the sandbox's kernel
+limits are what stop a program from reaching outside).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -25,21 +30,31 @@ from meshrl.types import Prompt
 _BLOCK = re.compile(r"```(?:python)?\n?(.*?)```", re.DOTALL)
 
 _HARNESS = """
-import json as _json, sys as _sys
-_spec = _json.loads(_sys.stdin.read())
-_passed = 0
-_scope = {"__name__": "solution"}
-try:
-    exec(compile(_spec["program"], "solution.py", "exec"), _scope)
-except BaseException as _error:
-    print("program:", type(_error).__name__, _error, file=_sys.stderr)
-for _test in _spec["tests"]:
+import builtins as _builtins, json as _json, sys as _sys
+
+
+def _main(_read=_sys.stdin.read, _exec=exec, _compile=compile, _out=_sys.__stdout__):
+    # What the tests need is bound here, before the program runs: a program that
+    # rebinds exec, compile or a builtin changes its own scope, not the tests'.
+    spec = _json.loads(_read())
+    clean = dict(vars(_builtins))
+    scope = {"__name__": "solution"}
     try:
-        exec(compile(_test, "test.py", "exec"), dict(_scope))
-        _passed += 1
-    except BaseException:
-        pass
-print("\\n" + _spec["nonce"], _passed)
+        _exec(_compile(spec.pop("program"), "solution.py", "exec"), scope)
+    except BaseException as error:
+        print("program:", type(error).__name__, error, file=_sys.stderr)
+    passed = 0
+    for test in spec["tests"]:
+        try:
+            _exec(_compile(test, "test.py", "exec"), {**scope, "__builtins__": dict(clean)})
+            passed += 1
+        except BaseException:
+            pass
+    _out.write("\\n" + spec["nonce"] + " " + str(passed) + "\\n")
+    _out.flush()
+
+
+_main()
 """
 
 _TASKS = [
@@ -55,9 +70,43 @@ def extract_program(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
+def undefined_names(program: str, tests: list[str]) -> list[str]:
+    """The names the tests call that `program` never binds at its top level
+    (a def, a class, an assignment or an import), builtins aside. A program
+    that defines nothing the tests call cannot pass them honestly: it scores 0
+    before it runs. One that does not parse defines nothing."""
+    import builtins
+
+    called = {
+        node.func.id
+        for test in tests
+        for node in ast.walk(ast.parse(test))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    } - set(vars(builtins))
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError):
+        return sorted(called)
+    bound = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            for target in ast.walk(node):
+                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
+                    bound.add(target.id)
+    return sorted(called - bound)
+
+
 def run_tests(program: str, tests: list[str], timeout_s: float = 5.0) -> tuple[int, str]:
     """(tests passed, the sandbox's error or '') for `program`."""
     from meshrl.envs.sandbox import run_python
+
+    missing = undefined_names(program, tests)
+    if missing:
+        return 0, f"the program does not define {', '.join(missing)}"
 
     nonce = f"__passed_{uuid.uuid4().hex}__"
     spec = json.dumps({"program": program, "tests": list(tests), "nonce": nonce})
