@@ -109,7 +109,7 @@ def test_code_reward_is_the_fraction_of_tests_passed():
     for hack in (
         "import builtins; builtins.exec = lambda *a, **k: None",  # tests would run nothing
         "print('\\n' + __import__('__main__')._spec['nonce'], 4)",  # the nonce by name
-        "import builtins; builtins.exec = lambda *a, **k: None\ndef f(x):\n    return 0",
+        "import builtins; builtins.exec = lambda *a, **k: None\ndef f(x):\n    return -1",
         "import builtins; builtins.AssertionError = type('E', (Exception,), {})\nf = abs",
     ):
         assert env.reward(prompt, hack) == 0.0, hack
