@@ -110,7 +110,7 @@ def test_code_reward_is_the_fraction_of_tests_passed():
         "import builtins; builtins.exec = lambda *a, **k: None",  # tests would run nothing
         "print('\\n' + __import__('__main__')._spec['nonce'], 4)",  # the nonce by name
         "import builtins; builtins.exec = lambda *a, **k: None\ndef f(x):\n    return -1",
-        "import builtins; builtins.AssertionError = type('E', (Exception,), {})\nf = abs",
+        "import builtins; builtins.AssertionError = type('E', (Exception,), {})\nf = str",
     ):
         assert env.reward(prompt, hack) == 0.0, hack
     assert env.reward(prompt, "f = lambda x: 2 * x") == 0.75  # any binding defines
