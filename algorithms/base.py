@@ -111,6 +111,18 @@ class RLConfig:
             self.faults,
         ):
             section.validate()
+        recompute = self.recompute_old_logprobs
+        if not recompute and self.trainer.correction != "none":
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
+                f"'{self.trainer.correction}' needs the trainer's old log-probs"
+            )
+        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
+                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
+                "distribution, so every ratio would be biased (set it to auto or true)"
+            )
         for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
@@ -153,19 +165,6 @@ class RLConfig:
                 f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
                 f"than the {per_rank} rows each trainer proc gets per optimizer step"
             )
-        recompute = self.recompute_old_logprobs
-        if not recompute and self.trainer.correction != "none":
-            raise ConfigError(
-                "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
-                f"'{self.trainer.correction}' needs the trainer's old log-probs"
-            )
-        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
-            raise ConfigError(
-                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
-                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
-                "distribution, so every ratio would be biased (set it to auto or true)"
-            )
-
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""

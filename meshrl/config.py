@@ -152,6 +152,10 @@ class GenerationConfig:
     """Softmax temperature; the trainer scores tokens at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 samples from the full distribution."""
+    min_new_tokens: int = 0
+    """No stop token before this many tokens (HF's min_new_tokens, vLLM's
+    min_tokens); max_new_tokens makes every completion full length (equal work
+    in benchmarks)."""
     overlong_prompt: str = "skip"
     """A prompt whose tokens plus max_new_tokens exceed the model's context:
     skip (draw another, counted in samples/skipped_overlong_prompts) or error."""
@@ -160,6 +164,11 @@ class GenerationConfig:
         _check(self.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
         _check(self.temperature > 0, "generation.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "generation.min_new_tokens",
+            "must be in [0, generation.max_new_tokens]",
+        )
         _check(
             self.overlong_prompt in ("skip", "error"),
             "generation.overlong_prompt",
@@ -232,8 +241,8 @@ class TrainerConfig:
     pass before its first optimizer step, so the PPO ratio compares the trainer
     with itself; the sampler's stay for `correction` and the `sampling/`
     metrics. false: the sampler's log-probs are the old ones. auto: true when
-    the engine is vllm, model.dtype is not float32, top_p < 1, or a
-    correction is set."""
+    the engine is vllm, model.dtype is not float32, top_p < 1,
+    min_new_tokens > 0, or a correction is set."""
     correction: str = "none"
     """Train-inference mismatch correction (needs the recomputed old log-probs):
     none, tis (truncated IS per token), mis-token / mis-sequence (masked IS),
@@ -274,6 +283,7 @@ class TrainerConfig:
             engine == "vllm"
             or model.dtype != "float32"
             or generation.top_p < 1
+            or generation.min_new_tokens > 0  # the sampler's distribution is truncated
             or self.correction != "none"
         )
 

@@ -65,6 +65,7 @@ class HFEngine:
             top_p=generation.top_p,
             generator=generator,
             stats=stats,
+            min_new_tokens=generation.min_new_tokens,
         )
 
     def weights_changed(self) -> None:
@@ -132,6 +133,7 @@ class VLLMEngine:
                 max_tokens=generation.max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=list(self.stop_ids),
+                min_tokens=generation.min_new_tokens,
                 seed=seed,
             )
             for seed in seeds

@@ -41,6 +41,7 @@ def sample(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     stats: dict | None = None,
+    min_new_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts.
 
@@ -49,6 +50,8 @@ def sample(
     generated tokens up to and including EOS (any of `eos_token_id`'s ids). A `stats` dict receives
     `entropy_sum`: the entropy of softmax(logits / temperature) summed over
     the generated tokens (divide by completion_mask.sum() for the mean).
+    The first `min_new_tokens` tokens cannot be a stop id (their log-probs are
+    those of the distribution without them, as in HF and vLLM).
     """
     batch_size = prompt_ids.size(0)
     attention_mask = prompt_mask.long()
@@ -61,8 +64,11 @@ def sample(
     stop = torch.tensor(eos_token_id, device=prompt_ids.device).reshape(-1)
     tokens, logprobs, masks = [], [], []
     entropy_sum = torch.zeros((), device=prompt_ids.device)
-    for _ in range(max_new_tokens):
-        logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float() / temperature
+        if step < min_new_tokens:
+            logits[:, stop] = -float("inf")
+        logp = torch.log_softmax(logits, dim=-1)
         probs = top_p_filter(logp.exp(), top_p)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token_logp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)

@@ -470,6 +470,8 @@ def mismatch_metrics(
     - `sampling/chi2`: chi-square divergence, E[rho^2] - 1;
     - `sampling/ess`: effective sample size fraction, E[rho]^2 / E[rho^2] (1 when
       they agree; the share of the batch the weighted estimate is worth);
+    - `sampling/sampler_logprob_abs_diff` and `..._max_abs_diff`: |log rho|, mean
+      and max;
     - with `weights`: `sampling/masked_fraction` (tokens of weight 0) and
       `sampling/truncated_fraction` (tokens whose weight is below a rho > 1).
     """
@@ -480,7 +482,8 @@ def mismatch_metrics(
         "sampling/k3_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
         "sampling/chi2": (mean_rho2 - 1).item(),
         "sampling/ess": (mean_rho.pow(2) / mean_rho2.clamp(min=1e-30)).item(),
-        "sampling/logprob_abs_diff_sampler": masked_mean(log_ratio.abs(), mask).item(),
+        "sampling/sampler_logprob_abs_diff": masked_mean(log_ratio.abs(), mask).item(),
+        "sampling/sampler_logprob_max_abs_diff": (log_ratio.abs() * mask).max().item(),
     }
     if weights is not None:
         on = mask > 0

@@ -67,6 +67,17 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["model.lora.save=pickle"], "model.lora.save"),
         (["model.lora.rank=4", "placement.sharding=fsdp"], "model.lora.rank"),
         (["policy.engine=trt"], "policy.engine"),
+        (["trainer.correction=magic"], "trainer.correction"),
+        (["trainer.correction=icepop", "trainer.correction_low=2"], "trainer.correction_low"),
+        (["trainer.correction=tis", "trainer.recompute_old_logprobs=false"], "trainer.recompute"),
+        (["trainer.recompute_old_logprobs=maybe"], "trainer.recompute_old_logprobs"),
+        (
+            ["policy.engine=vllm", "generation.top_p=0.9", "trainer.recompute_old_logprobs=false"],
+            "trainer.recompute_old_logprobs",
+        ),
+        (["trainer.micro_batches=0"], "trainer.micro_batches"),
+        (["trainer.micro_batches=200"], "trainer.micro_batches"),
+        (["generation.min_new_tokens=9"], "generation.min_new_tokens"),
         (["steps"], "key=value"),
     ],
 )

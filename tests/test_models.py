@@ -117,6 +117,18 @@ def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
         assert all(t not in stop for t in ids[row, : n - 1].tolist())  # nothing after a stop id
         ended += ids[row, n - 1].item() in stop
     assert ended > 0
+    # min_new_tokens: no stop id before it; at max_new_tokens every row is full length.
+    _, logprobs, mask = sample(
+        model,
+        enc.input_ids,
+        enc.attention_mask.float(),
+        max_new_tokens=12,
+        eos_token_id=stop,
+        pad_token_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+        min_new_tokens=12,
+    )
+    assert mask.shape == (64, 12) and bool(mask.all()) and bool((logprobs < 0).all())
 
 
 def test_reverse_digits_reward_depends_on_prompt():

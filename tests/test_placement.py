@@ -50,3 +50,23 @@ def test_generation_runs_one_version_ahead_and_every_sample_is_accounted(tmp_pat
         assert record["samples/generated_total"] == (
             record["samples/trained_total"] + record["samples/dropped_total"]
         )
+
+
+def test_old_logprobs_from_the_trainer_with_a_correction(tmp_path, no_stray_procs):
+    """trainer.recompute_old_logprobs=true, float32 on CPU: the trainer's own old
+    log-probs equal the sampler's within 1e-5, so a TIS correction weighs every
+    token 1 and the first step's ratio is 1 (nothing clipped)."""
+    _, history = run(
+        tmp_path,
+        "recompute",
+        "steps=2",
+        "trainer.recompute_old_logprobs=true",
+        "trainer.correction=tis",
+    )
+    for record in history:
+        assert record["sampling/sampler_logprob_max_abs_diff"] < 1e-5
+        assert record["sampling/ess"] == pytest.approx(1.0, abs=1e-6)
+        assert record["sampling/truncated_fraction"] == record["sampling/masked_fraction"] == 0
+        assert record["sampling/logprob_abs_diff"] < 1e-5  # trainer vs its own old log-probs
+        assert record["policy/clip_fraction"] == 0
+        assert record["time/old_logprobs_s"] > 0
