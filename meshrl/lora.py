@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from meshrl.config import LoraConfig
+from meshrl.models import seeded_init
 
 ADAPTER = "default"  # peft's name for the one adapter meshrl trains
 
@@ -29,8 +30,7 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Mod
         target_modules=list(cfg.target_modules),
         bias="none",
     )
-    with torch.random.fork_rng():  # the adapters' init, the same on every rank
-        torch.manual_seed(seed)
+    with seeded_init(seed):  # the adapters' init, the same on every rank
         try:
             return peft.get_peft_model(model, peft_cfg)
         except ValueError as error:  # e.g. no module matches target_modules

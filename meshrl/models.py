@@ -8,8 +8,10 @@ tokenizer built here in code, so nothing is downloaded. Both save with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import string
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,21 @@ def context_length(cfg: ModelConfig) -> int:
     return AutoConfig.from_pretrained(cfg.path).max_position_embeddings
 
 
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int):
+    """Weights initialized inside draw from torch's global generator seeded with
+    `seed`, which is restored afterwards. One block at a time per process: two
+    actors of one proc (a colocated replica and its trainer, a critic beside a
+    trainer) building models at once would otherwise interleave their draws
+    and both get weights that no seed gives."""
+    with _INIT_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
+
+
 def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """The policy architecture with its initial weights (seeded for the tiny model)."""
     dtype = getattr(torch, cfg.dtype)
@@ -100,8 +117,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
     else:
         vocab_size = len(build_char_tokenizer())
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
+        with seeded_init(seed):
             model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(dtype)
     model.config.use_cache = True
     return model

@@ -118,7 +118,13 @@ PYTHON_RUNS = [
     (DAPO, DAPOConfig, "dapo", ["placement.environment=2"]),
     # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked.
     (PPO, PPOConfig, "ppo", ["placement.critic=2", "placement.trainer=2", *CALCULATOR]),
-    (DPO, DPOConfig, "dpo", ["placement.trainer=2", "eval_every=2", "sft.steps=1"]),
+    # 3 reference procs for 64 rows: blocks of 22, 21, 21.
+    (
+        DPO,
+        DPOConfig,
+        "dpo",
+        ["placement.trainer=2", "placement.reference=3", "eval_every=2", "sft.steps=1"],
+    ),
 ]
 
 

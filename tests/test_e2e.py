@@ -209,24 +209,27 @@ def test_reusing_a_run_name_is_refused(tmp_path):
     assert (tmp_path / "taken" / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_multi_proc_placement_with_kl_gives_the_one_trainer_proc_weights(tmp_path, no_stray_procs):
+def test_final_weights_do_not_depend_on_trainer_procs_or_colocation(tmp_path, no_stray_procs):
     """Same math at any placement, end to end: 3 steps of the token-mean loss with
-    a KL term and the seed fixed, on 2 trainer procs through the notebook path
-    (config in code, run()) and on 1 through the CLI's entry point, end at the
-    same weights within 1e-4 relative (Adam amplifies reduction-order noise)."""
+    a KL term, the seed fixed and 2 policy replicas, on 2 trainer procs through
+    the notebook path (config in code, run()), on 1 trainer proc through the CLI's
+    entry point, and on 2 trainer procs that also hold the replicas (colocated),
+    end at the same weights within 1e-4 relative (Adam amplifies
+    reduction-order noise)."""
     overrides = [
         "steps=3",
         "warm_start.steps=0",
         "kl_coef=0.05",
         "loss_aggregation=token-mean",
-        "placement.policy=2",
         "placement.environment=2",
         "placement.reference=2",
         f"run.dir={tmp_path}",
         "run.progress=false",
     ]
     cfg = load_config(
-        GRPOConfig, DEFAULT_CONFIG, [*overrides, "placement.trainer=2", "run.name=two"]
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [*overrides, "placement.policy=2", "placement.trainer=2", "run.name=two"],
     )
     history = GRPO(cfg).run()
     assert len(history) == 3
@@ -234,18 +237,26 @@ def test_multi_proc_placement_with_kl_gives_the_one_trainer_proc_weights(tmp_pat
     assert history[0]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-5)  # policy == reference
     assert history[-1]["weights/version"] == 3
 
-    argv = ["--config", DEFAULT_CONFIG, *overrides, "placement.trainer=1", "run.name=one"]
-    assert main(GRPO, GRPOConfig, argv) == 0
-    one, two = (
-        load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two")
-    )
-    assert one.keys() == two.keys()
+    for name, placement in (
+        ("one", ["placement.policy=2", "placement.trainer=1"]),
+        ("colocated", ["placement.trainer=2", "placement.colocate=true"]),
+    ):
+        argv = ["--config", DEFAULT_CONFIG, *overrides, *placement, f"run.name={name}"]
+        assert main(GRPO, GRPOConfig, argv) == 0
+    final = {
+        name: load_file(tmp_path / name / "final" / "model.safetensors")
+        for name in ("two", "one", "colocated")
+    }
     start = load_model(cfg.model, cfg.run.seed).state_dict()
-    moved = [(one[k] - start[k]).norm() for k in one if k in start]
+    moved = [(final["two"][k] - start[k]).norm() for k in final["two"] if k in start]
     assert max(moved) > 1e-3  # the steps did move the weights
-    for key in one:
-        error = ((one[key] - two[key]).norm() / one[key].norm()).item()
-        assert error < 1e-4, f"{key}: relative difference {error:.2e} between 1 and 2 trainer procs"
+    for name in ("one", "colocated"):
+        assert final[name].keys() == final["two"].keys()
+        for key, want in final["two"].items():
+            error = ((final[name][key] - want).norm() / want.norm()).item()
+            assert error < 1e-4, (
+                f"{key}: relative difference {error:.2e}, {name} vs 2 trainer procs"
+            )
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])

@@ -102,15 +102,20 @@ def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
     stop = stop_token_ids(model, tok)
     assert stop == sorted({tok.eos_token_id, digit})
     enc = tok(["471>"] * 64, padding=True, return_tensors="pt")
-    ids, _, mask = sample(
-        model,
-        enc.input_ids,
-        enc.attention_mask.float(),
-        max_new_tokens=12,
-        eos_token_id=stop,
-        pad_token_id=tok.pad_token_id,
-        generator=torch.Generator().manual_seed(0),
-    )
+
+    def sample_rows(min_new_tokens: int = 0):
+        return sample(
+            model,
+            enc.input_ids,
+            enc.attention_mask.float(),
+            max_new_tokens=12,
+            eos_token_id=stop,
+            pad_token_id=tok.pad_token_id,
+            generator=torch.Generator().manual_seed(0),
+            min_new_tokens=min_new_tokens,
+        )
+
+    ids, _, mask = sample_rows()
     ended = 0
     for row in range(64):
         n = int(mask[row].sum())
@@ -118,16 +123,7 @@ def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
         ended += ids[row, n - 1].item() in stop
     assert ended > 0
     # min_new_tokens: no stop id before it; at max_new_tokens every row is full length.
-    _, logprobs, mask = sample(
-        model,
-        enc.input_ids,
-        enc.attention_mask.float(),
-        max_new_tokens=12,
-        eos_token_id=stop,
-        pad_token_id=tok.pad_token_id,
-        generator=torch.Generator().manual_seed(0),
-        min_new_tokens=12,
-    )
+    _, logprobs, mask = sample_rows(min_new_tokens=12)
     assert mask.shape == (64, 12) and bool(mask.all()) and bool((logprobs < 0).all())
 
 
