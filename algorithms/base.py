@@ -165,6 +165,7 @@ class RLConfig:
                 f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
                 f"than the {per_rank} rows each trainer proc gets per optimizer step"
             )
+
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""

@@ -127,6 +127,23 @@ def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
     assert mask.shape == (64, 12) and bool(mask.all()) and bool((logprobs < 0).all())
 
 
+def test_models_built_at_once_in_one_process_get_their_seeds_weights():
+    """Actors of one proc (a colocated replica and its trainer) build their models
+    in threads at the same time; each must still get exactly its seed's init."""
+    want = load_model(ModelConfig(), seed=0).state_dict()
+    built: list = []
+    threads = [
+        threading.Thread(target=lambda: built.append(load_model(ModelConfig(), seed=0)))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for model in built:
+        assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
 def test_reverse_digits_reward_depends_on_prompt():
     import random
 
