@@ -8,6 +8,12 @@ checkpoints are written shard by shard (torch.distributed.checkpoint). Either
 way torch.distributed runs gloo on CPU, NCCL on GPU. The loss is the
 algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
 given at construction, so this actor has no algorithm branches.
+
+A rank sees its shard of the optimizer step's batch, in `micro_batches`
+passes. `batch.scale` (`meshrl.losses.LossScale`) carries the whole batch's
+counts: a loss that divides by them (the shipped losses do) gives the same
+gradient at any number of ranks and micro-batches. Its metrics are summed over
+the micro-batches and averaged over the ranks.
 """
 
 from __future__ import annotations
