@@ -60,7 +60,13 @@ def resolve(path: str) -> tuple[str, str]:
     if os.path.isfile(os.path.join(path, "config.yaml")):  # a run directory
         newest = checkpoint.latest(path)
         if newest is None:
-            raise FileNotFoundError(f"{path} has no complete checkpoint")
+            final = os.path.join(path, "final")
+            hint = (
+                f"; its final model is already an HF directory: {final}"
+                if os.path.isfile(os.path.join(final, "config.json"))
+                else " (set checkpoint.every to write them)"
+            )
+            raise FileNotFoundError(f"{path} has no complete checkpoint{hint}")
         return newest, path
     if not os.path.isdir(path) or not os.path.basename(path).startswith("step_"):
         raise FileNotFoundError(f"{path} is neither a run directory nor a checkpoint (step_N)")

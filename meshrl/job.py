@@ -10,7 +10,7 @@
 - `kubernetes`: `monarch.job.kubernetes.KubernetesJob` provisions pods from
   `job.image` through the MonarchMesh operator, or attaches to pods already
   running when no image is given (needs the `kubernetes` package:
-  `pip install 'meshrl[kubernetes]'`).
+  `pip install -e '.[kubernetes]'` in a meshrl checkout).
 
 The algorithm script does not change between kinds.
 """
@@ -122,7 +122,7 @@ def build_job(cfg: JobConfig, roles: list[str]) -> Any:
     except (ImportError, RuntimeError):
         raise ConfigError(
             "config key 'job.kind': kubernetes needs the kubernetes package "
-            "(pip install 'meshrl[kubernetes]')"
+            "(pip install -e '.[kubernetes]' in a meshrl checkout)"
         ) from None
     job = KubernetesJob(namespace=cfg.namespace, timeout=cfg.job_start_timeout_s)
     for name, count in meshes.items():

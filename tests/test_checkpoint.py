@@ -90,7 +90,12 @@ def test_export_names_what_is_missing_in_one_line(tmp_path, capsys):
     assert "neither a run directory nor a checkpoint" in capsys.readouterr().err
     (tmp_path / "config.yaml").write_text("steps: 3\n")
     assert export.main([str(tmp_path), str(tmp_path / "out")]) == 1
-    assert "has no complete checkpoint" in capsys.readouterr().err
+    assert "has no complete checkpoint (set checkpoint.every" in capsys.readouterr().err
+    # A run without checkpoints whose final model is saved: that is the HF directory.
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    assert export.main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert f"already an HF directory: {tmp_path / 'final'}" in capsys.readouterr().err
     assert export.main([str(tmp_path)]) == 2
     assert not (tmp_path / "out").exists()
 

@@ -189,8 +189,17 @@ def test_datasets_load_with_field_mapping(tmp_path):
         load_config(TaskConfig, None, ["name=math", "dataset=/no/such.jsonl"])
 
 
-def test_shipped_sample_datasets_are_their_generators_output():
+def test_shipped_sample_datasets_are_their_generators_output(tmp_path, capsys):
     assert samples_main(["--check"]) == 0
+    # Written where asked; the shipped files only with --overwrite-shipped.
+    assert samples_main([]) == 2 and "--overwrite-shipped" in capsys.readouterr().err
+    assert samples_main([str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "calculator.jsonl",
+        "code.jsonl",
+        "countdown.jsonl",
+        "math.jsonl",
+    ]
 
 
 def test_your_own_environment_by_import_path():

@@ -1,8 +1,9 @@
 """Writes the sample datasets shipped in `meshrl/envs/data/` (synthetic, from
 each environment's own generator, seeded):
 
-    python -m meshrl.envs.samples          # rewrite them
-    python -m meshrl.envs.samples --check  # exit 1 if a file differs
+    python -m meshrl.envs.samples OUT_DIR            # write them into OUT_DIR
+    python -m meshrl.envs.samples --check            # exit 1 if a shipped file differs
+    python -m meshrl.envs.samples --overwrite-shipped  # rewrite the shipped files
 
 - math.jsonl: `question`, `answer` (GSM8K's "... #### N"); use
   `task.prompt_field=question`.
@@ -44,10 +45,24 @@ def files() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+    """Write the datasets into the directory given, check the shipped ones
+    (`--check`), or rewrite them (`--overwrite-shipped`, and only then)."""
+    check, overwrite = "--check" in argv, "--overwrite-shipped" in argv
+    targets = [a for a in argv if not a.startswith("--")]
+    if not check and not overwrite and len(targets) != 1:
+        print(
+            "usage: python -m meshrl.envs.samples OUT_DIR | --check | --overwrite-shipped "
+            f"(the shipped files are in {DATA_DIR})",
+            file=sys.stderr,
+        )
+        return 2
+    out_dir = DATA_DIR if check or overwrite else targets[0]
+    if not check:
+        os.makedirs(out_dir, exist_ok=True)
     stale = []
     for name, text in files().items():
-        path = os.path.join(DATA_DIR, name)
-        if "--check" in argv:
+        path = os.path.join(out_dir, name)
+        if check:
             with open(path) as f:
                 if f.read() != text:
                     stale.append(path)
