@@ -75,7 +75,9 @@ class SFTConfig:
     steps: int = 0
     """Supervised steps on the train split's chosen responses before DPO; 0 skips."""
     batch_size: int = 64
+    """Chosen responses per supervised step."""
     lr: float = 3e-3
+    """Learning rate of the supervised steps (their own AdamW)."""
 
     def validate(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:

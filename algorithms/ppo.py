@@ -56,6 +56,7 @@ class PPOConfig(RLConfig):
     clip_high: float | None = None
     """Policy ratio clip range above 1; None uses clip_low."""
     loss_aggregation: str = "token-mean"
+    """How per-token policy losses become a scalar; see meshrl.losses.aggregate."""
     value_clip: float = 0.2
     """How far a value may move from its rollout-time estimate before clipping."""
     gamma: float = 1.0

@@ -35,6 +35,7 @@ class LoraConfig:
     alpha: float = 16.0
     """Scale of the adapters' output: alpha / rank."""
     dropout: float = 0.0
+    """Dropout on the adapters' input."""
     target_modules: list[str] = field(
         default_factory=lambda: [
             "q_proj",
@@ -207,7 +208,9 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW's beta1 and beta2."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global L2 norm (0 disables clipping)."""
     schedule: str = "constant"
@@ -215,6 +218,7 @@ class OptimConfig:
     warmup_steps: int = 0
     """Linear warm-up from 0 over this many optimizer steps."""
     min_lr_ratio: float = 0.0
+    """Where a linear or cosine decay ends, as a fraction of lr."""
 
     def validate(self, section: str = "optim") -> None:
         """`section` is where this config sits (`optim`, PPO's `critic_optim`)."""
@@ -294,8 +298,11 @@ class PlacementConfig:
     the trainer runs data-parallel over its procs."""
 
     policy: int = 1
+    """Policy replicas (one per proc)."""
     trainer: int = 1
+    """Trainer procs: data-parallel ranks (DDP or FSDP2, `sharding`)."""
     environment: int = 1
+    """Environment procs: rewards and episode steps, split over them."""
     reference: int = 1
     """Spawned only when the algorithm needs a reference model (KL coefficient > 0, DPO)."""
     reward_model: int = 1
@@ -420,7 +427,9 @@ class WarmStartConfig:
     steps: int = 0
     """Supervised steps before RL; 0 skips the warm-start."""
     batch_size: int = 64
+    """Demonstrations per supervised step."""
     lr: float = 3e-3
+    """Learning rate of the warm-start (its own AdamW)."""
 
     def validate(self) -> None:
         _check(self.steps >= 0, "warm_start.steps", "must be >= 0")
@@ -435,7 +444,10 @@ class RunConfig:
     name: str = ""
     """Run directory name under `dir`; empty picks `<algorithm>-<timestamp>`."""
     dir: str = "runs"
+    """Directory the run directories go under."""
     seed: int = 0
+    """Seeds the model's init, the prompts and every replica's sampling: a run
+    repeats bitwise on CPU."""
     call_timeout_s: float = 300.0
     """Deadline of any single remote call; past it the run stops with an error
     naming the role and endpoint."""

@@ -89,8 +89,10 @@ def parse_cli(schema: type[T], argv: list[str] | None = None) -> T:
     """`--config FILE key=value ...` -> config, or exit 2 with one error line."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
-        print("usage: --config FILE [key=value ...]\n\nkeys and defaults:\n")
-        print(OmegaConf.to_yaml(OmegaConf.structured(schema)))
+        from meshrl.config_docs import help_text
+
+        print("usage: --config FILE [key=value ...] [--debug]\n\nkeys, defaults and meanings:\n")
+        print(help_text(schema))
         raise SystemExit(0)
     path = None
     if "--config" in args:

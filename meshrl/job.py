@@ -47,7 +47,9 @@ class JobConfig:
     time_limit: str | None = None
     """SLURM time limit, [D-]HH:MM:SS."""
     account: str | None = None
+    """SLURM account to charge (sbatch --account); None: the default."""
     qos: str | None = None
+    """SLURM quality of service (sbatch --qos); None: the default."""
     python_exe: str = "python"
     """Python on the worker nodes (SLURM); must import meshrl and monarch."""
     slurm_args: list[str] = field(default_factory=list)
@@ -56,6 +58,7 @@ class JobConfig:
     """How long to wait for the allocation (SLURM) or the pods (Kubernetes)."""
     # Kubernetes
     namespace: str = "default"
+    """Kubernetes namespace of the pods."""
     image: str | None = None
     """Worker image to provision pods from; None attaches to running pods by label."""
 

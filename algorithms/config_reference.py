@@ -1,0 +1,58 @@
+"""Writes each algorithm's config reference to docs/config/ from the config
+dataclasses' field docstrings (`meshrl.config_docs`):
+
+    python -m algorithms.config_reference          # rewrite docs/config/*.md
+    python -m algorithms.config_reference --check  # exit 1 if one is stale
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from algorithms.dapo import DAPOConfig
+from algorithms.dpo import DPOConfig
+from algorithms.grpo import GRPOConfig
+from algorithms.ppo import PPOConfig
+from algorithms.reinforce_pp import ReinforcePPConfig
+from meshrl.config_docs import markdown
+
+SCHEMAS = {
+    "grpo": (GRPOConfig, "GRPO, GSPO, Dr. GRPO and RLOO config keys (`GRPOConfig`)"),
+    "dapo": (DAPOConfig, "DAPO config keys (`DAPOConfig`)"),
+    "reinforce_pp": (ReinforcePPConfig, "REINFORCE++ config keys (`ReinforcePPConfig`)"),
+    "ppo": (PPOConfig, "PPO config keys (`PPOConfig`)"),
+    "dpo": (DPOConfig, "DPO config keys (`DPOConfig`)"),
+}
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config")
+
+
+def pages() -> dict[str, str]:
+    return {
+        os.path.join(DOCS, f"{name}.md"): markdown(schema, title)
+        for name, (schema, title) in SCHEMAS.items()
+    }
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    os.makedirs(DOCS, exist_ok=True)
+    for path, text in pages().items():
+        if "--check" in argv:
+            if not os.path.exists(path):
+                stale.append(path)
+                continue
+            with open(path) as f:
+                if f.read() != text:
+                    stale.append(path)
+            continue
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}")
+    for path in stale:
+        print(f"{path} is stale: run python -m algorithms.config_reference", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
