@@ -6,6 +6,7 @@ role, and a one-hook GRPO subclass is used."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,29 @@ def run_cli(module, config, run_dir, *overrides, timeout=300):
         return [json.loads(line) for line in f]
 
 
+SHARED_PAGES = ("observability.md", "reliability.md", "environments.md")
+
+
+def undocumented_metrics(records: list[dict], page: str) -> list[str]:
+    """Keys logged in `records` that no metrics table names: the algorithm's page,
+    grpo.md (the on-policy loop's shared table), or the shared pages. A table's
+    `<name>` matches one path segment (`time/<role>/<endpoint>_s`)."""
+    pages = {page, "algorithms/grpo.md"}
+    patterns = []
+    for name in sorted(pages) + list(SHARED_PAGES):
+        with open(os.path.join(REPO, "docs", name)) as f:
+            for line in f:
+                if line.startswith("| `"):
+                    for key in re.findall(r"`([^`]+)`", line.split("|")[1]):
+                        parts = re.split(r"(<[^>]+>)", key)
+                        regex = "".join(
+                            "[^/]+" if p.startswith("<") else re.escape(p) for p in parts
+                        )
+                        patterns.append(re.compile(f"^{regex}$"))
+    logged = {key for record in records for key in record}
+    return sorted(k for k in logged if not any(p.match(k) for p in patterns))
+
+
 def first_last(records, key="reward/mean", k=10):
     values = [r[key] for r in records if key in r]
     return sum(values[:k]) / k, sum(values[-k:]) / k
@@ -78,6 +102,7 @@ def test_algorithm_learns_from_its_shipped_config(name, tmp_path, no_stray_procs
     overrides = [f"steps={steps}", f"run.dir={tmp_path}", "run.name=run", *QUIET]
     records = cls(load_config(schema, os.path.join(CONFIGS, f"{name}.yaml"), overrides)).run()
     assert [r["step"] for r in records] == list(range(steps))
+    assert not undocumented_metrics(records, f"algorithms/{name}.md")
     first, last = first_last(records)
     assert first < 0.25 and last - first >= 0.3, (first, last)
     if name == "ppo":
@@ -140,6 +165,8 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
     )
     history = cls(cfg).run()
     assert [r["step"] for r in history] == [0, 1, 2]
+    page = "algorithms/dpo.md" if cls is DPO else f"algorithms/{config}.md"
+    assert not undocumented_metrics(history, page)
     for record in history:
         assert all(isinstance(v, int | str) or math.isfinite(v) for v in record.values()), record
         if cls is PPO:  # the replies were in the batch, attended, and the critic trained
