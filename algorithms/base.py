@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,7 +274,7 @@ class Algorithm:
                 if self.cfg.run.save_final:
                     self.sup.call_all(self.trainer, "save", f"{self.meshes.dir}/final")
                 paths = self.sync.paths if getattr(self, "sync", None) else []
-                self.log.close(weights=weight_paths(paths))
+                self.log.close(weights=weight_paths(paths) + run_faults(self.state))
         finally:
             self.close()
 
@@ -451,6 +452,23 @@ def weight_paths(paths: list[str]) -> str:
     return " | replicas' weights: " + ", ".join(ways)
 
 
+def run_faults(state: LoopState) -> str:
+    """What the summary line says of faults: the procs replaced and the samples
+    dropped, by reason (nothing when there were none)."""
+    parts = []
+    if state.recoveries:
+        roles = Counter(entry.split(":")[0] for entry in state.recoveries)
+        parts.append("recoveries: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items())))
+    dropped = {reason: n for reason, n in sorted(state.ledger.dropped.items()) if n}
+    if dropped:
+        parts.append(
+            f"samples dropped: {sum(dropped.values())} ("
+            + ", ".join(f"{n} {reason}" for reason, n in dropped.items())
+            + ")"
+        )
+    return "".join(f" | {part}" for part in parts)
+
+
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:
     """`python -m algorithms.X --config FILE key=value ... [--debug]` for any algorithm.
 
@@ -459,6 +477,8 @@ def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("MESHRL_DEBUG", "") not in ("", "0")
+    if debug:  # the procs spawned from here on see it too: every detail on the console
+        os.environ["MESHRL_DEBUG"] = "1"
     cfg = parse_cli(schema, [a for a in args if a != "--debug"])
     # A scheduler's SIGTERM (preemption, scancel) stops the run like Ctrl-C: at
     # once outside the loop; inside it the run's own `StopRequest` takes over.

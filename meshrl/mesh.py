@@ -10,6 +10,7 @@ deadline, stays responsive to Ctrl-C, and turns an actor failure into a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -75,15 +76,34 @@ def one_line(error: BaseException) -> str:
 
 faults: list[str] = []
 """Mesh failures Monarch reported with no handler, oldest first (for inspection)."""
+fault_log: str | None = None
+"""The running run's `faults.log`: where mesh failures and recoveries are written
+in full. Without one (or with MESHRL_DEBUG set) they are logged to the console."""
+
+
+def debugging() -> bool:
+    """--debug or MESHRL_DEBUG: every detail on the console."""
+    return os.environ.get("MESHRL_DEBUG", "") not in ("", "0")
+
+
+def log_fault(text: str) -> None:
+    """Append `text`, timestamped, to the run's `faults.log` (if there is one)."""
+    if fault_log is None:
+        return
+    with contextlib.suppress(OSError), open(fault_log, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")
 
 
 def _record_fault(failure: Any) -> None:
     """Monarch's unhandled-fault hook. Its default ends the client process; here
-    the failure is recorded and logged, and the call that needed the dead proc
-    fails at the controller with a `RemoteCallError` instead."""
+    the failure is recorded and written to the run's `faults.log` (the console
+    shows one line per recovery, `Supervisor.recover`), and the call that needed
+    the dead proc fails at the controller with a `RemoteCallError` instead."""
     text = str(failure).strip()
     faults.append(text)
-    logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
+    log_fault(f"mesh failure: {text or 'unknown'}")
+    if fault_log is None or debugging():
+        logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
 
 
 def install_fault_hook() -> None:

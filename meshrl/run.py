@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from meshrl import checkpoint
+from meshrl import checkpoint, mesh
 from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
@@ -128,6 +128,7 @@ class Run:
         else:  # <run dir>/checkpoints/step_N
             self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.dir}/config.yaml")
+        mesh.fault_log = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
         self.stop_request = StopRequest()
         # Shared-memory weight files of this run's trainers, removed at `close`.
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -197,6 +198,8 @@ class Run:
         if self.status is not None:
             self.status.stop()  # before the meshes go: it asks their procs
         self.meshes.stop()
+        if mesh.fault_log == f"{self.dir}/faults.log":
+            mesh.fault_log = None
         # A proc that was killed could not remove its shared-memory files.
         for path in glob.glob(f"{SHM_DIR}/{self.shm_prefix}-*"):
             os.unlink(path)

@@ -16,6 +16,7 @@ recovery budget live in the `LoopState`, so they survive a resume.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from meshrl.config import ConfigError
 from meshrl.faults import FaultsConfig
 from meshrl.loop import LoopState
-from meshrl.mesh import RemoteCallError, call_all, gather, start_each, wait
+from meshrl.mesh import RemoteCallError, call_all, gather, log_fault, start_each, wait
 from meshrl.run import Role, Run
 from meshrl.types import TrainBatch
 
@@ -139,9 +140,18 @@ class Supervisor:
         if host not in self.catch_up or name not in self.catch_up:
             raise RoleLost(error, host)
         self.spend_recovery(name, error)
-        print(f"recovering {name}: {error}", flush=True)
+        started = time.monotonic()
+        log_fault(f"recovering {name}: {error}")
         for again in self.run.respawn(name):
             self.catch_up[again.name]()
+        took = time.monotonic() - started
+        log_fault(f"recovered {name} in {took:.1f}s")
+        # One console line per recovery; Monarch's failure events are in faults.log.
+        print(
+            f"recovered {name}: {error.what} lost its proc; replaced and caught up in "
+            f"{took:.1f}s (details: {self.run.dir}/faults.log)",
+            flush=True,
+        )
 
     def spend_recovery(self, role: str, error: RemoteCallError) -> None:
         """One recovery of the `faults.max_recoveries` budget, or the error."""

@@ -28,6 +28,8 @@ import atexit
 import contextlib
 import os
 import socket
+import sys
+import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Iterable
@@ -129,6 +131,39 @@ def _map_file(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
+CUDA_PROBE = "[RdmaXcel] Can't open libcuda.so.1"
+"""What Monarch's RDMA library prints on a host without CUDA, every time: expected."""
+_probed = False
+
+
+@contextlib.contextmanager
+def without_cuda_probe_line():
+    """Run the block with this process's stderr (fd 2, where Monarch's C library
+    writes) captured, then pass on every line but the CUDA probe's. The library
+    probes once per process, at its first RDMA call: later blocks run as they
+    are. On a GPU host, or with MESHRL_DEBUG set, nothing is filtered."""
+    global _probed
+    if _probed or os.environ.get("MESHRL_DEBUG") or torch.cuda.is_available():
+        yield
+        return
+    _probed = True
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not line.startswith(CUDA_PROBE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def rdma_backend() -> str:
     """'ibverbs', 'tcp' (Monarch's fallback) or 'none'."""
     from monarch.rdma import get_rdma_backend
@@ -188,7 +223,7 @@ class WeightPublisher:
         if self._buffers is None:
             from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
 
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), without_cuda_probe_line():
                 # Reported once through rdma_backend() in the run metrics instead.
                 warnings.simplefilter("ignore", RDMATcpFallbackWarning)
                 self._buffers = [RDMABuffer(s) for s in self.slots]
@@ -298,7 +333,8 @@ class WeightReceiver:
                 self._staging[i] = torch.empty(size, dtype=torch.uint8, device=device)
             action.read_remote(self._staging[i], source.buffers[handle.slot])
             staged.append((source, self._staging[i]))
-        action.submit(timeout=self.timeout_s).get()
+        with without_cuda_probe_line():  # this process's first RDMA call, maybe
+            action.submit(timeout=self.timeout_s).get()
         # The headers again, after the data: a version overwritten meanwhile shows.
         again = RDMAAction()
         headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device) for _ in staged]

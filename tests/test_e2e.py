@@ -83,6 +83,11 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
     )
     assert len((run_dir / "warm_start.jsonl").read_text().splitlines()) == 2
     assert "grpo: 4 steps" in result.stdout
+    # The console says what happened, and no expected noise: the summary names the
+    # weights' path; the RDMA library's CUDA probe on this CPU host is filtered.
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("grpo: 4 steps"))
+    assert "replicas' weights: 2 by shared memory" in summary
+    assert "RdmaXcel" not in result.stdout + result.stderr
 
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]

@@ -33,7 +33,7 @@ def configure(tmp_path, name, *overrides, schema=GRPOConfig, path=DEFAULT_CONFIG
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_killed_environment_and_policy_procs_are_replaced(tmp_path, no_stray_procs):
+def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplog, no_stray_procs):
     cfg = configure(
         tmp_path,
         "drill",
@@ -56,6 +56,25 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, no_stray_pro
     assert [r.split(":")[0] for r in algo.state.recoveries] == ["environment", "policy"]
     # The replaced replicas serve the trainer's current version.
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+    # The console: one line per recovery, and the summary counts them; Monarch's
+    # failure events are in the run's faults.log, not on the console.
+    out = capfd.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("recovered ")] == [
+        "recovered environment",
+        "recovered policy",
+    ]
+    summary = next(line for line in out.splitlines() if line.startswith("grpo: 6 steps"))
+    assert (
+        f"recoveries: 1 environment, 1 policy | samples dropped: {batch} ({batch} policy_lost)"
+        in summary
+    )
+    assert not [r for r in caplog.records if "mesh failure" in r.getMessage()]
+    log = (tmp_path / "drill" / "faults.log").read_text()
+    assert (
+        "mesh failure: " in log
+        and "recovered environment in" in log
+        and "recovered policy in" in log
+    )
 
 
 def test_an_exception_in_an_actor_is_not_recovered_but_reported():
