@@ -2,6 +2,7 @@
 # `make test` : create/update .venv, install, lint, run every test
 # `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
+# `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test lint bench soak clean
+.PHONY: run test lint bench soak results clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,9 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)
+
+results: $(STAMP)
+	$(BIN)/python benchmarks/results.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
