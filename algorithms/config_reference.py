@@ -16,6 +16,7 @@ from algorithms.grpo import GRPOConfig
 from algorithms.ppo import PPOConfig
 from algorithms.reinforce_pp import ReinforcePPConfig
 from meshrl.config_docs import markdown
+from meshrl.generated import write_or_check
 
 SCHEMAS = {
     "grpo": (GRPOConfig, "GRPO, GSPO, Dr. GRPO and RLOO config keys (`GRPOConfig`)"),
@@ -35,23 +36,7 @@ def pages() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    stale = []
-    os.makedirs(DOCS, exist_ok=True)
-    for path, text in pages().items():
-        if "--check" in argv:
-            if not os.path.exists(path):
-                stale.append(path)
-                continue
-            with open(path) as f:
-                if f.read() != text:
-                    stale.append(path)
-            continue
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}")
-    for path in stale:
-        print(f"{path} is stale: run python -m algorithms.config_reference", file=sys.stderr)
-    return 1 if stale else 0
+    return write_or_check(pages(), "--check" in argv, "run python -m algorithms.config_reference")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import os
 import random
 import sys
 
+from meshrl.generated import write_or_check
+
 ROWS = 200
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
@@ -57,22 +59,8 @@ def main(argv: list[str]) -> int:
         )
         return 2
     out_dir = DATA_DIR if check or overwrite else targets[0]
-    if not check:
-        os.makedirs(out_dir, exist_ok=True)
-    stale = []
-    for name, text in files().items():
-        path = os.path.join(out_dir, name)
-        if check:
-            with open(path) as f:
-                if f.read() != text:
-                    stale.append(path)
-            continue
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}")
-    for path in stale:
-        print(f"{path} differs from its generator", file=sys.stderr)
-    return 1 if stale else 0
+    paths = {os.path.join(out_dir, name): text for name, text in files().items()}
+    return write_or_check(paths, check, "python -m meshrl.envs.samples --overwrite-shipped")
 
 
 if __name__ == "__main__":
