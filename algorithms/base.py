@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import traceback
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +46,11 @@ from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
 from meshrl.mesh import RemoteCallError, one_line
 from meshrl.models import context_length, load_tokenizer
-from meshrl.steplog import StepLog
+from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
 from meshrl.types import Completions, TrainBatch
 from meshrl.weight_sync import WeightSync
-from meshrl.weights import rdma_backend
 
 DROP_REASONS = ("policy_lost", "stale", "trainer_rewind")
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
@@ -439,34 +437,6 @@ class Algorithm:
 
     def newest_checkpoint(self) -> str | None:
         return self.ckpt.latest() if self.cfg.checkpoint.every else None
-
-
-def weight_paths(paths: list[str]) -> str:
-    """How the replicas took their weights, for the summary line."""
-    if not paths:
-        return ""
-    shm, rdma = paths.count("shm"), paths.count("rdma")
-    ways = [f"{shm} by shared memory"] * bool(shm) + [
-        f"{rdma} over RDMA ({rdma_backend()})"
-    ] * bool(rdma)
-    return " | replicas' weights: " + ", ".join(ways)
-
-
-def run_faults(state: LoopState) -> str:
-    """What the summary line says of faults: the procs replaced and the samples
-    dropped, by reason (nothing when there were none)."""
-    parts = []
-    if state.recoveries:
-        roles = Counter(entry.split(":")[0] for entry in state.recoveries)
-        parts.append("recoveries: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items())))
-    dropped = {reason: n for reason, n in sorted(state.ledger.dropped.items()) if n}
-    if dropped:
-        parts.append(
-            f"samples dropped: {sum(dropped.values())} ("
-            + ", ".join(f"{n} {reason}" for reason, n in dropped.items())
-            + ")"
-        )
-    return "".join(f" | {part}" for part in parts)
 
 
 def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:

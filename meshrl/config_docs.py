@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 from typing import Any
 
@@ -53,11 +54,16 @@ def reference(schema: type, prefix: str = "") -> list[tuple[str, Any, str]]:
     return rows
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, str) and value.startswith(REPO + os.sep):
+        return os.path.relpath(value, REPO)  # a shipped file: the same in every checkout
     if isinstance(value, str):
         return value if value else '""'
     return str(value)

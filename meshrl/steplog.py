@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from meshrl.loop import LoopState
 from meshrl.metrics import RunLogger
+from meshrl.weights import rdma_backend
 
 
 class StepLog:
@@ -114,3 +117,31 @@ def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
         "weights/rdma_replicas": sync.paths.count("rdma"),
         "weights/generated_with": completions.weight_version,
     }
+
+
+def weight_paths(paths: list[str]) -> str:
+    """How the replicas took their weights, for the summary line."""
+    if not paths:
+        return ""
+    shm, rdma = paths.count("shm"), paths.count("rdma")
+    ways = [f"{shm} by shared memory"] * bool(shm) + [
+        f"{rdma} over RDMA ({rdma_backend()})"
+    ] * bool(rdma)
+    return " | replicas' weights: " + ", ".join(ways)
+
+
+def run_faults(state: LoopState) -> str:
+    """What the summary line says of faults: the procs replaced and the samples
+    dropped, by reason (nothing when there were none)."""
+    parts = []
+    if state.recoveries:
+        roles = Counter(entry.split(":")[0] for entry in state.recoveries)
+        parts.append("recoveries: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items())))
+    dropped = {reason: n for reason, n in sorted(state.ledger.dropped.items()) if n}
+    if dropped:
+        parts.append(
+            f"samples dropped: {sum(dropped.values())} ("
+            + ", ".join(f"{n} {reason}" for reason, n in dropped.items())
+            + ")"
+        )
+    return "".join(f" | {part}" for part in parts)
