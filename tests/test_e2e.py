@@ -216,10 +216,10 @@ def test_reusing_a_run_name_is_refused(tmp_path):
 
 def test_final_weights_do_not_depend_on_trainer_procs_or_colocation(tmp_path, no_stray_procs):
     """Same math at any placement, end to end: 3 steps of the token-mean loss with
-    a KL term, the seed fixed and 2 policy replicas, on 2 trainer procs through
-    the notebook path (config in code, run()), on 1 trainer proc through the CLI's
-    entry point, and on 2 trainer procs that also hold the replicas (colocated),
-    end at the same weights within 1e-4 relative (Adam amplifies
+    a KL term, the seed fixed and 2 policy replicas, run on 2 trainer procs that
+    also hold the replicas (colocated) through the notebook path (config in
+    code, run()), and on 1 trainer proc beside a policy mesh through the CLI's
+    entry point, end at the same weights within 1e-4 relative (Adam amplifies
     reduction-order noise)."""
     overrides = [
         "steps=3",
@@ -231,37 +231,28 @@ def test_final_weights_do_not_depend_on_trainer_procs_or_colocation(tmp_path, no
         f"run.dir={tmp_path}",
         "run.progress=false",
     ]
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [*overrides, "placement.policy=2", "placement.trainer=2", "run.name=two"],
-    )
+    colocated = ["placement.trainer=2", "placement.colocate=true", "run.name=colocated"]
+    cfg = load_config(GRPOConfig, DEFAULT_CONFIG, [*overrides, *colocated])
     history = GRPO(cfg).run()
     assert len(history) == 3
+    assert all(r["weights/shm_replicas"] == 2 for r in history)  # a replica per trainer proc
     assert all(math.isfinite(r["policy/kl_ref"]) and r["policy/kl_ref"] >= 0 for r in history)
     assert history[0]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-5)  # policy == reference
     assert history[-1]["weights/version"] == 3
 
-    for name, placement in (
-        ("one", ["placement.policy=2", "placement.trainer=1"]),
-        ("colocated", ["placement.trainer=2", "placement.colocate=true"]),
-    ):
-        argv = ["--config", DEFAULT_CONFIG, *overrides, *placement, f"run.name={name}"]
-        assert main(GRPO, GRPOConfig, argv) == 0
-    final = {
-        name: load_file(tmp_path / name / "final" / "model.safetensors")
-        for name in ("two", "one", "colocated")
-    }
+    separate = ["placement.policy=2", "placement.trainer=1", "run.name=one"]
+    assert main(GRPO, GRPOConfig, ["--config", DEFAULT_CONFIG, *overrides, *separate]) == 0
+    one, two = (
+        load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "colocated")
+    )
     start = load_model(cfg.model, cfg.run.seed).state_dict()
-    moved = [(final["two"][k] - start[k]).norm() for k in final["two"] if k in start]
-    assert max(moved) > 1e-3  # the steps did move the weights
-    for name in ("one", "colocated"):
-        assert final[name].keys() == final["two"].keys()
-        for key, want in final["two"].items():
-            error = ((final[name][key] - want).norm() / want.norm()).item()
-            assert error < 1e-4, (
-                f"{key}: relative difference {error:.2e}, {name} vs 2 trainer procs"
-            )
+    assert max((two[k] - start[k]).norm() for k in two if k in start) > 1e-3  # the steps moved them
+    assert one.keys() == two.keys()
+    for key, want in two.items():
+        error = ((one[key] - want).norm() / want.norm()).item()
+        assert error < 1e-4, (
+            f"{key}: relative difference {error:.2e}, 1 vs 2 colocated trainer procs"
+        )
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
