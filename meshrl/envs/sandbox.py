@@ -189,7 +189,12 @@ def run_python(
             "LANG": "C.UTF-8",
         }
         limits = [
-            ("RLIMIT_CPU", max(1, int(timeout_s + 0.999))),
+            # A second past the wall limit: a one-thread loop reaches both at the
+            # same moment, and when the CPU limit's signal won, `unshare --fork`
+            # exited 1 ("sigprocmask unblock failed") instead of reporting the
+            # wall limit. Threads that burn CPU faster than the wall clock still
+            # meet this limit first.
+            ("RLIMIT_CPU", int(timeout_s + 0.999) + 1),
             ("RLIMIT_AS", memory_mb * 2**20),
             ("RLIMIT_FSIZE", max_output_bytes),
             ("RLIMIT_NOFILE", 64),
