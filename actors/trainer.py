@@ -112,6 +112,18 @@ class Trainer(Drillable, Actor):
             self.temperature,
         )
 
+    def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """`_logprobs` of the unwrapped model in eval mode, without a gradient."""
+        self.model.eval()
+        with torch.no_grad():
+            logprobs = self._logprobs(self.model, batch)
+        self.model.train()
+        return logprobs
+
+    def _loss_of(self, loss_fn: LossFn):
+        """`loss_fn` of one micro-batch, its log-probs through the data-parallel module."""
+        return lambda part: loss_fn(self._logprobs(self.module, part), part)
+
     def _step(self, batch: TrainBatch, loss_fn: LossFn, optimizer: torch.optim.Optimizer) -> dict:
         """One optimizer step on this rank's shard, `micro_batches` passes of it.
         Each pass's loss divides by the whole batch's counts (`batch.scale`), so
@@ -119,7 +131,7 @@ class Trainer(Drillable, Actor):
         batch = batch.apply(lambda t: t.to(self.device))
         loss, metrics, grad_norm, skipped = accumulated_step(
             batch.split(self.micro_batches),
-            lambda part: loss_fn(self._logprobs(self.module, part), part),
+            self._loss_of(loss_fn),
             self.model,
             optimizer,
             self.optim_cfg.max_grad_norm,
@@ -163,12 +175,7 @@ class Trainer(Drillable, Actor):
         """[B, T] log-probs of the batch's completion tokens under the current
         weights, without a gradient: the old log-probs of a batch, taken before
         its first optimizer step (every rank must be called when sharded)."""
-        batch = batch.apply(lambda t: t.to(self.device))
-        self.model.eval()
-        with torch.no_grad():
-            logprobs = self._logprobs(self.model, batch)
-        self.model.train()
-        return logprobs.cpu()
+        return self._eval_logprobs(batch.apply(lambda t: t.to(self.device))).cpu()
 
     @endpoint
     def gradients(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -177,9 +184,7 @@ class Trainer(Drillable, Actor):
         inspection and tests; every rank must be called)."""
         batch = batch.apply(lambda t: t.to(self.device))
         return accumulated_gradients(
-            batch.split(self.micro_batches),
-            lambda part: self.loss_fn(self._logprobs(self.module, part), part),
-            self.model,
+            batch.split(self.micro_batches), self._loss_of(self.loss_fn), self.model
         )
 
     @endpoint
@@ -194,10 +199,7 @@ class Trainer(Drillable, Actor):
         """The loss and its metrics on this rank's shard, without a gradient step
         (held-out evaluation)."""
         batch = batch.apply(lambda t: t.to(self.device))
-        self.model.eval()
-        with torch.no_grad():
-            loss, metrics = self.loss_fn(self._logprobs(self.model, batch), batch)
-        self.model.train()
+        loss, metrics = self.loss_fn(self._eval_logprobs(batch), batch)
         metrics["eval/loss"] = loss.item()
         return metrics
 

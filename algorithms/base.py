@@ -44,7 +44,7 @@ from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
-from meshrl.mesh import RemoteCallError, one_line
+from meshrl.mesh import RemoteCallError, debugging, one_line
 from meshrl.models import context_length, load_tokenizer
 from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
@@ -446,7 +446,7 @@ def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None
     the full traceback, the remote one included.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("MESHRL_DEBUG", "") not in ("", "0")
+    debug = "--debug" in args or debugging()
     if debug:  # the procs spawned from here on see it too: every detail on the console
         os.environ["MESHRL_DEBUG"] = "1"
     cfg = parse_cli(schema, [a for a in args if a != "--debug"])

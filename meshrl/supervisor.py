@@ -114,11 +114,7 @@ class Supervisor:
         even as the rows allow), concatenated in row order (reference and
         trainer log-probs, critic values)."""
         blocks = torch.arange(len(batch)).tensor_split(role.size)
-        calls = [
-            (batch.rows(slice(int(b[0]), int(b[-1]) + 1)) if len(b) else batch.rows(b), *args)
-            for b in blocks
-        ]
-        parts, _ = self.call(role, endpoint, calls)
+        parts, _ = self.call(role, endpoint, [(batch.rows(b), *args) for b in blocks])
         return torch.cat(parts)
 
     # --- faults ---------------------------------------------------------------------------

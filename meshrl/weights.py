@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrl.mesh import debugging
+
 HEADER_BYTES = 64
 SLOTS = 2
 SHM_DIR = "/dev/shm"
@@ -143,7 +145,7 @@ def without_cuda_probe_line():
     probes once per process, at its first RDMA call: later blocks run as they
     are. On a GPU host, or with MESHRL_DEBUG set, nothing is filtered."""
     global _probed
-    if _probed or os.environ.get("MESHRL_DEBUG") or torch.cuda.is_available():
+    if _probed or debugging() or torch.cuda.is_available():
         yield
         return
     _probed = True
