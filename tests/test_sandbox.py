@@ -4,17 +4,18 @@ itself (the file is absent, the variable unseen, the connection never made)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from meshrl.envs.sandbox import run_python
+from meshrl.envs import sandbox
+from meshrl.envs.sandbox import Isolation, SandboxUnavailable, probe, run_python
+from tests import sandbox_escapes as escapes
+from tests.sandbox_escapes import ESCAPES, World, cross_run
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -81,65 +82,98 @@ def test_huge_output_is_cut_at_the_bound():
     assert result.error == "output limit (10000 bytes)"
 
 
-def test_writes_outside_the_scratch_directory_do_not_happen():
-    target = f"/tmp/meshrl-escape-{uuid.uuid4().hex}"
-    for code in (
-        f"open({target!r}, 'w').write('escaped')",
-        f"import os\nfd = os.open({target!r}, os.O_WRONLY | os.O_CREAT)\nos.write(fd, b'x')",
-        f"import os\nopen('a', 'w').write('x')\nos.rename('a', {target!r})",
-        f"import shutil\nopen('a', 'w').write('x')\nshutil.copy('a', {target!r})",
-    ):
-        result = run_python(code)
-        assert result.exit_code == 1 and "outside the scratch directory" in result.error, code
-        assert not os.path.exists(target)
+# The kernel's mechanisms alone (no audit hook), and without namespaces as well
+# (an unprivileged user where user namespaces are off, as on Ubuntu 24.04).
+MODES = {
+    "everything": frozenset(),
+    "kernel_only": frozenset({"audit_hook"}),
+    "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"}),
+}
 
 
-def test_the_parents_environment_is_not_visible(monkeypatch):
+def run_escapes(without: frozenset) -> dict[str, list[str]]:
+    breaches = {}
+    for name in ESCAPES:
+        world = World.make()
+        try:
+            result = run_python(world.program(name), isolation=probe(without))
+            assert "Traceback" not in result.stderr or "sandbox: " in result.stderr, result.stderr
+            breaches[name] = world.breaches(result.stdout)
+        finally:
+            world.close()
+    return breaches
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_escape_gets_out(mode, monkeypatch):
+    """Each of tests/sandbox_escapes.py's programs (the audit hook switched off
+    from inside, dir_fd, symlinks, hard links, /proc/self/fd, fork/exec and
+    posix_spawn, raw syscalls through ctypes, the parent's files and environment,
+    TCP/UDP/unix connections to live listeners, signals) is contained."""
     monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
-    result = run_python(
-        "import os\nprint(os.environ.get('MESHRL_SANDBOX_SECRET'))\nprint(sorted(os.environ))\n"
-        "print(open(f'/proc/{os.getppid()}/environ').read())"
-    )
-    assert "hunter2" not in result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == "None"
-    assert "MESHRL_SANDBOX_SECRET" not in lines[1]
-    assert "another process's environment" in result.error
+    breaches = run_escapes(MODES[mode])
+    assert not any(breaches.values()), breaches
 
 
-def test_a_network_connection_is_never_made():
-    with socket.socket() as server:  # a listener the program could reach without the sandbox
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        server.settimeout(0.5)
-        port = server.getsockname()[1]
-        for code in (
-            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
-            "import os\nos.system('curl http://127.0.0.1')",
-            "import ctypes\nprint(ctypes.CDLL(None).getpid())",
-        ):
-            result = run_python(code)
-            assert result.exit_code == 1 and "connected" not in result.stdout, code
-            assert "sandbox:" in result.error, result.error
-        with pytest.raises(TimeoutError):
-            server.accept()  # nobody connected
+@pytest.mark.parametrize("mode", ["everything", "landlock_and_seccomp"])
+def test_concurrent_runs_cannot_touch_each_other(mode):
+    assert cross_run(run_python, isolation=probe(MODES[mode])) == []
+
+
+def test_each_result_says_what_was_in_force_and_the_hook_explains_refusals():
+    result = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9))")
+    assert {"landlock-v1", "seccomp", "rlimits"} <= {
+        name if not name.startswith("landlock") else "landlock-v1" for name in result.isolation
+    }
+    assert "sandbox: module _socket is not allowed" in result.error
+    bare = run_python("open('/etc/hostname-x', 'w')", isolation=probe(MODES["kernel_only"]))
+    assert "audit-hook" not in bare.isolation and "Permission denied" in bare.error
+    # The task's inputs are readable when named, and only then.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as data:
+        data.write("input rows")
+        data.flush()
+        os.chmod(data.name, 0o644)
+        read = f"print(open({data.name!r}).read())"
+        assert run_python(read, read_paths=(data.name,)).stdout == "input rows\n"
+        assert "Permission denied" in run_python(read).error
+
+
+def test_a_machine_without_the_minimum_refuses_with_one_line(monkeypatch, capsys):
+    weak = Isolation(landlock_abi=0, seccomp=False, launcher=())
+    monkeypatch.setattr(sandbox, "probe", lambda without=frozenset(): weak)
+    with pytest.raises(SandboxUnavailable) as refused:
+        sandbox.require(allow_weak=False)
+    message = str(refused.value)
+    assert "\n" not in message and "files: needs Landlock" in message
+    assert "network: needs a network namespace" in message and "sandbox.allow_weak" in message
+    with pytest.raises(SandboxUnavailable):
+        run_python("print(1)")  # run_python itself refuses, not only the task
+    assert sandbox.require(allow_weak=True) is weak
+    assert "WARNING sandbox: weak isolation" in capsys.readouterr().err
 
 
 UNPRIVILEGED_DRIVER = """
 import json, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sandbox import _launcher, run_python
-target, port = sys.argv[1], int(sys.argv[2])
-runs = {
-    "ok": run_python("print(6 * 7)"),
-    "net": run_python(f"import socket\\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"),
-    "write": run_python(f"open({target!r}, 'w').write('escaped')"),
-    "env": run_python("import os\\nprint(os.environ.get('MESHRL_SANDBOX_SECRET'))"),
-    "loop": run_python("while True:\\n    pass", timeout_s=1.0),
-    "bomb": run_python("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass", timeout_s=2.0, max_procs=8),
-}
-print(json.dumps({"uid": os.getuid(), "launcher": list(_launcher()),
-                  **{k: [r.stdout, r.error] for k, r in runs.items()}}))
+from sandbox import probe, run_python
+from sandbox_escapes import ESCAPES, World, cross_run
+modes = {"everything": frozenset(), "kernel_only": frozenset({"audit_hook"}),
+         "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"})}
+seen = {"uid": os.getuid(), "launcher": list(probe().launcher)}
+for mode, without in modes.items():
+    for name in ESCAPES:
+        world = World.make()
+        try:
+            result = run_python(world.program(name), isolation=probe(without))
+            seen[f"{mode}/{name}"] = world.breaches(result.stdout)
+        finally:
+            world.close()
+    seen[f"{mode}/cross_run"] = cross_run(run_python, isolation=probe(without))
+seen["ok"] = [run_python("print(6 * 7)").stdout]
+seen["loop"] = [run_python("while True:\\n    pass", timeout_s=0.5).error]
+bomb = "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass"
+seen["bomb"] = [run_python(bomb, timeout_s=1.0, max_procs=8).error]
+print(json.dumps(seen))
 """
 
 
@@ -151,10 +185,10 @@ def unprivileged_python(home: str) -> str | None:
     `home` (this one may sit under /root, out of nobody's reach)."""
     if not shutil.which("setpriv"):
         return None
-    probe = "from sandbox import run_python; assert run_python('pass').ok"
+    check = "from sandbox import run_python; assert run_python('pass').ok"
     for python in (os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(python):
-            run = subprocess.run([*DROP, python, "-c", probe], cwd=home, capture_output=True)
+            run = subprocess.run([*DROP, python, "-c", check], cwd=home, capture_output=True)
             if run.returncode == 0:
                 return python
     return None
@@ -164,47 +198,37 @@ def unprivileged_python(home: str) -> str | None:
     os.geteuid() != 0, reason="as a non-root user the tests above take the unprivileged path"
 )
 def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
-    """The tests above run as root here (the sandbox drops to nobody); this runs
-    the sandbox itself as an unprivileged user, as on a researcher's machine."""
+    """The tests above run as root here (each run gets a uid of its own); this
+    runs the whole escape suite again as the user nobody, as on a researcher's
+    machine: the caller's uid kept, user namespaces, and without them."""
     monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
     home = tempfile.mkdtemp(prefix="meshrl-unpriv-")
-    target = f"/tmp/meshrl-escape-{uuid.uuid4().hex}"
     try:
         os.chmod(home, 0o755)
-        # The sandbox module is stdlib-only: a copy runs under an interpreter the
-        # unprivileged user can execute.
-        shutil.copy(Path(run_python.__code__.co_filename), Path(home, "sandbox.py"))
+        # The sandbox and the escapes are stdlib-only: copies run under an
+        # interpreter the unprivileged user can execute.
+        source = Path(sandbox.__file__)
+        for path in (source, source.with_name("sandbox_child.py"), Path(escapes.__file__)):
+            shutil.copy(path, Path(home, path.name))
         Path(home, "driver.py").write_text(UNPRIVILEGED_DRIVER)
         python = unprivileged_python(home)
         if python is None:
             pytest.skip("no setpriv, or no interpreter the user nobody may run")
-        with socket.socket() as server:
-            server.bind(("127.0.0.1", 0))
-            server.listen()
-            server.settimeout(0.5)
-            out = subprocess.run(
-                [
-                    *DROP,
-                    python,
-                    "driver.py",
-                    target,
-                    str(server.getsockname()[1]),
-                ],
-                cwd=home,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            ).stdout
-            with pytest.raises(TimeoutError):
-                server.accept()  # nobody connected
+        out = subprocess.run(
+            [*DROP, python, "driver.py"],
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    seen = json.loads(out.splitlines()[-1])
-    assert seen["uid"] == 65534
-    assert seen["ok"] == ["42\n", ""], seen
-    assert "sandbox:" in seen["net"][1]
-    assert "outside the scratch directory" in seen["write"][1] and not os.path.exists(target)
-    assert seen["env"][0] == "None\n"
-    assert seen["loop"][1] == "wall time limit (1s)" and seen["bomb"][1].startswith("wall time")
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen.pop("uid") == 65534 and seen.pop("launcher")[1] == "--user"
+    assert seen.pop("ok") == ["42\n"]
+    assert seen.pop("loop") == ["wall time limit (0.5s)"]
+    assert seen.pop("bomb")[0].startswith("wall time")
+    assert len(seen) == 3 * (len(ESCAPES) + 1)
+    assert not any(seen.values()), {k: v for k, v in seen.items() if v}
     assert not sandbox_procs()

@@ -2,53 +2,262 @@
 
 Each call starts a fresh interpreter in its own process group and returns a
 `SandboxResult`; hostile code gets a result (a reason in `error`), never a hang
-or a crash of the caller. The layers, outermost first:
+or a crash of the caller. What contains it is what the kernel enforces
+(`sandbox_child` applies it in the child before the program's first line):
 
-- **Namespaces.** Where the kernel allows them (root, or unprivileged user
-  namespaces), the code runs in network and PID namespaces of its own
-  (`unshare`): no network device but loopback, and every process it forks
-  dies with the run.
-- **Network.** Always, also without namespaces: an audit hook, installed
-  before the code runs and impossible to remove from Python, refuses sockets.
-- **Limits** (setrlimit, inherited by every child):
-  - wall time (the caller kills the process group) and CPU time;
-  - address space (`memory_mb`);
-  - file size (`max_output_bytes`: output and files alike);
-  - open files;
-  - processes: run as `nobody` when the caller is root, since root ignores
-    the process limit.
-- **Files.**
-  - The working directory, HOME and TMPDIR are a fresh scratch directory,
-    removed afterwards.
-  - The audit hook refuses writes, renames, removals and links outside it.
-  - Other programs cannot be started: exec, spawn, subprocess, `os.system`.
-  - ctypes is refused, as it could sidestep the hook.
-- **Environment.** Nothing is inherited: PATH, HOME, TMPDIR and LANG only,
-  and `python -I` ignores PYTHON* variables and the user's site directory.
-- **Output.** stdout and stderr go to files in the scratch directory, bounded
-  by the file-size limit, and are read back truncated to `max_output_bytes`.
+- **Files (Landlock).** Reads only of an allow-list: the Python install, the
+  system libraries, and the task's inputs (`read_paths`). Writes, creations,
+  removals, renames and links only inside the run's own scratch directory
+  (also its working directory, HOME and TMPDIR, removed afterwards). Nothing
+  may be executed: no other program starts.
+- **Network.** A seccomp filter refuses every socket (any family) and
+  io_uring; Landlock refuses TCP bind and connect; where the kernel allows,
+  the run also has its own network namespace (no device but loopback).
+- **Other processes.** A PID namespace where allowed (everything the program
+  forks dies with the run); Landlock refuses signals and ptrace across the
+  domain's edge; seccomp refuses ptrace, process_vm_*, mounts and namespaces.
+- **Users.** As root, each run gets a uid of its own (no two concurrent runs
+  share one, so file permissions separate them too). Otherwise the program
+  keeps the caller's uid, and seccomp also refuses chmod, chown, utime and
+  xattr changes by path, which Landlock does not cover.
+- **Limits** (setrlimit): CPU time, address space (`memory_mb`), file size
+  (`max_output_bytes`: output and files alike), open files, processes; the
+  wall limit kills the process group.
+- **Environment.** PATH, HOME, TMPDIR and LANG only; `python -I` ignores
+  PYTHON* variables and the user's site directory.
 
-This is a best-effort sandbox for RL rewards on a machine you own. It is not a
-boundary against a determined attacker with kernel exploits: run untrusted
-code at scale in a VM or container as well.
+`probe()` finds what this kernel and user allow; each result's `isolation`
+names what was in force. Without the minimum (Landlock for files; a network
+namespace or seccomp for the network) `run_python` refuses to run unless the
+process opted into weak isolation (`configure(allow_weak=True)`, the config's
+`sandbox.allow_weak`). An audit hook adds readable `sandbox: ...` errors; it
+is a convenience, not the boundary. Kernel exploits are out of scope: run
+untrusted code at scale in a VM as well.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-NOBODY = 65534
 # No network; a PID namespace whose processes all die with its first one, which
 # dies with `unshare` (--kill-child): nothing the code forks outlives the run.
 NAMESPACES = ("--net", "--pid", "--fork", "--kill-child", "--")
+SETUP_FAILED = 111  # sandbox_child's exit status when a mechanism fails to apply
+# Run uids for a root caller: one per run, far above any account's.
+_UID_BASE = 0x3F000000
+_uids = itertools.count()
+_uids_lock = threading.Lock()
+# Read-only everywhere the interpreter and its libraries may live.
+SYSTEM_READ = (
+    "/usr",
+    "/lib",
+    "/lib64",
+    "/etc/ld.so.cache",
+    "/etc/localtime",
+    "/dev/null",
+    "/dev/zero",
+    "/dev/random",
+    "/dev/urandom",
+)
+MINIMUM = ("files", "network")
+HOW_TO = {
+    "files": "Landlock (Linux >= 5.13 with 'landlock' in the lsm= boot list)",
+    "network": "a network namespace (run as root, or allow unprivileged user namespaces: "
+    "sysctl kernel.unprivileged_userns_clone=1 / kernel.apparmor_restrict_unprivileged_userns=0)"
+    " or seccomp filters (CONFIG_SECCOMP_FILTER)",
+}
+
+
+@dataclass
+class SandboxConfig:
+    """The `sandbox:` section: how programs run (code task, python tool)."""
+
+    allow_weak: bool = False
+    """Run programs even where the kernel lacks the minimum isolation (Landlock
+    for files; a network namespace or seccomp for the network), with a warning
+    each run. Off: such a machine refuses to start the task, naming what is
+    missing."""
+    memory_mb: int = 512
+    """Address-space limit of one program."""
+    max_procs: int = 8
+    """Processes one program may run at once (itself included)."""
+
+    def validate(self) -> None:
+        from meshrl.config import _check
+
+        _check(self.memory_mb >= 64, "sandbox.memory_mb", "must be >= 64")
+        _check(self.max_procs >= 1, "sandbox.max_procs", "must be >= 1")
+
+
+_policy = SandboxConfig()
+
+
+def configure(cfg: SandboxConfig) -> None:
+    """Set this process's sandbox policy (the environment procs do, from the config)."""
+    global _policy
+    _policy = cfg
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What a run gets on this machine (`probe`)."""
+
+    landlock_abi: int = 0
+    seccomp: bool = False
+    python: str = sys.executable
+    """The interpreter programs run under."""
+    python_paths: tuple[str, ...] = ()
+    """Its install: what Landlock lets a program read besides the system's."""
+    launcher: tuple[str, ...] = ()
+    """The command prefix that enters new network and PID namespaces, or ()."""
+    run_uid: bool = False
+    """Each run gets a uid of its own (the caller is root)."""
+    audit_hook: bool = True
+
+    @property
+    def in_force(self) -> tuple[str, ...]:
+        names = []
+        if self.landlock_abi:
+            names.append(f"landlock-v{self.landlock_abi}")
+        if self.seccomp:
+            names.append("seccomp")
+        if self.launcher:
+            names += ["netns", "pidns"]
+        if self.run_uid:
+            names.append("run-uid")
+        names.append("rlimits")
+        if self.audit_hook:
+            names.append("audit-hook")
+        return tuple(names)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Which of the minimum (files, network) this machine cannot enforce."""
+        have = {"files": self.landlock_abi >= 1, "network": self.seccomp or bool(self.launcher)}
+        return tuple(name for name in MINIMUM if not have[name])
+
+
+def _landlock_abi() -> int:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
+        return max(int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), 1)), 0)
+    except (OSError, AttributeError):
+        return 0
+
+
+def _seccomp_filters() -> bool:
+    try:
+        actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError:
+        return False
+    return "errno" in actions and os.uname().machine in ("x86_64", "aarch64")
+
+
+@functools.cache
+def probe(without: frozenset[str] = frozenset()) -> Isolation:
+    """What this kernel and user allow, minus the mechanisms named in `without`
+    ("landlock", "seccomp", "namespaces", "audit_hook": for tests that prove
+    what each one contains on its own)."""
+    launcher: tuple[str, ...] = ()
+    unshare = shutil.which("unshare")
+    if unshare and "namespaces" not in without:
+        prefix = (unshare, *NAMESPACES) if os.geteuid() == 0 else (unshare, "--user", *NAMESPACES)
+        try:
+            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        launcher = prefix if ok else ()
+    python, python_paths = _interpreter(os.geteuid() == 0)
+    return Isolation(
+        python=python,
+        python_paths=python_paths,
+        landlock_abi=0 if "landlock" in without else _landlock_abi(),
+        seccomp="seccomp" not in without and _seccomp_filters(),
+        launcher=launcher,
+        run_uid=os.geteuid() == 0,
+        audit_hook="audit_hook" not in without,
+    )
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel cannot give programs the minimum isolation here."""
+
+
+def require(allow_weak: bool | None = None) -> Isolation:
+    """This machine's isolation, or `SandboxUnavailable` (one line naming what is
+    missing and how to enable it) when it lacks the minimum and weak isolation
+    is not allowed. Allowed, it prints a warning."""
+    isolation = probe()
+    allow_weak = _policy.allow_weak if allow_weak is None else allow_weak
+    if isolation.missing:
+        what = "; ".join(f"{name}: needs {HOW_TO[name]}" for name in isolation.missing)
+        if not allow_weak:
+            raise SandboxUnavailable(
+                f"sandbox: this machine cannot isolate programs ({what}); "
+                "set sandbox.allow_weak=true to run them anyway"
+            )
+        print(f"WARNING sandbox: weak isolation, programs run without {what}", file=sys.stderr)
+    return isolation
+
+
+@functools.cache
+def _child_source() -> str:
+    return Path(__file__).with_name("sandbox_child.py").read_text()
+
+
+# Run as the interpreter's first code in `_interpreter`: drop to the run uid
+# (when root), import what the sandbox needs, and say where the install lies.
+_INSTALL = (
+    "import os, sys\n"
+    "if os.geteuid() == 0:\n"
+    "    os.setgroups([]); os.setresgid(%(uid)d, %(uid)d, %(uid)d); os.setresuid(%(uid)d, %(uid)d, %(uid)d)\n"
+    "import ctypes, datetime, json, resource\n"
+    "print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,"
+    " os.path.realpath(sys.executable)})))"
+)
+
+
+def _interpreter(run_uid: bool) -> tuple[str, tuple[str, ...]]:
+    """An interpreter the program's uid can run, and the paths of its install
+    (Landlock's read list). This one, unless the run uid cannot read it (an
+    install under root's home): then a system Python of the same version."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [sys.executable]
+    if run_uid:
+        for folder in ("/usr/bin", "/usr/local/bin"):
+            candidates += [f"{folder}/{version}", f"{folder}/python3"]
+    for python in candidates:
+        try:
+            probe = subprocess.run(
+                [python, "-I", "-B", "-c", _INSTALL % {"uid": _UID_BASE}],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd="/",
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return python, tuple(json.loads(probe.stdout))
+    raise SandboxUnavailable(
+        f"sandbox: no Python interpreter here that an unprivileged uid can run (tried {candidates})"
+    )
 
 
 @dataclass
@@ -63,88 +272,12 @@ class SandboxResult:
     short reason: 'exit status 1', 'wall time limit (5s)', 'CPU time limit',
     'memory limit (512 MB)', 'output limit (65536 bytes)', 'killed by signal 9'."""
     duration_s: float
+    isolation: tuple[str, ...] = ()
+    """The mechanisms in force for this run (`Isolation.in_force`)."""
 
     @property
     def ok(self) -> bool:
         return not self.error
-
-
-# Runs in the child before the user's code. An audit hook cannot be removed once
-# added (sys.addaudithook), so the code below it cannot undo these refusals.
-_GUARD = r"""
-import os, resource, sys
-for _limit, _value in %(limits)r:
-    resource.setrlimit(getattr(resource, _limit), (_value, _value))
-_scratch = os.path.realpath(os.getcwd())
-_code = open("main.py").read()
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_BLOCKED = ("socket.", "ctypes.", "os.exec", "os.posix_spawn", "os.spawn",
-            "os.system", "subprocess.", "os.fork")  # os.fork: see _FORK_OK
-_PATH_EVENTS = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1,
-                "os.symlink": 2, "os.link": 2, "os.chmod": 1, "os.chown": 1,
-                "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1, "shutil.move": 2}
-_NO_IMPORT = {"_ctypes", "_posixsubprocess", "_socket"}
-_FORK_OK = %(fork_ok)s
-
-def _inside(path):
-    if isinstance(path, int):
-        return True  # an open descriptor: its opening was checked
-    real = os.path.realpath(os.fsdecode(path))
-    return real == _scratch or real.startswith(_scratch + os.sep)
-
-def _guard(event, args):
-    if event == "os.fork" and _FORK_OK:
-        return
-    if event.startswith(_BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0] in _NO_IMPORT:
-        raise ImportError(f"sandbox: module {args[0]} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        if path is None:
-            return
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & _WRITE)
-        real = os.path.realpath(os.fsdecode(path)) if not isinstance(path, int) else ""
-        if "/environ" in real and real.startswith("/proc/"):
-            raise PermissionError("sandbox: reading another process's environment is not allowed")
-        if writes and not _inside(path):
-            raise PermissionError(f"sandbox: writing outside the scratch directory: {path}")
-    elif event in _PATH_EVENTS:
-        for path in args[: _PATH_EVENTS[event]]:
-            if path is not None and not _inside(path):
-                raise PermissionError(f"sandbox: {event} outside the scratch directory: {path}")
-
-sys.addaudithook(_guard)
-del _guard
-exec(compile(_code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-"""
-
-
-@functools.cache
-def _launcher() -> tuple[str, ...]:
-    """The command prefix that gives the child its own network and PID
-    namespaces and, when this process is root, the user nobody (root ignores
-    the process-count limit); without namespaces where the kernel allows none
-    here (the audit hook still refuses sockets; the process group is killed)."""
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    if os.geteuid() == 0:
-        drop = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--")
-        candidates = [(unshare, *NAMESPACES, *drop), drop] if setpriv else []
-    else:
-        candidates = [(unshare, "--user", *NAMESPACES)] if unshare else []
-    for prefix in candidates:
-        if None in prefix:
-            continue
-        try:
-            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    if os.geteuid() == 0:
-        raise RuntimeError("sandbox: running as root needs setpriv (util-linux) to drop to nobody")
-    return ()
 
 
 def _user_procs(uid: int) -> int:
@@ -163,31 +296,36 @@ def run_python(
     code: str,
     stdin: str = "",
     timeout_s: float = 5.0,
-    memory_mb: int = 512,
+    memory_mb: int | None = None,
     max_output_bytes: int = 65536,
-    max_procs: int = 8,
+    max_procs: int | None = None,
+    read_paths: tuple[str, ...] = (),
+    isolation: Isolation | None = None,
 ) -> SandboxResult:
     """Run `code` with `stdin` in a fresh sandboxed interpreter (see the module
-    docstring for the limits). `max_procs` > 1 lets it fork that many processes."""
+    docstring). `read_paths`: files or directories the program may read (the
+    task's inputs). `max_procs` > 1 lets it fork. `isolation` defaults to
+    `require()`: everything this machine allows."""
+    isolation = isolation or require()
+    memory_mb = memory_mb or _policy.memory_mb
+    max_procs = max_procs or _policy.max_procs
     started = time.monotonic()
     scratch = tempfile.mkdtemp(prefix="meshrl-sandbox-")
-    root = os.geteuid() == 0
+    uid = None
+    if isolation.run_uid:
+        with _uids_lock:
+            uid = _UID_BASE + (os.getpid() % 4096) * 4096 + next(_uids) % 4096
     try:
-        with open(os.path.join(scratch, "main.py"), "w") as f:
-            f.write(code)
-        with open(os.path.join(scratch, "stdin.txt"), "w") as f:
-            f.write(stdin)
-        uid = NOBODY if root else os.getuid()
-        if root:
-            os.chown(scratch, NOBODY, NOBODY)
-        # The process limit counts every process of the user: allow this many more.
-        nproc = (_user_procs(uid) if not root else _user_procs(NOBODY)) + max_procs
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": scratch,
-            "TMPDIR": scratch,
-            "LANG": "C.UTF-8",
-        }
+        for name, text in (("main.py", code), ("stdin.txt", stdin), ("stdout", ""), ("stderr", "")):
+            with open(os.path.join(scratch, name), "w") as f:
+                f.write(text)
+            if uid is not None:
+                os.chown(os.path.join(scratch, name), uid, uid)
+        if uid is not None:
+            os.chown(scratch, uid, uid)
+            nproc = max_procs
+        else:  # the limit counts every process of the user: allow this many more
+            nproc = _user_procs(os.getuid()) + max_procs
         limits = [
             # A second past the wall limit: a one-thread loop reaches both at the
             # same moment, and when the CPU limit's signal won, `unshare --fork`
@@ -201,18 +339,33 @@ def run_python(
             ("RLIMIT_CORE", 0),
             ("RLIMIT_NPROC", nproc),
         ]
-        guard = _GUARD % {"fork_ok": max_procs > 1, "limits": limits}
+        spec = {
+            "uid": uid,
+            "limits": limits,
+            "seccomp": isolation.seccomp,
+            "shared_uid": uid is None,
+            "landlock": isolation.landlock_abi,
+            "read": [*isolation.python_paths, *SYSTEM_READ, *map(os.path.realpath, read_paths)],
+            "audit": isolation.audit_hook,
+            "fork_ok": max_procs > 1,
+        }
+        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         with (
             open(os.path.join(scratch, "stdin.txt")) as fin,
             open(out_path, "w") as fout,
             open(err_path, "w") as ferr,
         ):
-            if root:
-                for path in (out_path, err_path):
-                    os.chown(path, NOBODY, NOBODY)
             proc = subprocess.Popen(
-                [*_launcher(), sys.executable, "-I", "-B", "-c", guard],
+                [
+                    *isolation.launcher,
+                    isolation.python,
+                    "-I",
+                    "-B",
+                    "-c",
+                    _child_source(),
+                    json.dumps(spec),
+                ],
                 cwd=scratch,
                 env=env,
                 stdin=fin,
@@ -242,6 +395,7 @@ def run_python(
             code_, timed_out, stderr, out_cut or err_cut, timeout_s, memory_mb, max_output_bytes
         ),
         duration_s=time.monotonic() - started,
+        isolation=isolation.in_force,
     )
 
 
@@ -285,6 +439,8 @@ def _reason(
         return f"output limit ({max_output_bytes} bytes)"
     if "MemoryError" in stderr:
         return f"memory limit ({memory_mb} MB)"
+    if exit_code == SETUP_FAILED and "sandbox: could not apply" in stderr:
+        return stderr.strip().splitlines()[-1]
     if exit_code is not None and exit_code < 0:
         return f"killed by signal {-exit_code}"
     if exit_code:
