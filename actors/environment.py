@@ -20,7 +20,8 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from meshrl.config import ModelConfig, TaskConfig
-from meshrl.envs import Episode, Step, make_task
+from meshrl.envs import Episode, Step, make_task, sandbox
+from meshrl.envs.sandbox import SandboxConfig
 from meshrl.faults import Drillable
 from meshrl.models import load_tokenizer
 from meshrl.telemetry import observed, record
@@ -30,7 +31,10 @@ from meshrl.types import Prompt
 class Environment(Drillable, Actor):
     role = "environment"
 
-    def __init__(self, task_cfg: TaskConfig, model_cfg: ModelConfig):
+    def __init__(
+        self, task_cfg: TaskConfig, model_cfg: ModelConfig, sandbox_cfg: SandboxConfig | None = None
+    ):
+        sandbox.configure(sandbox_cfg or SandboxConfig(), task_cfg.name)
         self.task = make_task(task_cfg)
         self.tokenizer = load_tokenizer(model_cfg)
         self.timeout_s = task_cfg.step_timeout_s

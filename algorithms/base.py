@@ -40,6 +40,7 @@ from meshrl.config import (
 )
 from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
+from meshrl.envs.sandbox import SandboxConfig
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
@@ -90,6 +91,7 @@ class RLConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     min_group_size = 1
 
@@ -108,8 +110,10 @@ class RLConfig:
             self.job,
             self.checkpoint,
             self.faults,
+            self.sandbox,
         ):
             section.validate()
+        self.sandbox.check_task(self.task.name)
         recompute = self.recompute_old_logprobs
         if not recompute and self.trainer.correction != "none":
             raise ConfigError(
@@ -164,6 +168,11 @@ class RLConfig:
                 f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
                 f"than the {per_rank} rows each trainer proc gets per optimizer step"
             )
+
+    @property
+    def env_args(self) -> tuple:
+        """The environment actor's arguments: the task, the tokenizer's model, the sandbox."""
+        return self.task, self.model, self.sandbox
 
     @property
     def recompute_old_logprobs(self) -> bool:

@@ -150,6 +150,14 @@ def test_a_machine_without_the_minimum_refuses_with_one_line(monkeypatch, capsys
         run_python("print(1)")  # run_python itself refuses, not only the task
     assert sandbox.require(allow_weak=True) is weak
     assert "WARNING sandbox: weak isolation" in capsys.readouterr().err
+    # The config refuses a task that runs programs before anything is spawned.
+    from algorithms.grpo import GRPOConfig
+    from meshrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task 'code': sandbox: this machine cannot isolate"):
+        load_config(GRPOConfig, None, ["task.name=code"])
+    load_config(GRPOConfig, None, ["task.name=code", "sandbox.allow_weak=true"])
+    load_config(GRPOConfig, None, ["task.name=countdown"])  # runs no programs: no refusal
 
 
 UNPRIVILEGED_DRIVER = """

@@ -62,6 +62,9 @@ class Env:
 
     max_turns = 1
     """Model turns per episode (task.max_turns overrides)."""
+    sandboxed = False
+    """Runs model-written programs (`meshrl.envs.sandbox`): the run refuses to
+    start where the kernel cannot isolate them, unless sandbox.allow_weak."""
     threaded: bool | None = None
     """Run rewards and steps in the environment procs' thread pool, concurrently
     and under `task.step_timeout_s`: for anything that waits (tools, programs,

@@ -118,6 +118,7 @@ def run_tests(program: str, tests: list[str], timeout_s: float = 5.0) -> tuple[i
 
 
 class Code(Env):
+    sandboxed = True  # runs model-written programs: needs the sandbox's minimum isolation
     threaded = True  # each reward is a sandboxed program: run them side by side
 
     def generate(self, rng: random.Random) -> Prompt:

@@ -41,6 +41,7 @@ import functools
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -95,19 +96,45 @@ class SandboxConfig:
     """Processes one program may run at once (itself included)."""
 
     def validate(self) -> None:
-        from meshrl.config import _check
+        from meshrl.config_files import ConfigError
 
-        _check(self.memory_mb >= 64, "sandbox.memory_mb", "must be >= 64")
-        _check(self.max_procs >= 1, "sandbox.max_procs", "must be >= 1")
+        for key, ok, need in (
+            ("memory_mb", self.memory_mb >= 64, ">= 64"),
+            ("max_procs", self.max_procs >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"config key 'sandbox.{key}': must be {need}")
+
+    def check_task(self, task_name: str) -> None:
+        """A task that runs programs (`Env.sandboxed`) needs the minimum
+        isolation here, or `allow_weak`: else one ConfigError line, before any
+        process is spawned. The environment procs check again on their hosts."""
+        from meshrl.config_files import ConfigError
+        from meshrl.envs import env_class
+
+        try:
+            sandboxed = getattr(env_class(task_name), "sandboxed", False)
+        except (ImportError, AttributeError, KeyError):
+            return  # task.name's own check names the problem
+        if sandboxed:
+            try:
+                require(self.allow_weak)
+            except SandboxUnavailable as error:
+                raise ConfigError(f"task '{task_name}': {error}") from None
 
 
 _policy = SandboxConfig()
+_warned = False
 
 
-def configure(cfg: SandboxConfig) -> None:
-    """Set this process's sandbox policy (the environment procs do, from the config)."""
-    global _policy
-    _policy = cfg
+def configure(cfg: SandboxConfig, task_name: str = "") -> None:
+    """Set this process's sandbox policy (the environment procs do, from the
+    config); with the task's name, refuse now if it runs programs and this host
+    cannot isolate them."""
+    global _policy, _warned
+    _policy, _warned = cfg, False
+    if task_name:
+        cfg.check_task(task_name)
 
 
 @dataclass(frozen=True)
@@ -212,7 +239,10 @@ def require(allow_weak: bool | None = None) -> Isolation:
                 f"sandbox: this machine cannot isolate programs ({what}); "
                 "set sandbox.allow_weak=true to run them anyway"
             )
-        print(f"WARNING sandbox: weak isolation, programs run without {what}", file=sys.stderr)
+        global _warned
+        if not _warned:  # once per run: `configure` (each run's start) resets it
+            print(f"WARNING sandbox: weak isolation, programs run without {what}", file=sys.stderr)
+            _warned = True
     return isolation
 
 
@@ -292,6 +322,43 @@ def _user_procs(uid: int) -> int:
     return count
 
 
+def _child_spec(
+    isolation: Isolation,
+    uid: int | None,
+    timeout_s: float,
+    memory_mb: int,
+    max_output_bytes: int,
+    max_procs: int,
+) -> dict:
+    """The settings `sandbox_child` applies before the program."""
+    # A uid of its own counts only the program's processes; a shared one counts
+    # every process of the user: allow this many more.
+    nproc = max_procs if uid is not None else _user_procs(os.getuid()) + max_procs
+    limits = [
+        # A second past the wall limit: a one-thread loop reaches both at the
+        # same moment, and when the CPU limit's signal won, `unshare --fork`
+        # exited 1 ("sigprocmask unblock failed") instead of reporting the
+        # wall limit. Threads that burn CPU faster than the wall clock still
+        # meet this limit first.
+        ("RLIMIT_CPU", int(timeout_s + 0.999) + 1),
+        ("RLIMIT_AS", memory_mb * 2**20),
+        ("RLIMIT_FSIZE", max_output_bytes),
+        ("RLIMIT_NOFILE", 64),
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_NPROC", nproc),
+    ]
+    return {
+        "uid": uid,
+        "limits": limits,
+        "seccomp": isolation.seccomp,
+        "shared_uid": uid is None,
+        "landlock": isolation.landlock_abi,
+        "read": [*isolation.python_paths, *SYSTEM_READ],
+        "audit": isolation.audit_hook,
+        "fork_ok": max_procs > 1,
+    }
+
+
 def run_python(
     code: str,
     stdin: str = "",
@@ -323,32 +390,8 @@ def run_python(
                 os.chown(os.path.join(scratch, name), uid, uid)
         if uid is not None:
             os.chown(scratch, uid, uid)
-            nproc = max_procs
-        else:  # the limit counts every process of the user: allow this many more
-            nproc = _user_procs(os.getuid()) + max_procs
-        limits = [
-            # A second past the wall limit: a one-thread loop reaches both at the
-            # same moment, and when the CPU limit's signal won, `unshare --fork`
-            # exited 1 ("sigprocmask unblock failed") instead of reporting the
-            # wall limit. Threads that burn CPU faster than the wall clock still
-            # meet this limit first.
-            ("RLIMIT_CPU", int(timeout_s + 0.999) + 1),
-            ("RLIMIT_AS", memory_mb * 2**20),
-            ("RLIMIT_FSIZE", max_output_bytes),
-            ("RLIMIT_NOFILE", 64),
-            ("RLIMIT_CORE", 0),
-            ("RLIMIT_NPROC", nproc),
-        ]
-        spec = {
-            "uid": uid,
-            "limits": limits,
-            "seccomp": isolation.seccomp,
-            "shared_uid": uid is None,
-            "landlock": isolation.landlock_abi,
-            "read": [*isolation.python_paths, *SYSTEM_READ, *map(os.path.realpath, read_paths)],
-            "audit": isolation.audit_hook,
-            "fork_ok": max_procs > 1,
-        }
+        spec = _child_spec(isolation, uid, timeout_s, memory_mb, max_output_bytes, max_procs)
+        spec["read"] += [os.path.realpath(path) for path in read_paths]
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         with (
@@ -363,8 +406,7 @@ def run_python(
                     "-I",
                     "-B",
                     "-c",
-                    _child_source(),
-                    json.dumps(spec),
+                    f"SPEC = {spec!r}\n{_child_source()}",
                 ],
                 cwd=scratch,
                 env=env,
@@ -374,11 +416,8 @@ def run_python(
                 close_fds=True,
                 start_new_session=True,  # its own process group: the whole tree is killed
             )
-            timed_out = False
             try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                timed_out = _wait(proc, timeout_s)
             finally:
                 _kill_group(proc)
         stdout, out_cut = _read(out_path, max_output_bytes)
@@ -397,6 +436,29 @@ def run_python(
         duration_s=time.monotonic() - started,
         isolation=isolation.in_force,
     )
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for the child's exit; True when `timeout_s` passed first. A pidfd
+    wakes the moment it exits: `Popen.wait(timeout)` polls with sleeps that
+    grow to 50 ms, which was most of a trivial program's latency."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout=timeout_s)
+            return False
+        except subprocess.TimeoutExpired:
+            return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
+            return True
+    finally:
+        os.close(fd)
+    proc.wait()
+    return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -41,6 +41,7 @@ def one_line(text: str) -> str:
 
 
 class Calculator(Env):
+    sandboxed = True  # runs model-written programs: needs the sandbox's minimum isolation
     max_turns = 4
 
     def generate(self, rng: random.Random) -> Prompt:
