@@ -1,6 +1,6 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
-# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency; minutes)
+# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency, sandbox; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_breakdown.py
 	$(BIN)/python benchmarks/grpo_vs_trl.py
 	$(BIN)/python benchmarks/rollout_latency.py
+	$(BIN)/python benchmarks/sandbox.py
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)

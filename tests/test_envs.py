@@ -11,6 +11,7 @@ from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, TaskConfig, load_config
 from meshrl.data import DatasetError, read_rows
 from meshrl.envs import make_task
+from meshrl.envs.code import run_tests, split_test
 from meshrl.envs.math import ArithmeticError_, answers_match, arith, extract_answer
 from meshrl.envs.samples import main as samples_main
 from meshrl.envs.tools import ToolEpisode
@@ -114,6 +115,26 @@ def test_code_reward_is_the_fraction_of_tests_passed():
     ):
         assert env.reward(prompt, hack) == 0.0, hack
     assert env.reward(prompt, "f = lambda x: 2 * x") == 0.75  # any binding defines
+
+
+def test_value_tests_are_judged_where_the_program_cannot_reach():
+    """`assert EXPR == LITERAL` tests send only EXPR into the sandbox: a program
+    that forges the harness's result line (the nonce found through the frames)
+    or answers with an object equal to everything passes none of them; the one
+    test of another shape, run inside, is the only one it can forge."""
+    tests = ["assert f(1) == 2", "assert f(2) == [4, 'x']", "assert isinstance(f(0), int)"]
+    assert split_test(tests[1]) == ("f(2)", [4, "x"]) and split_test(tests[2]) is None
+    honest = "def f(x):\n    return 2 if x == 1 else [4, 'x'] if x == 2 else 0"
+    assert run_tests(honest, tests) == (3, "")
+    forge = (
+        "import sys\nspec = sys._getframe(1).f_locals['spec']\n"
+        "print('\\n' + spec['nonce'] + ' [99, [\"0\", \"0\"]]', flush=True)\n"
+        "import os\nos._exit(0)\ndef f(x):\n    pass\n"
+    )
+    assert run_tests(forge, tests)[0] == 1
+    equal_to_all = "class A:\n    def __eq__(self, other):\n        return True\nf = lambda x: A()"
+    assert run_tests(equal_to_all, tests)[0] == 0
+    assert run_tests("def f(x):\n    return 2.0", tests[:1])[0] == 1  # 2.0 == 2, as assert says
 
 
 def test_chat_template_formats_prompts_and_tool_replies():

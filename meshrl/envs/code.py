@@ -6,14 +6,16 @@ the fraction of tests that pass.
 A dataset row needs the prompt and `tests`: a list of Python statements
 (usually `assert ...`). The shipped generator writes small function tasks.
 
-The tests' pass count comes back on a line tagged with a random nonce, read
-from stdin before the program runs and kept out of the program's reach by
-name (not in `__main__`). A program that never defines the names the tests
-call scores 0 without running, and tests run with the builtins as they were
-before the program (so rebinding `exec` or `AssertionError` passes nothing).
-A program that searches the harness's frames for the nonce can still forge
-it: reward hacking is bounded by that, not excluded (the sandbox's kernel
-limits are what stop a program from reaching outside).
+A test of the form `assert EXPR == LITERAL` is judged outside the sandbox:
+only EXPR goes in, the sandbox prints `repr` of its value, and this process
+compares that, read back as a literal, with LITERAL. The expected value never
+enters the program's process, so nothing the program does there (searching
+frames or memory for it, rebinding builtins, a custom `__eq__`) passes such a
+test without computing the value. Other tests run inside; their pass count
+comes back on a line tagged with a random nonce kept out of the program's
+reach by name, which a program that searches the harness's frames could
+forge. A program that never defines the names the tests call scores 0
+without running.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import random
 import re
 import uuid
+from typing import Any
 
 from meshrl.envs.base import Env
 from meshrl.types import Prompt
@@ -33,7 +36,8 @@ _HARNESS = """
 import builtins as _builtins, json as _json, sys as _sys
 
 
-def _main(_read=_sys.stdin.read, _exec=exec, _compile=compile, _out=_sys.__stdout__):
+def _main(_read=_sys.stdin.read, _exec=exec, _exec_eval=eval, _compile=compile,
+          _out=_sys.__stdout__, _dumps=_json.dumps, _repr=repr):
     # What the tests need is bound here, before the program runs: a program that
     # rebinds exec, compile or a builtin changes its own scope, not the tests'.
     spec = _json.loads(_read())
@@ -43,14 +47,21 @@ def _main(_read=_sys.stdin.read, _exec=exec, _compile=compile, _out=_sys.__stdou
         _exec(_compile(spec.pop("program"), "solution.py", "exec"), scope)
     except BaseException as error:
         print("program:", type(error).__name__, error, file=_sys.stderr)
-    passed = 0
+    passed, values = 0, []
     for test in spec["tests"]:
         try:
             _exec(_compile(test, "test.py", "exec"), {**scope, "__builtins__": dict(clean)})
             passed += 1
         except BaseException:
             pass
-    _out.write("\\n" + spec["nonce"] + " " + str(passed) + "\\n")
+    for expr in spec["exprs"]:
+        try:
+            value = _exec_eval(_compile(expr, "test.py", "eval"),
+                               {**scope, "__builtins__": dict(clean)})
+            values.append(_repr(value))
+        except BaseException:
+            values.append(None)
+    _out.write("\\n" + spec["nonce"] + " " + _dumps([passed, values]) + "\\n")
     _out.flush()
 
 
@@ -100,6 +111,35 @@ def undefined_names(program: str, tests: list[str]) -> list[str]:
     return sorted(called - bound)
 
 
+def split_test(test: str) -> tuple[str, Any] | None:
+    """`assert EXPR == LITERAL` -> (EXPR's source, LITERAL's value); None for
+    any other test."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    check = tree.body[0].test
+    if not (isinstance(check, ast.Compare) and len(check.ops) == 1):
+        return None
+    if not isinstance(check.ops[0], ast.Eq):
+        return None
+    try:
+        return ast.unparse(check.left), ast.literal_eval(check.comparators[0])
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return None
+
+
+def _equal(printed: str | None, expected: Any) -> bool:
+    if printed is None:
+        return False
+    try:
+        return bool(ast.literal_eval(printed) == expected)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False  # not a literal: an object the test could not have meant
+
+
 def run_tests(program: str, tests: list[str], timeout_s: float = 5.0) -> tuple[int, str]:
     """(tests passed, the sandbox's error or '') for `program`."""
     from meshrl.envs.sandbox import run_python
@@ -108,12 +148,26 @@ def run_tests(program: str, tests: list[str], timeout_s: float = 5.0) -> tuple[i
     if missing:
         return 0, f"the program does not define {', '.join(missing)}"
 
+    split = [split_test(test) for test in tests]
+    inside = [test for test, parts in zip(tests, split, strict=True) if parts is None]
+    judged = [parts for parts in split if parts is not None]
     nonce = f"__passed_{uuid.uuid4().hex}__"
-    spec = json.dumps({"program": program, "tests": list(tests), "nonce": nonce})
+    spec = json.dumps(
+        {"program": program, "tests": inside, "exprs": [e for e, _ in judged], "nonce": nonce}
+    )
     result = run_python(_HARNESS, stdin=spec, timeout_s=timeout_s)
     for line in reversed(result.stdout.splitlines()):
         if line.startswith(nonce):
-            return min(int(line.split()[-1]), len(tests)), result.error
+            try:
+                passed, values = json.loads(line[len(nonce) :])
+                values = list(values)[: len(judged)]
+                passed = min(int(passed), len(inside))
+            except (ValueError, TypeError):
+                break
+            passed += sum(
+                _equal(v, expected) for v, (_, expected) in zip(values, judged, strict=False)
+            )
+            return passed, result.error
     return 0, result.error or "no test result"
 
 
