@@ -178,7 +178,12 @@ def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
     algo = GRPO(cfg)
     try:
         algo.train(0)  # spawn the meshes; version 0 to both replicas
-        procs = algo.mesh_status(show=False)
+        deadline = time.monotonic() + 30
+        while True:  # spawning is asynchronous: an actor shows once its __init__ is done
+            procs = algo.mesh_status(show=False)
+            if all(p["actors"] for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert {(p["role"], p["rank"], p["state"]) for p in procs} == {
             ("policy", 0, "alive"),
             ("policy", 1, "alive"),

@@ -163,7 +163,7 @@ def test_a_machine_without_the_minimum_refuses_with_one_line(monkeypatch, capsys
 UNPRIVILEGED_DRIVER = """
 import json, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sandbox import probe, run_python
+from meshrl.envs.sandbox import probe, run_python
 from sandbox_escapes import ESCAPES, World, cross_run
 modes = {"everything": frozenset(), "kernel_only": frozenset({"audit_hook"}),
          "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"})}
@@ -193,7 +193,7 @@ def unprivileged_python(home: str) -> str | None:
     `home` (this one may sit under /root, out of nobody's reach)."""
     if not shutil.which("setpriv"):
         return None
-    check = "from sandbox import run_python; assert run_python('pass').ok"
+    check = "from meshrl.envs.sandbox import run_python; assert run_python('pass').ok"
     for python in (os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(python):
             run = subprocess.run([*DROP, python, "-c", check], cwd=home, capture_output=True)
@@ -215,9 +215,15 @@ def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
         os.chmod(home, 0o755)
         # The sandbox and the escapes are stdlib-only: copies run under an
         # interpreter the unprivileged user can execute.
-        source = Path(sandbox.__file__)
-        for path in (source, source.with_name("sandbox_child.py"), Path(escapes.__file__)):
-            shutil.copy(path, Path(home, path.name))
+        # The package layout with empty __init__s: nothing beyond the sandbox loads.
+        envs = Path(home, "meshrl", "envs")
+        envs.mkdir(parents=True)
+        for folder in (envs.parent, envs):
+            Path(folder, "__init__.py").touch()
+        for name in ("sandbox.py", "sandbox_child.py", "sandbox_probe.py"):
+            shutil.copy(Path(sandbox.__file__).with_name(name), envs / name)
+        shutil.copy(escapes.__file__, Path(home, "sandbox_escapes.py"))
+        subprocess.run(["chmod", "-R", "a+rX", home], check=True)
         Path(home, "driver.py").write_text(UNPRIVILEGED_DRIVER)
         python = unprivileged_python(home)
         if python is None:

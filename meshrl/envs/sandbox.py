@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import os
 import select
 import shutil
@@ -52,12 +51,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# No network; a PID namespace whose processes all die with its first one, which
-# dies with `unshare` (--kill-child): nothing the code forks outlives the run.
-NAMESPACES = ("--net", "--pid", "--fork", "--kill-child", "--")
+from meshrl.envs.sandbox_probe import (  # noqa: F401 - the sandbox's API, re-exported
+    _UID_BASE,
+    HOW_TO,
+    NAMESPACES,
+    Isolation,
+    SandboxUnavailable,
+    probe,
+)
+
 SETUP_FAILED = 111  # sandbox_child's exit status when a mechanism fails to apply
-# Run uids for a root caller: one per run, far above any account's.
-_UID_BASE = 0x3F000000
 _uids = itertools.count()
 _uids_lock = threading.Lock()
 # Read-only everywhere the interpreter and its libraries may live.
@@ -72,13 +75,6 @@ SYSTEM_READ = (
     "/dev/random",
     "/dev/urandom",
 )
-MINIMUM = ("files", "network")
-HOW_TO = {
-    "files": "Landlock (Linux >= 5.13 with 'landlock' in the lsm= boot list)",
-    "network": "a network namespace (run as root, or allow unprivileged user namespaces: "
-    "sysctl kernel.unprivileged_userns_clone=1 / kernel.apparmor_restrict_unprivileged_userns=0)"
-    " or seccomp filters (CONFIG_SECCOMP_FILTER)",
-}
 
 
 @dataclass
@@ -137,95 +133,6 @@ def configure(cfg: SandboxConfig, task_name: str = "") -> None:
         cfg.check_task(task_name)
 
 
-@dataclass(frozen=True)
-class Isolation:
-    """What a run gets on this machine (`probe`)."""
-
-    landlock_abi: int = 0
-    seccomp: bool = False
-    python: str = sys.executable
-    """The interpreter programs run under."""
-    python_paths: tuple[str, ...] = ()
-    """Its install: what Landlock lets a program read besides the system's."""
-    launcher: tuple[str, ...] = ()
-    """The command prefix that enters new network and PID namespaces, or ()."""
-    run_uid: bool = False
-    """Each run gets a uid of its own (the caller is root)."""
-    audit_hook: bool = True
-
-    @property
-    def in_force(self) -> tuple[str, ...]:
-        names = []
-        if self.landlock_abi:
-            names.append(f"landlock-v{self.landlock_abi}")
-        if self.seccomp:
-            names.append("seccomp")
-        if self.launcher:
-            names += ["netns", "pidns"]
-        if self.run_uid:
-            names.append("run-uid")
-        names.append("rlimits")
-        if self.audit_hook:
-            names.append("audit-hook")
-        return tuple(names)
-
-    @property
-    def missing(self) -> tuple[str, ...]:
-        """Which of the minimum (files, network) this machine cannot enforce."""
-        have = {"files": self.landlock_abi >= 1, "network": self.seccomp or bool(self.launcher)}
-        return tuple(name for name in MINIMUM if not have[name])
-
-
-def _landlock_abi() -> int:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
-        return max(int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), 1)), 0)
-    except (OSError, AttributeError):
-        return 0
-
-
-def _seccomp_filters() -> bool:
-    try:
-        actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
-    except OSError:
-        return False
-    return "errno" in actions and os.uname().machine in ("x86_64", "aarch64")
-
-
-@functools.cache
-def probe(without: frozenset[str] = frozenset()) -> Isolation:
-    """What this kernel and user allow, minus the mechanisms named in `without`
-    ("landlock", "seccomp", "namespaces", "audit_hook": for tests that prove
-    what each one contains on its own)."""
-    launcher: tuple[str, ...] = ()
-    unshare = shutil.which("unshare")
-    if unshare and "namespaces" not in without:
-        prefix = (unshare, *NAMESPACES) if os.geteuid() == 0 else (unshare, "--user", *NAMESPACES)
-        try:
-            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            ok = False
-        launcher = prefix if ok else ()
-    python, python_paths = _interpreter(os.geteuid() == 0)
-    return Isolation(
-        python=python,
-        python_paths=python_paths,
-        landlock_abi=0 if "landlock" in without else _landlock_abi(),
-        seccomp="seccomp" not in without and _seccomp_filters(),
-        launcher=launcher,
-        run_uid=os.geteuid() == 0,
-        audit_hook="audit_hook" not in without,
-    )
-
-
-class SandboxUnavailable(RuntimeError):
-    """The kernel cannot give programs the minimum isolation here."""
-
-
 def require(allow_weak: bool | None = None) -> Isolation:
     """This machine's isolation, or `SandboxUnavailable` (one line naming what is
     missing and how to enable it) when it lacks the minimum and weak isolation
@@ -249,45 +156,6 @@ def require(allow_weak: bool | None = None) -> Isolation:
 @functools.cache
 def _child_source() -> str:
     return Path(__file__).with_name("sandbox_child.py").read_text()
-
-
-# Run as the interpreter's first code in `_interpreter`: drop to the run uid
-# (when root), import what the sandbox needs, and say where the install lies.
-_INSTALL = (
-    "import os, sys\n"
-    "if os.geteuid() == 0:\n"
-    "    os.setgroups([]); os.setresgid(%(uid)d, %(uid)d, %(uid)d); os.setresuid(%(uid)d, %(uid)d, %(uid)d)\n"
-    "import ctypes, datetime, json, resource\n"
-    "print(json.dumps(sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,"
-    " os.path.realpath(sys.executable)})))"
-)
-
-
-def _interpreter(run_uid: bool) -> tuple[str, tuple[str, ...]]:
-    """An interpreter the program's uid can run, and the paths of its install
-    (Landlock's read list). This one, unless the run uid cannot read it (an
-    install under root's home): then a system Python of the same version."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    candidates = [sys.executable]
-    if run_uid:
-        for folder in ("/usr/bin", "/usr/local/bin"):
-            candidates += [f"{folder}/{version}", f"{folder}/python3"]
-    for python in candidates:
-        try:
-            probe = subprocess.run(
-                [python, "-I", "-B", "-c", _INSTALL % {"uid": _UID_BASE}],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                cwd="/",
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return python, tuple(json.loads(probe.stdout))
-    raise SandboxUnavailable(
-        f"sandbox: no Python interpreter here that an unprivileged uid can run (tried {candidates})"
-    )
 
 
 @dataclass
