@@ -338,6 +338,9 @@ class RoleMeshes:
         from meshrl.telemetry import Watch
 
         self.watches[role] = self.spawn(role, "watch", Watch, role)
+        # Its __init__ clears what earlier runs registered in a pooled proc: it must
+        # be done before the role's actors register (spawning is asynchronous).
+        wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
 
     @property
     def roles(self) -> list[str]:
