@@ -15,7 +15,7 @@ import pytest
 from meshrl.envs import sandbox
 from meshrl.envs.sandbox import Isolation, SandboxUnavailable, probe, run_python
 from tests import sandbox_escapes as escapes
-from tests.sandbox_escapes import ESCAPES, World, cross_run
+from tests.sandbox_escapes import ESCAPES, MODES, cross_run, run_escapes
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -82,28 +82,6 @@ def test_huge_output_is_cut_at_the_bound():
     assert result.error == "output limit (10000 bytes)"
 
 
-# The kernel's mechanisms alone (no audit hook), and without namespaces as well
-# (an unprivileged user where user namespaces are off, as on Ubuntu 24.04).
-MODES = {
-    "everything": frozenset(),
-    "kernel_only": frozenset({"audit_hook"}),
-    "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"}),
-}
-
-
-def run_escapes(without: frozenset) -> dict[str, list[str]]:
-    breaches = {}
-    for name in ESCAPES:
-        world = World.make()
-        try:
-            result = run_python(world.program(name), isolation=probe(without))
-            assert "Traceback" not in result.stderr or "sandbox: " in result.stderr, result.stderr
-            breaches[name] = world.breaches(result.stdout)
-        finally:
-            world.close()
-    return breaches
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_no_escape_gets_out(mode, monkeypatch):
     """Each of tests/sandbox_escapes.py's programs (the audit hook switched off
@@ -111,7 +89,7 @@ def test_no_escape_gets_out(mode, monkeypatch):
     posix_spawn, raw syscalls through ctypes, the parent's files and environment,
     TCP/UDP/unix connections to live listeners, signals) is contained."""
     monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
-    breaches = run_escapes(MODES[mode])
+    breaches = run_escapes(run_python, probe(MODES[mode]))
     assert not any(breaches.values()), breaches
 
 
@@ -164,18 +142,11 @@ UNPRIVILEGED_DRIVER = """
 import json, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from meshrl.envs.sandbox import probe, run_python
-from sandbox_escapes import ESCAPES, World, cross_run
-modes = {"everything": frozenset(), "kernel_only": frozenset({"audit_hook"}),
-         "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"})}
+from sandbox_escapes import MODES, cross_run, run_escapes
 seen = {"uid": os.getuid(), "launcher": list(probe().launcher)}
-for mode, without in modes.items():
-    for name in ESCAPES:
-        world = World.make()
-        try:
-            result = run_python(world.program(name), isolation=probe(without))
-            seen[f"{mode}/{name}"] = world.breaches(result.stdout)
-        finally:
-            world.close()
+for mode, without in MODES.items():
+    for name, found in run_escapes(run_python, probe(without)).items():
+        seen[f"{mode}/{name}"] = found
     seen[f"{mode}/cross_run"] = cross_run(run_python, isolation=probe(without))
 seen["ok"] = [run_python("print(6 * 7)").stdout]
 seen["loop"] = [run_python("while True:\\n    pass", timeout_s=0.5).error]
@@ -243,6 +214,6 @@ def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
     assert seen.pop("ok") == ["42\n"]
     assert seen.pop("loop") == ["wall time limit (0.5s)"]
     assert seen.pop("bomb")[0].startswith("wall time")
-    assert len(seen) == 3 * (len(ESCAPES) + 1)
+    assert len(seen) == len(MODES) * (len(ESCAPES) + 1)
     assert not any(seen.values()), {k: v for k, v in seen.items() if v}
     assert not sandbox_procs()

@@ -130,6 +130,7 @@ _INSTALL = (
 )
 
 
+@functools.cache  # probe() runs once per `without`; the interpreter is the same
 def _interpreter(run_uid: bool) -> tuple[str, tuple[str, ...]]:
     """An interpreter the program's uid can run, and the paths of its install
     (Landlock's read list). This one, unless the run uid cannot read it (an
