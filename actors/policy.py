@@ -19,7 +19,7 @@ from meshrl.faults import Drillable
 from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
 from meshrl.telemetry import observed, record
 from meshrl.types import Completions
-from meshrl.weights import WeightHandle, WeightReceiver
+from meshrl.weights import Pulled, WeightHandle, WeightReceiver
 
 
 class Policy(Drillable, Actor):
@@ -31,8 +31,11 @@ class Policy(Drillable, Actor):
         seed: int = 0,
         policy_cfg: PolicyConfig | None = None,
         context: int = 2048,
+        shm_prefix: str | None = None,
     ):
-        """`context`: prompt + completion tokens the engine must hold (vllm)."""
+        """`context`: prompt + completion tokens the engine must hold (vllm).
+        `shm_prefix`: names this replica's shared-memory files when it relays
+        weights (the run's, so the run removes them even if the proc dies)."""
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
@@ -42,6 +45,7 @@ class Policy(Drillable, Actor):
         self.stop_ids = stop_token_ids(self.model, tokenizer)
         # Every engine's weights come through this model: pulled in place by version.
         self.weights = WeightReceiver(self.model)
+        self.shm_prefix = shm_prefix
         self.engine = make_engine(
             policy_cfg.engine,
             self.model,
@@ -94,12 +98,15 @@ class Policy(Drillable, Actor):
 
     @endpoint
     @observed
-    def load_weights(self, handle: WeightHandle) -> tuple[int, str]:
-        """Pull a published version into this replica; returns the version now
-        served and how it came ('shm' or 'rdma')."""
-        self.weights.pull(handle)
+    def load_weights(
+        self, handle: WeightHandle, serve: bool = False, timeout_s: float | None = None
+    ) -> Pulled:
+        """Pull a published version into this replica: the version now served, how
+        it came ('shm' or 'rdma'), and with `serve` the handle from which other
+        replicas can pull it from this one (a relay)."""
+        pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s)
         self.engine.weights_changed()
-        return self.weights.version, self.weights.path
+        return pulled
 
     @endpoint
     def rng_state(self) -> torch.Tensor:

@@ -35,6 +35,7 @@ from meshrl.config import (
     TaskConfig,
     TrainerConfig,
     WarmStartConfig,
+    WeightsConfig,
     check_lora_placement,
     parse_cli,
 )
@@ -85,6 +86,7 @@ class RLConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -104,6 +106,7 @@ class RLConfig:
             self.optim,
             self.trainer,
             self.placement,
+            self.weights,
             self.task,
             self.warm_start,
             self.run,
@@ -331,7 +334,9 @@ class Algorithm:
         every replica, the warm-start and the reference's copy of the result."""
         cfg, state, policy, trainer = self.cfg, self.state, self.policy, self.trainer
         self.sup = sup = Supervisor(run, cfg.faults, state)
-        self.sync = sync = WeightSync(sup, wait=not cfg.max_staleness)
+        self.sync = sync = WeightSync(
+            sup, not cfg.max_staleness, cfg.weights.fanout, cfg.weights.relay_timeout_s
+        )
         self.collector = Collector(
             cfg, state, sup, sync, self.tokenizer, self.task, self.context,
             policy, self.environment, self.reward_model,

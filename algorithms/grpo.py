@@ -104,7 +104,8 @@ class GRPO(Algorithm):
                     micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
-                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context
+                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context,
+                    shm_prefix=run.shm_prefix,
                 )
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None

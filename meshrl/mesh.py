@@ -219,14 +219,22 @@ def monarch_pids() -> set[int]:
 
 
 DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
+HOST_TAG_ENV = "MESHRL_HOST_TAG"
 RDMA_CHUNK_MB = 64
 
 
-def _setup_proc(num_threads: int | None, procs_per_host: int, device_offset: int) -> None:
+def _setup_proc(
+    num_threads: int | None, procs_per_host: int, device_offset: int, host_tag: bool = False
+) -> None:
     """Runs first in every spawned proc: its share of the cores, and where its
     role's GPUs start (proc i of the mesh takes GPU offset + i; see
     `meshrl.models.device_for_this_proc`). `num_threads` None: this host's
-    cores over the procs it runs (a host of its own, as under SLURM)."""
+    cores over the procs it runs (a host of its own, as under SLURM).
+    `host_tag`: this proc's "host" is its parent (a `process` job's subprocess
+    host), so weights move between such hosts as between machines: over RDMA,
+    not through this machine's shared memory (`meshrl.weights.host_id`)."""
+    if host_tag:
+        os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
     # RDMA registration of CUDA memory wants expandable segments; the allocator
     # reads this at its first CUDA allocation, which comes later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -330,7 +338,9 @@ class RoleMeshes:
         if mesh is None:
             mesh = self._hosts[role].spawn_procs(
                 per_host={"procs": count},
-                bootstrap=functools.partial(_setup_proc, threads, count, device_offset),
+                bootstrap=functools.partial(
+                    _setup_proc, threads, count, device_offset, self.job_cfg.kind == "process"
+                ),
                 name=role,
             )
         self.meshes[role] = mesh

@@ -115,6 +115,8 @@ def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
         "weights/version": sync.version,
         "weights/shm_replicas": sync.paths.count("shm"),
         "weights/rdma_replicas": sync.paths.count("rdma"),
+        "weights/trainer_egress_bytes": sync.egress_bytes,
+        "weights/max_hop_depth": sync.depth,
         "weights/generated_with": completions.weight_version,
     }
 

@@ -5,29 +5,94 @@ in flight, and waiting for them before the next publish.
     sync.pull(policy, handle)        # policy.load_weights: shm on this host, RDMA across
 
 The bytes move between the actors (`meshrl.weights`); this object only says
-when. With `wait=False` (`max_staleness > 0`) pulls are not waited for: each
-replica takes the new version after the generation it is running, and the loop
-goes on. They are waited for before the next publish, which keeps the slot a
-replica may still read intact (double buffering), and a replica lost on the
-way is replaced by the supervisor (its catch-up pulls the newest version).
+when, and from where. Replicas on the trainer's host copy out of its shared
+memory. The others form a relay tree (`plan`, fan-out `weights.fanout`): only
+its first level reads from the trainer; each replica that has pulled a
+version serves it to up to `fanout` others from its own slots, and a
+replica's host-mates copy it out of that replica's shared memory. So the
+trainer's egress per publish is at most `fanout` copies of the model, however
+many replicas there are. A relay lost on the way is routed around: its
+children pull from its own source instead, the step goes on, and the
+supervisor replaces the lost proc afterwards. `fanout: 0` is the star: every
+replica reads from the trainer.
+
+With `wait=False` (`max_staleness > 0`) a one-level pull is not waited for:
+each replica takes the new version after the generation it is running, and
+the loop goes on. (A tree's levels wait for each other: a relay serves only
+what it holds.) Pulls are waited for before the next publish, which keeps
+the slot a replica may still read intact (double buffering), and a replica
+lost on the way is replaced by the supervisor (its catch-up pulls the newest
+version).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from meshrl.mesh import RemoteCallError
+from meshrl.mesh import RemoteCallError, log_fault
 from meshrl.run import Role
-from meshrl.weights import WeightHandle
+from meshrl.weights import Pulled, WeightHandle
+
+Level = list[tuple[int, int | None]]
+"""One level of a relay tree: (replica rank, the rank it pulls from; None: the trainer)."""
+
+
+def plan(hosts: list[str | None], source_hosts: set[str], fanout: int) -> list[Level]:
+    """The relay tree for replicas whose hosts are `hosts` (None: not known yet),
+    as levels to pull in order.
+
+    Level 1: every replica on a trainer host (shared memory) and the first
+    `fanout` of the others; each replica of a later level pulls from one of
+    the level before. Off the trainer's hosts one replica per host (its
+    leader) joins the tree; the leader's host-mates pull from it (shared
+    memory) one level below it. `fanout` 0: everyone pulls from the trainer.
+    """
+    if fanout <= 0:
+        return [[(rank, None) for rank in range(len(hosts))]]
+    first: Level = []
+    leaders: list[int] = []
+    mates: dict[int, list[int]] = {}  # leader -> its host-mates
+    leader_of: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        if host is not None and host in source_hosts:
+            first.append((rank, None))
+        elif host is not None and host in leader_of:
+            mates[leader_of[host]].append(rank)
+        else:
+            leaders.append(rank)
+            mates[rank] = []
+            if host is not None:
+                leader_of[host] = rank
+    # Leader i pulls from the trainer (i < fanout) or from leader i // fanout - 1:
+    # a complete fanout-ary tree, breadth first, so every level is as full as can be.
+    depth = {}
+    levels: list[Level] = [first]
+    for i, rank in enumerate(leaders):
+        parent = None if i < fanout else leaders[i // fanout - 1]
+        depth[rank] = 0 if parent is None else depth[parent] + 1
+        while len(levels) <= depth[rank] + 1:
+            levels.append([])
+        levels[depth[rank]].append((rank, parent))
+        levels[depth[rank] + 1].extend((mate, rank) for mate in mates[rank])
+    return [level for level in levels if level]
 
 
 class WeightSync:
-    def __init__(self, supervisor: Any, wait: bool = True):
+    def __init__(
+        self, supervisor: Any, wait: bool = True, fanout: int = 0, relay_timeout_s: float = 30.0
+    ):
         self.sup = supervisor
         self.wait_each = wait
+        self.fanout = fanout
+        self.relay_timeout_s = relay_timeout_s
         self.handle: WeightHandle | None = None
         self.published = 0  # versions published by this controller
         self.paths: list[str] = []  # 'shm' or 'rdma', per replica, of the last pull
+        self.egress_bytes = 0  # bytes read from the trainer's procs over RDMA, last pull
+        self.depth = 0  # hops from the trainer to the farthest replica, last pull
+        self.rerouted = 0  # pulls that went to another source, their relay lost
+        self._hosts: dict[int, str] = {}  # replica rank -> host, learned from pulls
+        self._hosts_of = -1  # the `respawns` of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
 
     @property
@@ -44,18 +109,36 @@ class WeightSync:
         return self.handle
 
     def pull(self, replicas: Role, handle: WeightHandle | None = None) -> None:
-        """Every replica of `replicas` pulls `handle` (the newest by default);
-        waited for unless this sync runs ahead (`wait=False`)."""
+        """Every replica of `replicas` pulls `handle` (the newest by default): all
+        at once from the trainer when the tree has one level (waited for unless
+        this sync runs ahead, `wait=False`), else level by level."""
         self.wait()
-        future = replicas.load_weights.call(handle or self.handle)
+        handle = handle or self.handle
+        levels = self.plan(replicas, handle)
+        if len(levels) > 1:
+            self._pull_tree(replicas, handle, levels)
+            return
+        future = replicas.load_weights.call(handle)
         self._pulls = (future, replicas, replicas.respawns)
         if self.wait_each:
             self.wait()
 
     def catch_up(self, replicas: Role) -> None:
         """A respawned replica mesh takes the current version, now."""
-        future = replicas.load_weights.call(self.handle)
-        self._collect(future, replicas)
+        self._pulls = None
+        levels = self.plan(replicas, self.handle)
+        if len(levels) > 1:
+            self._pull_tree(replicas, self.handle, levels)
+        else:
+            self._collect(replicas.load_weights.call(self.handle), replicas)
+
+    def plan(self, replicas: Role, handle: WeightHandle) -> list[Level]:
+        """This pull's tree over `replicas` (`plan`), from the hosts their last
+        pull reported; a respawned mesh's hosts are learned again."""
+        if self._hosts_of != replicas.respawns:
+            self._hosts, self._hosts_of = {}, replicas.respawns
+        hosts = [self._hosts.get(rank) for rank in range(replicas.size)]
+        return plan(hosts, {s.host for s in handle.sources}, self.fanout)
 
     def wait(self) -> None:
         """Until every replica serves the newest version; a replica lost on the
@@ -74,6 +157,69 @@ class WeightSync:
 
     def _collect(self, future: Any, replicas: Role) -> None:
         answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
-        pulled = [value for _, value in answers]
-        assert {v for v, _ in pulled} == {self.handle.version}, f"replicas at {pulled}"
-        self.paths = [path for _, path in pulled]
+        pulled = {rank["procs"]: value for rank, value in answers}
+        self._account(replicas, pulled, {rank: 1 for rank in pulled}, set(pulled))
+
+    def _pull_tree(self, replicas: Role, handle: WeightHandle, levels: list[Level]) -> None:
+        """Pull level by level, each replica from its parent's relay handle. A
+        parent lost before its children pulled, or under them, is routed around:
+        they pull from its source (up to the trainer). A proc lost on the way is
+        replaced once the tree is done (its catch-up pulls the version)."""
+        serving = {parent for level in levels for _, parent in level if parent is not None}
+        served: dict[int | None, WeightHandle] = {None: handle}  # rank -> its relay handle
+        source_of: dict[int, int | None] = {}  # rank -> the rank it pulled from
+        pulled: dict[int, Pulled] = {}
+        depth: dict[int | None, int] = {None: 0}
+        lost: RemoteCallError | None = None
+        what = f"{replicas.name}.load_weights"
+        for number, level in enumerate(levels):
+            started = []
+            for rank, parent in level:
+                source = parent
+                while source is not None and source not in served:  # lost: go around it
+                    source = source_of.get(source)
+                    self.rerouted += 1
+                started.append((rank, source, self._start(replicas, rank, served[source], serving)))
+            for rank, source, future in started:
+                while True:
+                    try:
+                        pulled[rank] = self.sup.wait(future, f"{what}[{rank}]")
+                        break
+                    except RemoteCallError as error:
+                        if error.proc_lost:  # this replica is gone: its children go around it
+                            lost = lost or error
+                            break
+                        if source is None:  # the trainer's own slots failed: a real error
+                            raise
+                        # Its source was lost under it: again from that source's source.
+                        log_fault(f"relay {replicas.name}[{source}] failed {rank}'s pull: {error}")
+                        source = source_of.get(source)
+                        self.rerouted += 1
+                        future = self._start(replicas, rank, served[source], serving)
+                source_of[rank] = source
+                if rank in pulled:
+                    depth[rank] = depth[source] + 1
+                    if pulled[rank].relay is not None:
+                        served[rank] = pulled[rank].relay
+            self.after_level(number, replicas)
+        self._account(replicas, pulled, depth, {r for r, s in source_of.items() if s is None})
+        if lost is not None:
+            self.sup.recover(replicas, lost)
+
+    def _start(self, replicas: Role, rank: int, handle: WeightHandle, serving: set[int]) -> Any:
+        return replicas.slice(procs=rank).load_weights.call_one(
+            handle, rank in serving, self.relay_timeout_s
+        )
+
+    def after_level(self, number: int, replicas: Role) -> None:
+        """Called after each level of a relay tree has pulled (for drills and tests)."""
+
+    def _account(
+        self, replicas: Role, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int]
+    ) -> None:
+        versions = {p.version for p in pulled.values()}
+        assert versions <= {self.handle.version}, f"replicas at {versions}"
+        self._hosts.update({rank: p.host for rank, p in pulled.items()})
+        self.paths = [pulled[rank].path for rank in sorted(pulled)]
+        self.egress_bytes = sum(pulled[rank].rdma_bytes for rank in from_trainer if rank in pulled)
+        self.depth = max((depth[rank] for rank in pulled), default=0)

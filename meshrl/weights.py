@@ -20,6 +20,13 @@ host has it and Monarch's TCP fallback otherwise. A sharded trainer's
 replicas take each shard straight from the proc that owns it; nothing is
 gathered on one proc first. `WeightReceiver.path` says which way the last
 pull went.
+
+A replica can relay: `pull(handle, serve=True)` also publishes the version it
+now holds from slots of its own (the same layout, seqlock and double
+buffering as the trainer's), and returns that handle, so other replicas pull
+it from there instead of from the trainer (`meshrl.weight_sync` arranges the
+tree). Its header says "writing" from before the copy until the last byte is
+in, so a child never takes a torn relay copy either.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.mesh import debugging
+from meshrl.mesh import HOST_TAG_ENV, debugging
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -45,13 +52,15 @@ SHM_DIR = "/dev/shm"
 
 
 def host_id() -> str:
-    """This machine: host name and boot id (shared memory is per boot)."""
+    """This machine: host name and boot id (shared memory is per boot), and the
+    `process` job host the proc runs on, if any (each counts as a machine)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    tag = os.environ.get(HOST_TAG_ENV)
+    return f"{socket.gethostname()}/{boot}" + (f"/{tag}" if tag else "")
 
 
 class TornWeights(RuntimeError):
@@ -179,7 +188,7 @@ class WeightPublisher:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None,
         prefix: str | None = None,
         rdma: bool = True,
         parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
@@ -241,6 +250,17 @@ class WeightPublisher:
                 os.unlink(path)
 
 
+@dataclass
+class Pulled:
+    """What a replica reports after a pull."""
+
+    version: int  # the version it now serves
+    path: str  # 'shm' (every source on its host) or 'rdma'
+    host: str  # its `host_id()`
+    rdma_bytes: int  # bytes it read over RDMA (0 on the shared-memory path)
+    relay: WeightHandle | None = None  # where others can pull this version from it
+
+
 class WeightReceiver:
     """Replica side. `pull(handle)` makes the local model equal to that version."""
 
@@ -265,8 +285,10 @@ class WeightReceiver:
         """How the last pull went: 'shm' (same host) or 'rdma'."""
         self.timeout_s = timeout_s
         self.host = host_id()
+        self.prefix = prefix
         self._mapped: dict[str, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
+        self._relay: WeightPublisher | None = None  # made at the first `serve`
 
     def _check_layout(self, handle: WeightHandle) -> None:
         published = {p.name for s in handle.sources for p in s.pieces}
@@ -277,7 +299,17 @@ class WeightReceiver:
             raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
 
     @torch.no_grad()
-    def pull(self, handle: WeightHandle) -> None:
+    def pull(
+        self,
+        handle: WeightHandle,
+        serve: bool = False,
+        shm_prefix: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Pulled:
+        """Make the parameters equal to `handle`'s version. `serve`: then publish
+        it from this replica's own slots (files named `shm_prefix`-...) for
+        others to pull (`Pulled.relay`). `timeout_s` bounds the RDMA reads
+        (default: the receiver's), so a source that died fails the pull soon."""
         self._check_layout(handle)
         self.version, self.torn = -1, True  # until every byte of the new version is in
         local = [
@@ -289,9 +321,28 @@ class WeightReceiver:
         for source in local:
             self._copy(source, self._shared(source, handle.slot), handle.version, torn_check=True)
         if remote:
-            self._pull_rdma(remote, handle)
+            self._pull_rdma(remote, handle, timeout_s or self.timeout_s)
         self.path = "rdma" if remote else "shm"
         self.version, self.torn = handle.version, False
+        rdma_bytes = sum(HEADER_BYTES * 2 + s.data_bytes for s in remote)
+        relay = self.serve(shm_prefix) if serve else None
+        return Pulled(self.version, self.path, self.host, rdma_bytes, relay)
+
+    def serve(self, shm_prefix: str | None = None) -> WeightHandle:
+        """Publish the version this replica holds from its own slots (a relay)."""
+        if self.partial:
+            raise ValueError("a receiver of part of the model cannot relay the whole")
+        if self.torn:
+            raise TornWeights("this replica holds no complete version to relay")
+        if self._relay is None:
+            self._relay = WeightPublisher(
+                None, prefix=shm_prefix, parameters=lambda: iter(self.params.items())
+            )
+        return self._relay.publish(self.version)
+
+    def close(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
 
     def _shared(self, source: WeightSource, slot: int) -> torch.Tensor:
         path = source.paths[slot]
@@ -321,7 +372,9 @@ class WeightReceiver:
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")
 
-    def _pull_rdma(self, sources: list[WeightSource], handle: WeightHandle) -> None:
+    def _pull_rdma(
+        self, sources: list[WeightSource], handle: WeightHandle, timeout_s: float
+    ) -> None:
         """Every remote source's slot in one RDMA action into staging, checked,
         then into the parameters."""
         from monarch.rdma import RDMAAction
@@ -336,13 +389,13 @@ class WeightReceiver:
             action.read_remote(self._staging[i], source.buffers[handle.slot])
             staged.append((source, self._staging[i]))
         with without_cuda_probe_line():  # this process's first RDMA call, maybe
-            action.submit(timeout=self.timeout_s).get()
+            action.submit(timeout=timeout_s).get()
         # The headers again, after the data: a version overwritten meanwhile shows.
         again = RDMAAction()
         headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device) for _ in staged]
         for (source, _), header in zip(staged, headers, strict=True):
             again.read_remote(header, source.headers[handle.slot])
-        again.submit(timeout=self.timeout_s).get()
+        again.submit(timeout=timeout_s).get()
         for (source, slot), header in zip(staged, headers, strict=True):
             if not torch.equal(header[:8], slot[:8]):
                 raise TornWeights(f"version {handle.version} was overwritten while it was read")

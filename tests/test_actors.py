@@ -79,8 +79,9 @@ def sync(actors):
         call_all(actors["trainer"], "publish", what="publish", timeout_s=TIMEOUT)
     )
     pulled = call_all(actors["policy"], "load_weights", handle, what="load", timeout_s=TIMEOUT)
-    assert [path for _, path in pulled] == ["shm", "shm"]  # same host: shared memory
-    return handle, [version for version, _ in pulled]
+    assert [p.path for p in pulled] == ["shm", "shm"]  # same host: shared memory
+    assert [p.rdma_bytes for p in pulled] == [0, 0] and pulled[0].relay is None
+    return handle, [p.version for p in pulled]
 
 
 def test_weight_sync_is_bitwise_and_versioned(actors):

@@ -1,0 +1,141 @@
+"""Relay weight distribution: the tree's plan (pure), and a 3-level tree across
+`process` hosts: bitwise-equal replicas, one copy of the model out of the
+trainer, a relay lost under its children routed around, and a torn relay copy
+never served."""
+
+import pytest
+import torch
+from monarch.actor import Actor, endpoint
+
+from actors.policy import Policy
+from algorithms.grpo import GRPOConfig
+from meshrl.config import GenerationConfig, load_config
+from meshrl.faults import FaultsConfig
+from meshrl.loop import LoopState
+from meshrl.mesh import RemoteCallError, call_all, wait
+from meshrl.models import load_model
+from meshrl.run import Run
+from meshrl.supervisor import Supervisor
+from meshrl.weight_sync import WeightSync, plan
+from meshrl.weights import WeightHandle, WeightPublisher
+from tests.conftest import DEFAULT_CONFIG
+
+
+@pytest.mark.unit
+def test_the_plan_reads_the_trainer_at_most_fanout_times():
+    # 7 replicas on hosts of their own: a complete binary tree, 3 levels.
+    levels = plan([f"h{i}" for i in range(7)], {"t"}, 2)
+    assert levels == [[(0, None), (1, None)], [(2, 0), (3, 0), (4, 1), (5, 1)], [(6, 2)]]
+    # Unknown hosts (before the first pull) are leaders too; fanout 1 is a chain.
+    assert plan([None, None, None], {"t"}, 1) == [[(0, None)], [(1, 0)], [(2, 1)]]
+    # On the trainer's host: shared memory, level 1, never a relay; a host's mates
+    # pull from its leader one level below it.
+    hosts = ["t", "a", "a", "b", "t", "c", "a"]
+    levels = plan(hosts, {"t"}, 2)
+    assert levels[0] == [(0, None), (4, None), (1, None), (3, None)]
+    assert sorted(levels[1]) == [(2, 1), (5, 1), (6, 1)]  # mates 2, 6; 5 by RDMA
+    for fanout in (1, 2, 3, 4):
+        for count in range(1, 40):
+            levels = plan([f"h{i}" for i in range(count)], {"t"}, fanout)
+            pairs = [pair for level in levels for pair in level]
+            assert sorted(rank for rank, _ in pairs) == list(range(count))
+            assert sum(parent is None for _, parent in pairs) == min(fanout, count)
+            children = [parent for _, parent in pairs if parent is not None]
+            assert all(children.count(p) <= fanout for p in set(children))
+            # Each parent pulls in a level before its children.
+            level_of = {rank: i for i, level in enumerate(levels) for rank, _ in level}
+            assert all(level_of[p] < level_of[r] for r, p in pairs if p is not None)
+            # As shallow as fanout allows: levels 1..L-1 full (fanout, fanout^2, ...).
+            assert sum(fanout**i for i in range(1, len(levels))) < count
+    # The star: one level.
+    assert plan(["a", "b", "c"], {"t"}, 0) == [[(0, None), (1, None), (2, None)]]
+
+
+class Publisher(Actor):
+    """Stands in for a trainer's owning rank: a tiny Llama and its publisher."""
+
+    def __init__(self, model_cfg, shm_prefix):
+        self.model = load_model(model_cfg, 0)
+        self.publisher = WeightPublisher(self.model, prefix=shm_prefix)
+        self.version = -1
+
+    @endpoint
+    def publish(self) -> WeightHandle:
+        self.version += 1
+        with torch.no_grad():  # a new version: every parameter moves
+            for param in self.model.parameters():
+                param.add_(0.01 * (self.version + 1))
+        return self.publisher.publish(self.version)
+
+    @endpoint
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+class KillingSync(WeightSync):
+    """Kills one relay right after its level has pulled, before its children read."""
+
+    kill: int | None = None
+
+    def after_level(self, number, replicas):
+        if number == 0 and self.kill is not None:
+            replicas.slice(procs=self.kill).exit_now.call_one()
+            self.kill = None
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.actors
+@pytest.mark.timeout(300)
+def test_a_relay_chain_across_hosts(tmp_path, no_stray_procs):
+    """Policy replicas on 3 `process` hosts, fanout 1: a chain trainer -> 0 -> 1 -> 2."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["job.kind=process", "job.hosts.policy=3", "prompts_per_step=3"]
+        + [f"run.dir={tmp_path}", "run.name=relay"],
+    )
+    with Run(cfg, "relay", {"trainer": 1, "policy": 1}) as run:
+        trainer = run.spawn("trainer", Publisher, cfg.model, run.shm_prefix)
+        policy = run.spawn("policy", Policy, cfg.model, 7, shm_prefix=run.shm_prefix)
+        sup = Supervisor(run, FaultsConfig(), LoopState())
+        sync = KillingSync(sup, fanout=1, relay_timeout_s=10)
+        sup.on_respawn("policy", lambda: sync.catch_up(policy))
+
+        sync.pull(policy, sync.publish(trainer))
+        want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
+        replicas = call_all(policy, "parameters", what="params", timeout_s=60)
+        assert all(same(want, got) for got in replicas)  # bitwise, 3 hops down
+        model_bytes = sum(p.numel() * p.element_size() for p in want.values())
+        assert sync.paths == ["rdma"] * 3 and sync.depth == 3
+        # One copy of the model left the trainer (and two 64-byte headers).
+        assert model_bytes <= sync.egress_bytes <= model_bytes + 128
+
+        # Version 1: relay 0 dies after its own pull, before replica 1 reads from it.
+        sync.kill = 0
+        sync.pull(policy, sync.publish(trainer))
+        want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
+        for rank in (1, 2):
+            got = wait(policy.slice(procs=rank).parameters.call_one(), "params", 60)
+            assert same(want, got), rank
+        assert sync.rerouted >= 1  # replica 1 went to the trainer instead
+        assert sync.egress_bytes >= 2 * model_bytes  # relay 0's copy, then replica 1's
+        with pytest.raises(RemoteCallError):
+            wait(policy.slice(procs=0).parameters.call_one(), "dead relay", 60)
+
+        # A relay's slot that no longer holds the version asked for is never served:
+        # replica 2 asked for version 3 from replica 1's slot of version 1 (the same slot).
+        relay = wait(
+            policy.slice(procs=1).load_weights.call_one(sync.handle, True), "relay", 60
+        ).relay
+        stale = WeightHandle(relay.version + 2, relay.sources)
+        with pytest.raises(RemoteCallError, match="TornWeights|not complete"):
+            wait(policy.slice(procs=2).load_weights.call_one(stale), "torn", 60)
+        with pytest.raises(RemoteCallError, match="pull a complete version first"):
+            wait(
+                policy.slice(procs=2).generate.call_one([[1, 2, 3]], GenerationConfig()),
+                "gen",
+                60,
+            )
