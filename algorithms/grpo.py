@@ -106,7 +106,7 @@ class GRPO(Algorithm):
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context,
                     shm_prefix=run.shm_prefix,
-                )
+                )  # fmt: skip
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
