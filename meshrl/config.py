@@ -340,7 +340,7 @@ class WeightsConfig:
     version serves it to up to this many others, so only `fanout` replicas read
     from the trainer. 0: every replica reads from the trainer (a star). Replicas
     on the trainer's host always copy from its shared memory."""
-    relay_timeout_s: float = 30.0
+    relay_timeout_s: int = 30
     """Seconds a replica's RDMA reads may take before its source counts as lost
     and it pulls from that source's source instead."""
 

@@ -79,7 +79,7 @@ def plan(hosts: list[str | None], source_hosts: set[str], fanout: int) -> list[L
 
 class WeightSync:
     def __init__(
-        self, supervisor: Any, wait: bool = True, fanout: int = 0, relay_timeout_s: float = 30.0
+        self, supervisor: Any, wait: bool = True, fanout: int = 0, relay_timeout_s: int = 30
     ):
         self.sup = supervisor
         self.wait_each = wait
@@ -157,7 +157,7 @@ class WeightSync:
 
     def _collect(self, future: Any, replicas: Role) -> None:
         answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
-        pulled = {rank["procs"]: value for rank, value in answers}
+        pulled = dict(enumerate(value for _, value in answers))  # in rank order
         self._account(replicas, pulled, {rank: 1 for rank in pulled}, set(pulled))
 
     def _pull_tree(self, replicas: Role, handle: WeightHandle, levels: list[Level]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -321,7 +322,8 @@ class WeightReceiver:
         for source in local:
             self._copy(source, self._shared(source, handle.slot), handle.version, torn_check=True)
         if remote:
-            self._pull_rdma(remote, handle, timeout_s or self.timeout_s)
+            # Monarch's RDMA timeouts are whole seconds.
+            self._pull_rdma(remote, handle, max(1, math.ceil(timeout_s or self.timeout_s)))
         self.path = "rdma" if remote else "shm"
         self.version, self.torn = handle.version, False
         rdma_bytes = sum(HEADER_BYTES * 2 + s.data_bytes for s in remote)
@@ -372,9 +374,7 @@ class WeightReceiver:
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")
 
-    def _pull_rdma(
-        self, sources: list[WeightSource], handle: WeightHandle, timeout_s: float
-    ) -> None:
+    def _pull_rdma(self, sources: list[WeightSource], handle: WeightHandle, timeout_s: int) -> None:
         """Every remote source's slot in one RDMA action into staging, checked,
         then into the parameters."""
         from monarch.rdma import RDMAAction

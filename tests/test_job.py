@@ -32,8 +32,10 @@ class CheckedGRPO(GRPO):
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
-    """Trainer on 2 hosts (one rank each), policy, environment and reference on
-    a host each: 5 subprocess hosts. It must learn, and stop every host."""
+    """Trainer on 2 hosts (one rank each), policy on 2, environment and reference
+    on a host each: 6 subprocess hosts. It must learn, and stop every host. The
+    policy replicas form a relay chain (fanout 1): one reads the trainer's
+    slots, the other the first replica's."""
     cfg = load_config(
         GRPOConfig,
         DEFAULT_CONFIG,
@@ -42,6 +44,8 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
             "kl_coef=0.001",
             "job.kind=process",
             "job.hosts.trainer=2",
+            "job.hosts.policy=2",
+            "weights.fanout=1",
             f"run.dir={tmp_path}",
             "run.name=hosts",
             "run.progress=false",
@@ -54,6 +58,11 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     assert last - first >= 0.25, (first, last)
     assert CheckedGRPO.checks == [(2, 2, True), (2, 2, True)]
     assert history[-1]["weights/version"] == cfg.warm_start.steps + 100
+    # Over RDMA between the hosts, one copy of the model out of the trainer a step.
+    model_bytes = history[-1]["weights/trainer_egress_bytes"]
+    assert all(r["weights/rdma_replicas"] == 2 for r in history)
+    assert all(r["weights/max_hop_depth"] == 2 for r in history)
+    assert all(r["weights/trainer_egress_bytes"] == model_bytes > 0 for r in history)
 
 
 def test_job_keys_are_checked():
