@@ -17,7 +17,7 @@ from meshrl.models import load_model
 from meshrl.run import Run
 from meshrl.supervisor import Supervisor
 from meshrl.weight_sync import WeightSync, plan
-from meshrl.weights import WeightHandle, WeightPublisher
+from meshrl.weights import WeightHandle, WeightPublisher, WeightSource
 from tests.conftest import DEFAULT_CONFIG
 
 
@@ -49,6 +49,28 @@ def test_the_plan_reads_the_trainer_at_most_fanout_times():
             assert sum(fanout**i for i in range(1, len(levels))) < count
     # The star: one level.
     assert plan(["a", "b", "c"], {"t"}, 0) == [[(0, None), (1, None), (2, None)]]
+
+
+@pytest.mark.unit
+def test_replicas_that_join_are_in_the_next_pulls_tree():
+    """The tree is planned at each pull from the mesh's size now: ranks added since
+    the last pull join it (with hosts unknown, as leaders); a replaced mesh's hosts
+    are learned again. (Pure planning: a pool's size and hosts stand in for a mesh.)"""
+
+    class Pool:  # what `WeightSync.plan` reads of a role
+        def __init__(self, size, respawns=0):
+            self.size, self.respawns = size, respawns
+
+    sync = WeightSync(None, fanout=2)
+    trainer = WeightHandle(0, [WeightSource("t", [], [], [], [], 0)])
+    sync._hosts = {0: "a", 1: "b"}  # what the last pull reported
+    assert sync.plan(Pool(2), trainer) == [[(0, None), (1, None)]]
+    grown = sync.plan(Pool(5), trainer)
+    assert sorted(rank for level in grown for rank, _ in level) == [0, 1, 2, 3, 4]
+    assert grown[0] == [(0, None), (1, None)] and len(grown) == 2
+    sync._hosts = {0: "t", 1: "t"}  # on the trainer's host: shared memory, level 1
+    assert sync.plan(Pool(2), trainer) == [[(0, None), (1, None)]]
+    assert sync.plan(Pool(3, respawns=1), trainer) == [[(0, None), (1, None)], [(2, 0)]]
 
 
 class Publisher(Actor):
