@@ -36,6 +36,7 @@ import os
 import sys
 import tempfile
 import time
+from itertools import pairwise
 
 import torch
 
@@ -162,9 +163,10 @@ def measure(n: int, steps: int, relay: bool) -> dict:
         )
         history = Timed(cfg).run()[2:]
     steps_s = [r["time/step_s"] for r in history]
-    cpu = [b["controller/cpu_s"] - a["controller/cpu_s"] for a, b in zip(history, history[1:])]
+    cpu = [b["controller/cpu_s"] - a["controller/cpu_s"] for a, b in pairwise(history)]
     step = sum(steps_s) / len(steps_s)
-    compute = GENERATE_S + SCORE_S + TRAIN_S + PULL_S * max(r["weights/max_hop_depth"] for r in history)
+    depth = max(r["weights/max_hop_depth"] for r in history)
+    compute = GENERATE_S + SCORE_S + TRAIN_S + PULL_S * depth
     cpu_s = sum(cpu) / len(cpu)
     return {
         "replicas": n,
