@@ -31,8 +31,10 @@ the star (`weights.fanout=0`: one call to the whole mesh) and with relays
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -131,11 +133,18 @@ def standin_source(host: str) -> WeightSource:
 
 
 class Timed(GRPO):
-    """GRPO that notes the controller's CPU time at each step's end."""
+    """GRPO that notes the controller's CPU time at each step's end (and, with a
+    `profiler`, profiles the controller from the third step on)."""
 
     def after_step(self, step, metrics):
         metrics["controller/cpu_s"] = time.process_time()
+        metrics["controller/python_cpu_s"] = time.thread_time()  # the loop's own thread
         super().after_step(step, metrics)
+        # The profiler hangs off a module: this class travels to the trainer by value
+        # (the loss hook holds the algorithm), a module only by name.
+        profiler = getattr(cProfile, "controller_profiler", None)
+        if profiler is not None and step == 1:
+            profiler.enable()
 
 
 def measure(n: int, steps: int, relay: bool) -> dict:
@@ -164,6 +173,7 @@ def measure(n: int, steps: int, relay: bool) -> dict:
         history = Timed(cfg).run()[2:]
     steps_s = [r["time/step_s"] for r in history]
     cpu = [b["controller/cpu_s"] - a["controller/cpu_s"] for a, b in pairwise(history)]
+    loop = [b["controller/python_cpu_s"] - a["controller/python_cpu_s"] for a, b in pairwise(history)]
     step = sum(steps_s) / len(steps_s)
     depth = max(r["weights/max_hop_depth"] for r in history)
     compute = GENERATE_S + SCORE_S + TRAIN_S + PULL_S * depth
@@ -175,6 +185,7 @@ def measure(n: int, steps: int, relay: bool) -> dict:
         "overhead_s": round(step - compute, 4),
         "controller_share": round((step - compute) / step, 4),
         "controller_cpu_s": round(cpu_s, 4),
+        "loop_thread_cpu_s": round(sum(loop) / len(loop), 4),
         "per_replica_ms": round(cpu_s / n * 1e3, 3),
         "max_hop_depth": history[-1]["weights/max_hop_depth"],
     }
@@ -184,12 +195,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="only profile the controller at this N (star)"
+    )
     args = parser.parse_args()
     # GRPO's loop, unchanged, with the stand-ins in place of the real actors (its
     # run() imports each actor class from its module when it spawns the meshes).
     actors.policy.Policy = StandInPolicy
     actors.environment.Environment = StandInEnvironment
     actors.trainer.Trainer = StandInTrainer
+    if args.profile:
+        cProfile.controller_profiler = profiler = cProfile.Profile()
+        measure(args.profile, args.steps, relay=False)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+        return 0
     rows = {"star": [], "relay": []}
     for n in args.replicas:
         for way in rows:

@@ -80,17 +80,28 @@ class Role:
         self.name, self._run, self._make = name, run, make
         self.actors = make()
         self.respawns = 0
+        self._slices: dict[tuple, Any] = {}
 
     @property
     def size(self) -> int:
         return self._run.meshes.size(self.name)
 
     def slice(self, **where: Any) -> Any:
-        return self.actors.slice(**where)
+        """A slice of the actors, kept: the loop slices every replica every step, and
+        Monarch builds each slice's endpoints anew (about 0.35 ms on 2 cores)."""
+        key = tuple(sorted(where.items()))
+        try:
+            return self._slices[key]
+        except KeyError:
+            self._slices[key] = self.actors.slice(**where)
+            return self._slices[key]
+        except TypeError:  # an unhashable selection (a `slice`, before Python 3.12)
+            return self.actors.slice(**where)
 
     def respawned(self) -> None:
         """Its procs were replaced: spawn its actors again."""
         self.actors = self._make()
+        self._slices = {}
         self.respawns += 1
 
     def __getattr__(self, endpoint: str) -> Any:

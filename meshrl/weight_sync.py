@@ -191,8 +191,10 @@ class WeightSync:
                             break
                         if source is None:  # the trainer's own slots failed: a real error
                             raise
-                        # Its source was lost under it: again from that source's source.
+                        # Its source was lost under it: again from that source's source,
+                        # and no one else is sent to that relay.
                         log_fault(f"relay {replicas.name}[{source}] failed {rank}'s pull: {error}")
+                        served.pop(source, None)
                         source = source_of.get(source)
                         self.rerouted += 1
                         future = self._start(replicas, rank, served[source], serving)
