@@ -173,7 +173,9 @@ def measure(n: int, steps: int, relay: bool) -> dict:
         history = Timed(cfg).run()[2:]
     steps_s = [r["time/step_s"] for r in history]
     cpu = [b["controller/cpu_s"] - a["controller/cpu_s"] for a, b in pairwise(history)]
-    loop = [b["controller/python_cpu_s"] - a["controller/python_cpu_s"] for a, b in pairwise(history)]
+    loop = [
+        b["controller/python_cpu_s"] - a["controller/python_cpu_s"] for a, b in pairwise(history)
+    ]
     step = sum(steps_s) / len(steps_s)
     depth = max(r["weights/max_hop_depth"] for r in history)
     compute = GENERATE_S + SCORE_S + TRAIN_S + PULL_S * depth
