@@ -1,6 +1,7 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
-# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency, sandbox; minutes)
+# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency, sandbox,
+#                relay fan-out, controller at scale and the scale model; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -37,6 +38,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/grpo_vs_trl.py
 	$(BIN)/python benchmarks/rollout_latency.py
 	$(BIN)/python benchmarks/sandbox.py
+	$(BIN)/python benchmarks/fanout.py --save runs/bench/fanout.json
+	$(BIN)/python benchmarks/controller_scale.py --save runs/bench/controller_scale.json
+	$(BIN)/python benchmarks/scale_model.py --fanout-json runs/bench/fanout.json \
+		--controller-json runs/bench/controller_scale.json
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)

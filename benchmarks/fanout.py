@@ -143,6 +143,7 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=64, help="model size in MB")
     parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--save", help="also write the JSON line to this file")
     args = parser.parse_args()
     fanout = WeightsConfig().fanout
     largest = max(args.replicas)
@@ -197,19 +198,27 @@ def main() -> int:
         + ", ".join(f"{f}: {r['sync_s']:.3f} s" for f, r in by_fanout.items())
     )
     print(f"goals: {goals}")
-    print(
-        json.dumps(
-            {
-                "fanout": fanout,
-                "model_bytes": model_bytes,
-                "star": rows["star"],
-                "relay": rows["relay"],
-                "by_fanout": {str(f): r["sync_s"] for f, r in by_fanout.items()},
-                "goals": goals,
-            }
-        )
+    line = json.dumps(
+        {
+            "fanout": fanout,
+            "model_bytes": model_bytes,
+            "star": rows["star"],
+            "relay": rows["relay"],
+            "by_fanout": {str(f): r["sync_s"] for f, r in by_fanout.items()},
+            "goals": goals,
+        }
     )
+    print(line)
+    save_line(line, args.save)
     return 0
+
+
+def save_line(line: str, path: str | None) -> None:
+    """The JSON line into `path` (for benchmarks/scale_model.py), if given."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -175,11 +175,8 @@ class WeightSync:
         for number, level in enumerate(levels):
             started = []
             for rank, parent in level:
-                source = parent
-                while source is not None and source not in served:  # lost: go around it
-                    source = source_of.get(source)
-                    self.rerouted += 1
-                started.append((rank, source, self._start(replicas, rank, served[source], serving)))
+                source = self._live(parent, served, source_of)
+                started.append((rank, source, self._start(replicas, rank, served, source, serving)))
             for rank, source, future in started:
                 while True:
                     try:
@@ -195,9 +192,8 @@ class WeightSync:
                         # and no one else is sent to that relay.
                         log_fault(f"relay {replicas.name}[{source}] failed {rank}'s pull: {error}")
                         served.pop(source, None)
-                        source = source_of.get(source)
-                        self.rerouted += 1
-                        future = self._start(replicas, rank, served[source], serving)
+                        source = self._live(source, served, source_of)
+                        future = self._start(replicas, rank, served, source, serving)
                 source_of[rank] = source
                 if rank in pulled:
                     depth[rank] = depth[source] + 1
@@ -208,9 +204,24 @@ class WeightSync:
         if lost is not None:
             self.sup.recover(replicas, lost)
 
-    def _start(self, replicas: Role, rank: int, handle: WeightHandle, serving: set[int]) -> Any:
+    def _live(self, parent: int | None, served: dict, source_of: dict) -> int | None:
+        """`parent`, or, when it serves nothing (lost, or it failed a pull), the
+        nearest source above it that does (None: the trainer)."""
+        source = parent
+        while source is not None and source not in served:
+            source = source_of.get(source)
+        if source != parent:
+            self.rerouted += 1
+        return source
+
+    def _start(
+        self, replicas: Role, rank: int, served: dict, source: int | None, serving: set[int]
+    ) -> Any:
+        """`rank` pulls from `source`'s handle, and relays it if others pull from it.
+        Reads from a relay have `relay_timeout_s`; from the trainer, the receiver's own."""
+        timeout_s = None if source is None else self.relay_timeout_s
         return replicas.slice(procs=rank).load_weights.call_one(
-            handle, rank in serving, self.relay_timeout_s
+            served[source], rank in serving, timeout_s
         )
 
     def after_level(self, number: int, replicas: Role) -> None:

@@ -9,7 +9,7 @@ from monarch.actor import Actor, endpoint
 
 from actors.policy import Policy
 from algorithms.grpo import GRPOConfig
-from meshrl.config import GenerationConfig, load_config
+from meshrl.config import ConfigError, GenerationConfig, load_config
 from meshrl.faults import FaultsConfig
 from meshrl.loop import LoopState
 from meshrl.mesh import RemoteCallError, call_all, wait
@@ -49,6 +49,9 @@ def test_the_plan_reads_the_trainer_at_most_fanout_times():
             assert sum(fanout**i for i in range(1, len(levels))) < count
     # The star: one level.
     assert plan(["a", "b", "c"], {"t"}, 0) == [[(0, None), (1, None), (2, None)]]
+    for bad in ("weights.fanout=-1", "weights.relay_timeout_s=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(GRPOConfig, DEFAULT_CONFIG, [bad])
 
 
 @pytest.mark.unit
