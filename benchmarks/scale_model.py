@@ -23,12 +23,15 @@ Predicted, per model size and replica count, star against relay at
 - `trainer_egress_bytes`: N x model bytes (star), fanout x model bytes (relay);
 - `sync_s`: the star is bound by the trainer hosts' egress, N B / (T W); the
   relay by its levels, each a sender pushing `fanout` copies through its own
-  hosts' links, f B / (g W), plus `hop_s` (store and forward: a level starts
-  when the one above is done). Also the pipelined relay (not built: chunks
-  forwarded as they arrive), f B / (g W) + depth x hop_s;
+  hosts' links, f B / (g W), plus the relay's copy of what it pulled into the
+  slots it serves from, B / (g C), plus `hop_s` (store and forward: a level
+  starts when the one above is done). Also the pipelined relay (not built:
+  chunks forwarded as they arrive), f B / (g W) + depth x hop_s;
 - `controller_s`: fixed + N x per replica (+ depth x per level, relay).
 B is the model's bf16 bytes, T the trainer's hosts and g the hosts of one
-replica (its tensor-parallel group), as in the ASSUMPTIONS table.
+replica (its tensor-parallel group), as in the ASSUMPTIONS table; W the link
+and C the copy rate into the served slots per host (`--copy-gbps`: GPU to
+host memory, 8 GPUs x about 25 GB/s of PCIe).
 Prints the calibration, the table, then one JSON line.
 """
 
@@ -103,7 +106,7 @@ def calibrate(fanout_run: dict, controller_run: dict) -> dict:
     }
 
 
-def predict(cal: dict, link_bytes_per_s: float, fanout: int) -> list[dict]:
+def predict(cal: dict, link_bytes_per_s: float, copy_bytes_per_s: float, fanout: int) -> list[dict]:
     rows = []
     for name, spec in ASSUMPTIONS.items():
         model_bytes = spec["params"] * BYTES_PER_PARAM
@@ -113,6 +116,7 @@ def predict(cal: dict, link_bytes_per_s: float, fanout: int) -> list[dict]:
             depth = levels(n, fanout)
             first = fanout * model_bytes / trainer_bw  # the trainer sends fanout copies
             below = fanout * model_bytes / replica_bw  # a relay sends fanout copies
+            copy = model_bytes / (spec["replica_hosts"] * copy_bytes_per_s)  # into its slots
             controller = cal["controller_s_fixed"] + n * cal["controller_s_per_replica"]
             rows.append(
                 {
@@ -120,7 +124,9 @@ def predict(cal: dict, link_bytes_per_s: float, fanout: int) -> list[dict]:
                     "replicas": n,
                     "model_bytes": model_bytes,
                     "star_sync_s": round(n * model_bytes / trainer_bw + cal["hop_s"], 2),
-                    "relay_sync_s": round(first + (depth - 1) * below + depth * cal["hop_s"], 2),
+                    "relay_sync_s": round(
+                        first + (depth - 1) * (below + copy) + depth * cal["hop_s"], 2
+                    ),
                     "relay_pipelined_sync_s": round(max(first, below) + depth * cal["hop_s"], 2),
                     "relay_depth": depth,
                     "star_egress_bytes": n * model_bytes,
@@ -149,6 +155,7 @@ def main() -> int:
         "--controller-json", default=os.path.join(HERE, "data", "controller_scale.json")
     )
     parser.add_argument("--link-gbps", type=float, default=400.0)
+    parser.add_argument("--copy-gbps", type=float, default=1600.0, help="per host")
     parser.add_argument("--fanout", type=int, default=None, help="default: the measured run's")
     args = parser.parse_args()
     with open(args.fanout_json) as f:
@@ -157,9 +164,12 @@ def main() -> int:
         controller_run = json.load(f)
     fanout = args.fanout or fanout_run["fanout"]
     cal = calibrate(fanout_run, controller_run)
-    rows = predict(cal, args.link_gbps * 1e9 / 8, fanout)
+    rows = predict(cal, args.link_gbps * 1e9 / 8, args.copy_gbps * 1e9 / 8, fanout)
     print(f"calibration: {cal}")
-    print(f"link {args.link_gbps:g} Gb/s per host, fanout {fanout}, bf16\n")
+    print(
+        f"link {args.link_gbps:g} Gb/s and slot copies {args.copy_gbps:g} Gb/s per host, "
+        f"fanout {fanout}, bf16\n"
+    )
     head = ("model", "N", "star sync", "relay sync", "pipelined", "depth", "star egress",
             "relay egress", "ctrl star", "ctrl relay")  # fmt: skip
     print(" | ".join(head))
@@ -170,7 +180,8 @@ def main() -> int:
             f" | {human_bytes(r['star_egress_bytes'])} | {human_bytes(r['relay_egress_bytes'])}"
             f" | {r['star_controller_s']:g} s | {r['relay_controller_s']:g} s"
         )
-    print(json.dumps({"calibration": cal, "link_gbps": args.link_gbps, "fanout": fanout,
+    print(json.dumps({"calibration": cal, "link_gbps": args.link_gbps,
+                      "copy_gbps": args.copy_gbps, "fanout": fanout,
                       "assumptions": ASSUMPTIONS, "predictions": rows}))  # fmt: skip
     return 0
 
