@@ -113,24 +113,27 @@ class WeightSync:
         at once from the trainer when the tree has one level (waited for unless
         this sync runs ahead, `wait=False`), else level by level."""
         self.wait()
-        handle = handle or self.handle
-        levels = self.plan(replicas, handle)
-        if len(levels) > 1:
-            self._pull_tree(replicas, handle, levels)
-            return
-        future = replicas.load_weights.call(handle)
-        self._pulls = (future, replicas, replicas.respawns)
-        if self.wait_each:
-            self.wait()
+        future = self._send(replicas, handle or self.handle)
+        if future is not None:
+            self._pulls = (future, replicas, replicas.respawns)
+            if self.wait_each:
+                self.wait()
 
     def catch_up(self, replicas: Role) -> None:
         """A respawned replica mesh takes the current version, now."""
         self._pulls = None
-        levels = self.plan(replicas, self.handle)
-        if len(levels) > 1:
-            self._pull_tree(replicas, self.handle, levels)
-        else:
-            self._collect(replicas.load_weights.call(self.handle), replicas)
+        future = self._send(replicas, self.handle)
+        if future is not None:
+            self._collect(future, replicas)
+
+    def _send(self, replicas: Role, handle: WeightHandle) -> Any | None:
+        """A relay tree is pulled now, level by level (None); one level is one call
+        to the whole mesh, returned as its future."""
+        levels = self.plan(replicas, handle)
+        if len(levels) == 1:
+            return replicas.load_weights.call(handle)
+        self._pull_tree(replicas, handle, levels)
+        return None
 
     def plan(self, replicas: Role, handle: WeightHandle) -> list[Level]:
         """This pull's tree over `replicas` (`plan`), from the hosts their last

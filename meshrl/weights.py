@@ -286,7 +286,6 @@ class WeightReceiver:
         """How the last pull went: 'shm' (same host) or 'rdma'."""
         self.timeout_s = timeout_s
         self.host = host_id()
-        self.prefix = prefix
         self._mapped: dict[str, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
         self._relay: WeightPublisher | None = None  # made at the first `serve`
