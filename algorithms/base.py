@@ -35,7 +35,6 @@ from meshrl.config import (
     TaskConfig,
     TrainerConfig,
     WarmStartConfig,
-    WeightsConfig,
     check_lora_placement,
     parse_cli,
 )
@@ -52,7 +51,7 @@ from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
 from meshrl.types import Completions, TrainBatch
-from meshrl.weight_sync import WeightSync
+from meshrl.weight_sync import WeightsConfig, WeightSync
 
 DROP_REASONS = ("policy_lost", "stale", "trainer_rewind")
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""

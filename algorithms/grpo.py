@@ -104,8 +104,7 @@ class GRPO(Algorithm):
                     micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
-                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context,
-                    shm_prefix=run.shm_prefix,
+                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
                 )  # fmt: skip
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None

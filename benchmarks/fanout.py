@@ -39,13 +39,12 @@ sys.path.insert(0, REPO)
 
 from monarch.actor import Actor, endpoint  # noqa: E402
 
-from meshrl.config import WeightsConfig  # noqa: E402
 from meshrl.faults import FaultsConfig  # noqa: E402
 from meshrl.job import JobConfig  # noqa: E402
 from meshrl.loop import LoopState  # noqa: E402
 from meshrl.mesh import RoleMeshes, wait  # noqa: E402
 from meshrl.supervisor import Supervisor  # noqa: E402
-from meshrl.weight_sync import WeightSync  # noqa: E402
+from meshrl.weight_sync import WeightsConfig, WeightSync  # noqa: E402
 from meshrl.weights import Pulled, WeightHandle, WeightPublisher, WeightReceiver  # noqa: E402
 
 TENSOR_MB = 8

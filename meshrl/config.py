@@ -332,25 +332,6 @@ class PlacementConfig:
 
 
 @dataclass
-class WeightsConfig:
-    """How published weights reach the policy replicas (meshrl/weight_sync.py)."""
-
-    fanout: int = 2
-    """Relay tree fan-out: off the trainer's hosts, each replica that has pulled a
-    version serves it to up to this many others, so only `fanout` replicas read
-    from the trainer. 0: every replica reads from the trainer (a star). Replicas
-    on the trainer's host always copy from its shared memory; with one replica,
-    or `fanout` or fewer off the trainer's host, nothing relays (one level)."""
-    relay_timeout_s: int = 30
-    """Seconds a replica's RDMA reads from a relay may take before that relay
-    counts as lost and the replica pulls from the relay's own source instead."""
-
-    def validate(self) -> None:
-        _check(self.fanout >= 0, "weights.fanout", "must be >= 0")
-        _check(self.relay_timeout_s > 0, "weights.relay_timeout_s", "must be > 0")
-
-
-@dataclass
 class TaskConfig:
     """The environment's task (see meshrl/envs)."""
 

@@ -27,11 +27,37 @@ version).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from meshrl.config import ConfigError
 from meshrl.mesh import RemoteCallError, log_fault
 from meshrl.run import Role
 from meshrl.weights import Pulled, WeightHandle
+
+
+@dataclass
+class WeightsConfig:
+    """How published weights reach the policy replicas (meshrl/weight_sync.py)."""
+
+    fanout: int = 2
+    """Relay tree fan-out: off the trainer's hosts, each replica that has pulled a
+    version serves it to up to this many others, so only `fanout` replicas read
+    from the trainer. 0: every replica reads from the trainer (a star). Replicas
+    on the trainer's host always copy from its shared memory; with one replica,
+    or `fanout` or fewer off the trainer's host, nothing relays (one level)."""
+    relay_timeout_s: int = 30
+    """Seconds a replica's RDMA reads from a relay may take before that relay
+    counts as lost and the replica pulls from the relay's own source instead."""
+
+    def validate(self) -> None:
+        if self.fanout < 0:
+            raise ConfigError(
+                "config key 'weights.fanout': must be >= 0 (0: every replica reads the trainer)"
+            )
+        if self.relay_timeout_s <= 0:
+            raise ConfigError("config key 'weights.relay_timeout_s': must be > 0")
+
 
 Level = list[tuple[int, int | None]]
 """One level of a relay tree: (replica rank, the rank it pulls from; None: the trainer)."""
