@@ -109,6 +109,12 @@ class Policy(Drillable, Actor):
         return pulled
 
     @endpoint
+    def host_id(self) -> str:
+        """This replica's host (`meshrl.weights.host_id`): replicas of one host
+        copy weights from each other's shared memory."""
+        return self.weights.host
+
+    @endpoint
     def rng_state(self) -> torch.Tensor:
         """This replica's sampling generator state (for checkpoints)."""
         return self.generator.get_state().cpu()

@@ -92,6 +92,10 @@ class StandInPolicy(Drillable, Actor):
         )
 
     @endpoint
+    def host_id(self) -> str:
+        return self.host
+
+    @endpoint
     @observed
     def load_weights(self, handle, serve=False, timeout_s=None) -> Pulled:
         time.sleep(PULL_S)

@@ -94,6 +94,10 @@ class Replica(Actor):
         return self.weights.pull(handle, serve, None, timeout_s)
 
     @endpoint
+    def host_id(self) -> str:
+        return self.weights.host
+
+    @endpoint
     def check(self, version: int) -> bool:
         return all(bool((p == float(version + 1)).all()) for p in self.model.parameters())
 

@@ -117,7 +117,7 @@ class WeightSync:
         self.egress_bytes = 0  # bytes read from the trainer's procs over RDMA, last pull
         self.depth = 0  # hops from the trainer to the farthest replica, last pull
         self.rerouted = 0  # pulls that went to another source, their relay lost
-        self._hosts: dict[int, str] = {}  # replica rank -> host, learned from pulls
+        self._hosts: dict[int, str] = {}  # replica rank -> host
         self._hosts_of = -1  # the `respawns` of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
 
@@ -155,18 +155,29 @@ class WeightSync:
     def _send(self, replicas: Role, handle: WeightHandle) -> Any | None:
         """A relay tree is pulled now, level by level (None); one level is one call
         to the whole mesh, returned as its future."""
-        levels = self.plan(replicas, handle)
+        try:
+            levels = self.plan(replicas, handle)
+        except RemoteCallError as error:  # a replica lost before its host was known
+            if not error.proc_lost:
+                raise
+            self.sup.recover(replicas, error)  # its catch-up pulls the version
+            return None
         if len(levels) == 1:
             return replicas.load_weights.call(handle)
         self._pull_tree(replicas, handle, levels)
         return None
 
     def plan(self, replicas: Role, handle: WeightHandle) -> list[Level]:
-        """This pull's tree over `replicas` (`plan`), from the hosts their last
-        pull reported; a respawned mesh's hosts are learned again."""
+        """This pull's tree over `replicas` (`plan`). Their hosts are asked once per
+        mesh (`host_id`), when a tree is possible, so that host-mates are never
+        made relays of each other; a respawned or grown mesh is asked again."""
         if self._hosts_of != replicas.respawns:
             self._hosts, self._hosts_of = {}, replicas.respawns
-        hosts = [self._hosts.get(rank) for rank in range(replicas.size)]
+        size = replicas.size
+        if 0 < self.fanout < size and len(self._hosts) < size:
+            answers = self.sup.wait(replicas.host_id.call(), f"{replicas.name}.host_id")
+            self._hosts = dict(enumerate(host for _, host in answers.items()))
+        hosts = [self._hosts.get(rank) for rank in range(size)]
         return plan(hosts, {s.host for s in handle.sources}, self.fanout)
 
     def wait(self) -> None:

@@ -56,24 +56,42 @@ def test_the_plan_reads_the_trainer_at_most_fanout_times():
 
 @pytest.mark.unit
 def test_replicas_that_join_are_in_the_next_pulls_tree():
-    """The tree is planned at each pull from the mesh's size now: ranks added since
-    the last pull join it (with hosts unknown, as leaders); a replaced mesh's hosts
-    are learned again. (Pure planning: a pool's size and hosts stand in for a mesh.)"""
+    """The tree is planned at each pull from the mesh's size then: ranks added since
+    the last pull join it, their hosts asked first; a replaced mesh is asked again.
+    (The controller's bookkeeping alone: a pool that answers `host_id` like a
+    replica mesh stands in for one.)"""
 
-    class Pool:  # what `WeightSync.plan` reads of a role
-        def __init__(self, size, respawns=0):
-            self.size, self.respawns = size, respawns
+    class Answers(dict):  # what a mesh call's future gives: (rank, value) items
+        pass
 
-    sync = WeightSync(None, fanout=2)
+    class Pool:
+        def __init__(self, hosts, respawns=0):
+            self.hosts, self.size, self.respawns = hosts, len(hosts), respawns
+            self.name = "policy"
+            self.asked = 0
+            self.host_id = self
+
+        def call(self):
+            self.asked += 1
+            return Answers(enumerate(self.hosts))
+
+    class Sup:
+        def wait(self, future, what):
+            return future
+
+    sync = WeightSync(Sup(), fanout=2)
     trainer = WeightHandle(0, [WeightSource("t", [], [], [], [], 0)])
-    sync._hosts = {0: "a", 1: "b"}  # what the last pull reported
-    assert sync.plan(Pool(2), trainer) == [[(0, None), (1, None)]]
-    grown = sync.plan(Pool(5), trainer)
-    assert sorted(rank for level in grown for rank, _ in level) == [0, 1, 2, 3, 4]
-    assert grown[0] == [(0, None), (1, None)] and len(grown) == 2
-    sync._hosts = {0: "t", 1: "t"}  # on the trainer's host: shared memory, level 1
-    assert sync.plan(Pool(2), trainer) == [[(0, None), (1, None)]]
-    assert sync.plan(Pool(3, respawns=1), trainer) == [[(0, None), (1, None)], [(2, 0)]]
+    pool = Pool(["a", "b"])
+    assert sync.plan(pool, trainer) == [[(0, None), (1, None)]] and pool.asked == 0  # no tree
+    grown = Pool(["a", "b", "c", "a", "d"])
+    levels = sync.plan(grown, trainer)
+    assert grown.asked == 1  # the new ranks' hosts, before they are placed
+    assert sorted(rank for level in levels for rank, _ in level) == [0, 1, 2, 3, 4]
+    assert levels[0] == [(0, None), (1, None)]
+    assert sorted(levels[1]) == [(2, 0), (3, 0), (4, 0)]  # 3 copies 0's shared memory
+    assert sync.plan(grown, trainer) == levels and grown.asked == 1  # known now
+    local = Pool(["t", "t", "t"], respawns=1)  # replaced, on the trainer's host
+    assert sync.plan(local, trainer) == [[(0, None), (1, None), (2, None)]] and local.asked == 1
 
 
 class Publisher(Actor):
