@@ -101,7 +101,7 @@ class StandInPolicy(Drillable, Actor):
         time.sleep(PULL_S)
         self.version = handle.version
         relay = WeightHandle(handle.version, [standin_source(self.host)]) if serve else None
-        return Pulled(self.version, "rdma", self.host, 0, relay)
+        return Pulled(self.version, "rdma", 0, relay)
 
 
 class StandInEnvironment(Drillable, Actor):

@@ -198,7 +198,7 @@ class WeightSync:
     def _collect(self, future: Any, replicas: Role) -> None:
         answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
         pulled = dict(enumerate(value for _, value in answers))  # in rank order
-        self._account(replicas, pulled, {rank: 1 for rank in pulled}, set(pulled))
+        self._account(pulled, {rank: 1 for rank in pulled}, set(pulled))
 
     def _pull_tree(self, replicas: Role, handle: WeightHandle, levels: list[Level]) -> None:
         """Pull level by level, each replica from its parent's relay handle. A
@@ -240,7 +240,7 @@ class WeightSync:
                     if pulled[rank].relay is not None:
                         served[rank] = pulled[rank].relay
             self.after_level(number, replicas)
-        self._account(replicas, pulled, depth, {r for r, s in source_of.items() if s is None})
+        self._account(pulled, depth, {r for r, s in source_of.items() if s is None})
         if lost is not None:
             self.sup.recover(replicas, lost)
 
@@ -267,12 +267,9 @@ class WeightSync:
     def after_level(self, number: int, replicas: Role) -> None:
         """Called after each level of a relay tree has pulled (for drills and tests)."""
 
-    def _account(
-        self, replicas: Role, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int]
-    ) -> None:
+    def _account(self, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int]) -> None:
         versions = {p.version for p in pulled.values()}
         assert versions <= {self.handle.version}, f"replicas at {versions}"
-        self._hosts.update({rank: p.host for rank, p in pulled.items()})
         self.paths = [pulled[rank].path for rank in sorted(pulled)]
         self.egress_bytes = sum(pulled[rank].rdma_bytes for rank in from_trainer if rank in pulled)
         self.depth = max((depth[rank] for rank in pulled), default=0)

@@ -257,7 +257,6 @@ class Pulled:
 
     version: int  # the version it now serves
     path: str  # 'shm' (every source on its host) or 'rdma'
-    host: str  # its `host_id()`
     rdma_bytes: int  # bytes it read over RDMA (0 on the shared-memory path)
     relay: WeightHandle | None = None  # where others can pull this version from it
 
@@ -327,7 +326,7 @@ class WeightReceiver:
         self.version, self.torn = handle.version, False
         rdma_bytes = sum(HEADER_BYTES * 2 + s.data_bytes for s in remote)
         relay = self.serve(shm_prefix) if serve else None
-        return Pulled(self.version, self.path, self.host, rdma_bytes, relay)
+        return Pulled(self.version, self.path, rdma_bytes, relay)
 
     def serve(self, shm_prefix: str | None = None) -> WeightHandle:
         """Publish the version this replica holds from its own slots (a relay)."""
