@@ -37,7 +37,9 @@ class Critic(Drillable, Actor):
         seed: int = 0,
         master: tuple[str, int] = ("127.0.0.1", 0),
         micro_batches: int = 1,
+        layout: str = "padded",
     ):
+        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.packing)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
@@ -51,6 +53,7 @@ class Critic(Drillable, Actor):
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.value_clip = value_clip
         self.micro_batches = micro_batches
+        self.layout = layout
 
     @endpoint
     @observed
@@ -70,6 +73,7 @@ class Critic(Drillable, Actor):
                 batch.input_ids.to(self.device),
                 batch.attention_mask.to(self.device),
                 batch.num_completion_tokens,
+                self.layout,
             )
         return values.cpu()
 
@@ -96,7 +100,11 @@ class Critic(Drillable, Actor):
     def _loss(self, part: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The clipped value loss of one micro-batch, a mean over the whole batch."""
         values = completion_values(
-            self.module, part.input_ids, part.attention_mask, part.num_completion_tokens
+            self.module,
+            part.input_ids,
+            part.attention_mask,
+            part.num_completion_tokens,
+            self.layout,
         )
         return value_loss(
             values, part.old_values, part.returns, part.completion_mask, self.value_clip, part.scale

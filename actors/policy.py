@@ -47,14 +47,7 @@ class Policy(Drillable, Actor):
         self.weights = WeightReceiver(self.model)
         self.shm_prefix = shm_prefix
         self.engine = make_engine(
-            policy_cfg.engine,
-            self.model,
-            model_cfg,
-            self.pad_id,
-            self.stop_ids,
-            seed,
-            policy_cfg.gpu_memory_utilization,
-            context,
+            policy_cfg, self.model, model_cfg, self.pad_id, self.stop_ids, seed, context
         )
         # Each replica samples its own stream, reproducibly. (On the CPU: vLLM
         # takes its requests' seeds from it.)

@@ -21,7 +21,9 @@ from meshrl.weights import WeightHandle, WeightReceiver
 class Reference(Drillable, Actor):
     role = "reference"
 
-    def __init__(self, model_cfg: ModelConfig, seed: int = 0):
+    def __init__(self, model_cfg: ModelConfig, seed: int = 0, layout: str = "padded"):
+        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.packing)."""
+        self.layout = layout
         self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
@@ -58,5 +60,6 @@ class Reference(Drillable, Actor):
                 batch.attention_mask.to(self.device),
                 batch.num_completion_tokens,
                 temperature,
+                self.layout,
             )
         return logprobs.cpu()

@@ -64,7 +64,10 @@ class Trainer(Drillable, Actor):
         sharding: str = "ddp",
         shm_prefix: str | None = None,
         micro_batches: int = 1,
+        layout: str = "padded",
     ):
+        """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
+        meshrl.packing)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
@@ -87,6 +90,7 @@ class Trainer(Drillable, Actor):
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
+        self.layout = layout
         self.temperature = temperature
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards.
         owns = self.rank == 0 or self.sharded
@@ -110,6 +114,7 @@ class Trainer(Drillable, Actor):
             batch.attention_mask,
             batch.num_completion_tokens,
             self.temperature,
+            self.layout,
         )
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -36,6 +36,7 @@ from meshrl.config import (
     RunConfig,
     check_lora_placement,
 )
+from meshrl.config_trainer import LAYOUTS
 from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
@@ -96,6 +97,9 @@ class DPOConfig:
     """cDPO: assumed probability that a preference label is flipped."""
     eval_every: int = 25
     """Steps between held-out evaluations (and after the last step)."""
+    layout: str = "tree"
+    """The trainer's and reference's batch layout (as `trainer.layout` in GRPO):
+    tree (a pair's two responses share one forward of its prompt), packed or padded."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -123,6 +127,10 @@ class DPOConfig:
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(
+                f"config key 'layout': '{self.layout}' is not one of {', '.join(LAYOUTS)}"
+            )
         if self.beta <= 0:
             raise ConfigError("config key 'beta': must be > 0")
         if not 0 <= self.label_smoothing < 0.5:
@@ -154,9 +162,11 @@ class DPO(Algorithm):
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
-                    shm_prefix=run.shm_prefix, rendezvous=True,
+                    shm_prefix=run.shm_prefix, layout=cfg.layout, rendezvous=True,
                 )  # fmt: skip
-                self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed)
+                self.reference = run.spawn(
+                    "reference", Reference, cfg.model, cfg.run.seed, cfg.layout
+                )
                 self.sup = sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(sup)
                 self.ckpt = Checkpointer(run, state, [self.trainer, self.reference], cfg.checkpoint)

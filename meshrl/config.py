@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
 from meshrl.config_files import ConfigError, load_config, parse_cli, save_config  # noqa: F401
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {message}")
-
+from meshrl.config_files import check as _check
+from meshrl.config_trainer import TrainerConfig  # noqa: F401
 
 # --- shared sections -------------------------------------------------------------
 
@@ -187,6 +183,12 @@ class PolicyConfig:
     weights arrive through the same versioned sync."""
     gpu_memory_utilization: float = 0.5
     """vllm: the share of its GPU a replica's engine may take."""
+    share_prefix: bool = True
+    """hf: prefill each distinct prompt of a batch once and copy its KV cache to
+    the rows that repeat it (a group); the same tokens either way."""
+    drop_finished: bool = True
+    """hf: rows leave the decode batch when they end, so decoding costs what the
+    live rows need; the same tokens either way."""
 
     def validate(self) -> None:
         _check(
@@ -230,66 +232,6 @@ class OptimConfig:
             f"'{self.schedule}' is not one of constant, linear, cosine",
         )
         _check(self.max_grad_norm >= 0, f"{section}.max_grad_norm", "must be >= 0")
-
-
-@dataclass
-class TrainerConfig:
-    """How the trainer turns a batch into one optimizer step."""
-
-    micro_batches: int = 1
-    """Gradient accumulation: each rank's shard of an optimizer step's batch runs
-    as this many forward/backward passes (less activation memory; the same
-    gradient, since every loss divides by the whole batch's counts)."""
-    recompute_old_logprobs: str = "auto"
-    """true: the trainer recomputes the old log-probs of each batch in a no-grad
-    pass before its first optimizer step, so the PPO ratio compares the trainer
-    with itself; the sampler's stay for `correction` and the `sampling/`
-    metrics. false: the sampler's log-probs are the old ones. auto: true when
-    the engine is vllm, model.dtype is not float32, top_p < 1,
-    min_new_tokens > 0, or a correction is set."""
-    correction: str = "none"
-    """Train-inference mismatch correction (needs the recomputed old log-probs):
-    none, tis (truncated IS per token), mis-token / mis-sequence (masked IS),
-    icepop (token mask outside [low, high]), geo-mask (sequence mask on the
-    geometric mean ratio). See meshrl.losses."""
-    correction_low: float = 0.5
-    """Lower bound of the ratio band (icepop, geo-mask)."""
-    correction_high: float = 2.0
-    """Upper bound: the truncation (tis) or the band's top (the others)."""
-
-    def validate(self) -> None:
-        from meshrl.losses import CORRECTIONS
-
-        _check(self.micro_batches >= 1, "trainer.micro_batches", "must be >= 1")
-        self.recompute_old_logprobs = str(self.recompute_old_logprobs).lower()
-        _check(
-            self.recompute_old_logprobs in ("auto", "true", "false"),
-            "trainer.recompute_old_logprobs",
-            f"'{self.recompute_old_logprobs}' is not one of auto, true, false",
-        )
-        _check(
-            self.correction in CORRECTIONS,
-            "trainer.correction",
-            f"'{self.correction}' is not one of {', '.join(CORRECTIONS)}",
-        )
-        _check(self.correction_low >= 0, "trainer.correction_low", "must be >= 0")
-        _check(
-            self.correction_low < self.correction_high,
-            "trainer.correction_low",
-            f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
-        )
-
-    def recompute(self, model: ModelConfig, generation: GenerationConfig, engine: str) -> bool:
-        """Whether old log-probs come from the trainer (resolving `auto`)."""
-        if self.recompute_old_logprobs != "auto":
-            return self.recompute_old_logprobs == "true"
-        return (
-            engine == "vllm"
-            or model.dtype != "float32"
-            or generation.top_p < 1
-            or generation.min_new_tokens > 0  # the sampler's distribution is truncated
-            or self.correction != "none"
-        )
 
 
 @dataclass

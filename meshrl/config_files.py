@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; the message is one line."""
 
 
+def check(ok: bool, key: str, message: str) -> None:
+    """Raise `ConfigError` naming `key` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
 def _omegaconf_message(error: OmegaConfBaseException) -> str:
     """omegaconf errors span several lines; keep the first and name the key."""
     key = getattr(error, "full_key", None)

@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from meshrl.config import GenerationConfig, ModelConfig
+from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.generation import sample
 
 ENGINES = ("hf", "vllm")
@@ -40,10 +40,15 @@ def vllm_missing() -> str | None:
 
 
 class HFEngine:
-    """Batched KV-cache sampling with the replica's HF model."""
+    """Batched KV-cache sampling with the replica's HF model: each distinct
+    prompt prefilled once, finished rows dropped (`policy.share_prefix`,
+    `policy.drop_finished`), each row's randomness its own seed's."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, stop_ids: list[int]):
+    def __init__(
+        self, model: torch.nn.Module, pad_id: int, stop_ids: list[int], policy_cfg: PolicyConfig
+    ):
         self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
+        self.share_prefix, self.drop_finished = policy_cfg.share_prefix, policy_cfg.drop_finished
 
     def generate(
         self,
@@ -66,6 +71,8 @@ class HFEngine:
             generator=generator,
             stats=stats,
             min_new_tokens=generation.min_new_tokens,
+            share_prefix=self.share_prefix,
+            drop_finished=self.drop_finished,
         )
 
     def weights_changed(self) -> None:
@@ -166,17 +173,22 @@ class VLLMEngine:
 
 
 def make_engine(
-    engine: str,
+    policy_cfg: PolicyConfig,
     model: torch.nn.Module,
     model_cfg: ModelConfig,
     pad_id: int,
     stop_ids: list[int],
     seed: int,
-    gpu_memory_utilization: float = 0.5,
     max_model_len: int = 2048,
 ):
-    if engine == "vllm":
+    if policy_cfg.engine == "vllm":
         return VLLMEngine(
-            model, model_cfg, pad_id, stop_ids, seed, gpu_memory_utilization, max_model_len
+            model,
+            model_cfg,
+            pad_id,
+            stop_ids,
+            seed,
+            policy_cfg.gpu_memory_utilization,
+            max_model_len,
         )
-    return HFEngine(model, pad_id, stop_ids)
+    return HFEngine(model, pad_id, stop_ids, policy_cfg)

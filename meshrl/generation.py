@@ -9,6 +9,8 @@ compared token for token.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from meshrl.models import sequence_positions
@@ -28,6 +30,62 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+# splitmix64 (Steele et al.), as signed int64 constants: torch has no uint64 multiply.
+def _signed(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (the row's seed, step):
+    a row samples the same token from the same distribution whatever the batch
+    around it (its size, its order, the rows dropped), on any device."""
+    z = seeds + _signed((step + 1) * _GOLDEN)
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    z = z ^ _shift(z, 31)
+    return _shift(z, 11).double() * 2.0**-53
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: [n, V] probabilities (any positive total) and [n]
+    uniforms -> [n] token ids; a zero-probability token is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.size(-1) - 1)
+
+
+def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt [U], each row's distinct prompt [B])."""
+    keys = torch.where(mask.bool(), ids, -1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), ids.size(0), dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(ids.size(0), device=ids.device), "amin")
+    return first, inverse
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); take either."""
+    return (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else "past_key_values"
+    )
+
+
+def _cache_of(out) -> object:
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -42,6 +100,9 @@ def sample(
     generator: torch.Generator | None = None,
     stats: dict | None = None,
     min_new_tokens: int = 0,
+    seeds: torch.Tensor | None = None,
+    share_prefix: bool = True,
+    drop_finished: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts.
 
@@ -52,44 +113,84 @@ def sample(
     the generated tokens (divide by completion_mask.sum() for the mean).
     The first `min_new_tokens` tokens cannot be a stop id (their log-probs are
     those of the distribution without them, as in HF and vLLM).
+
+    Row b's randomness is `seeds[b]` alone (drawn from `generator` when None),
+    so a row's tokens do not depend on the rows beside it. `share_prefix`:
+    each distinct prompt is prefilled once and its KV cache copied to its rows.
+    `drop_finished`: rows leave the decode batch when they end. Both leave
+    every row's distribution as it is; on this project's CPU they also leave
+    the tokens and log-probs bitwise equal (tests/test_packing.py).
     """
-    batch_size = prompt_ids.size(0)
+    B = prompt_ids.size(0)
+    device = prompt_ids.device
+    if seeds is None:
+        seeds = torch.randint(
+            -(2**62),
+            2**62,
+            (B,),
+            generator=generator,
+            device=generator.device if generator else "cpu",
+        )
+    seeds = seeds.to(device)
     attention_mask = prompt_mask.long()
     positions = sequence_positions(attention_mask)
+    first, inverse = distinct_prompts(prompt_ids, prompt_mask) if share_prefix else (None, None)
+    rows = first if share_prefix else slice(None)
     out = model(
-        input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True
+        input_ids=prompt_ids[rows],
+        attention_mask=attention_mask[rows],
+        position_ids=positions[rows],
+        use_cache=True,
     )
+    logits, cache = out.logits[:, -1], _cache_of(out)
+    if share_prefix:
+        logits = logits[inverse]
+        cache.reorder_cache(inverse)
     next_position = positions[:, -1:] + 1
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=prompt_ids.device)
-    stop = torch.tensor(eos_token_id, device=prompt_ids.device).reshape(-1)
-    tokens, logprobs, masks = [], [], []
-    entropy_sum = torch.zeros((), device=prompt_ids.device)
+    live = torch.arange(B, device=device)  # the original row of each decode row
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stop = torch.tensor(eos_token_id, device=device).reshape(-1)
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, device=device)
+    masks = torch.zeros(B, max_new_tokens, device=device)
+    entropy_sum = torch.zeros((), device=device)
+    steps = 0
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1].float() / temperature
+        steps = step + 1
+        logits = logits.float() / temperature
         if step < min_new_tokens:
             logits[:, stop] = -float("inf")
         logp = torch.log_softmax(logits, dim=-1)
-        probs = top_p_filter(logp.exp(), top_p)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        token_logp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        token = draw(top_p_filter(logp.exp(), top_p), row_uniforms(seeds[live], step))
         if stats is not None:
             entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
-            entropy_sum += entropy.masked_fill(finished, 0.0).sum()
-        tokens.append(torch.where(finished, pad_token_id, token))
-        logprobs.append(torch.where(finished, 0.0, token_logp))
-        masks.append(~finished)
-        finished = finished | torch.isin(token, stop)
+            entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
+        running = ~finished[live]
+        tokens[live, step] = torch.where(running, token, pad_token_id)
+        logprobs[live, step] = torch.where(running, logp.gather(-1, token[:, None])[:, 0], 0.0)
+        masks[live, step] = running.float()
+        finished[live] |= torch.isin(token, stop)
         if bool(finished.all()):
             break
+        if drop_finished and bool(finished[live].any()):
+            keep = (~finished[live]).nonzero().squeeze(-1)
+            live, attention_mask, next_position = (
+                live[keep],
+                attention_mask[keep],
+                next_position[keep],
+            )
+            cache.reorder_cache(keep)
+            token = token[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         out = model(
-            input_ids=tokens[-1].unsqueeze(-1),
+            input_ids=torch.where(finished[live], pad_token_id, token).unsqueeze(-1),
             attention_mask=attention_mask,
             position_ids=next_position,
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **{_cache_keyword(model): cache},
         )
+        logits, cache = out.logits[:, -1], _cache_of(out)
         next_position = next_position + 1
     if stats is not None:
         stats["entropy_sum"] = entropy_sum.item()
-    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).float()
+    return tokens[:, :steps], logprobs[:, :steps], masks[:, :steps]

@@ -28,6 +28,7 @@ from transformers import (
 
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
+from meshrl.packing import model_dtype, pack, packed_logits, takes_logits_to_keep
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
@@ -165,19 +166,29 @@ def completion_logprobs(
     attention_mask: torch.Tensor,
     num_completion_tokens: int,
     temperature: float = 1.0,
+    layout: str = "padded",
 ) -> torch.Tensor:
     """Log-probs of the last `num_completion_tokens` tokens of each sequence.
 
     input_ids, attention_mask [B, P + T] (prompt left-padded, completion
     right-padded) -> [B, T]. Logits at position i predict token i + 1.
+    `layout` (`meshrl.packing`): padded, packed or tree; the same values (0 on
+    padding unless padded).
     """
+    T = num_completion_tokens
+    if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
+        packed = pack(input_ids, attention_mask, T, share=layout == "tree")
+        logits = packed_logits(model, packed, model_dtype(model))
+        targets = input_ids[:, -T:][packed.rows, packed.cols]
+        picked = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)
+        return packed.scatter(picked.squeeze(0))
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=sequence_positions(attention_mask),
         use_cache=False,
+        **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
     )
-    T = num_completion_tokens
     logits = out.logits[:, -T - 1 : -1]
     return token_logprobs(logits, input_ids[:, -T:], temperature)
 
@@ -200,11 +211,20 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
+        4D mask with its positions."""
+        if position_ids is None:
+            position_ids = sequence_positions(attention_mask)
         hidden = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=sequence_positions(attention_mask),
+            position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
@@ -216,11 +236,21 @@ def load_value_model(cfg: ModelConfig, seed: int = 0) -> ValueModel:
 
 
 def completion_values(
-    model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+    model: ValueModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    T: int,
+    layout: str = "padded",
 ) -> torch.Tensor:
     """Value of the state before each of the last T tokens: [B, P + T] -> [B, T].
 
     Aligned like `completion_logprobs`: position i's hidden state scores the
-    prefix that token i + 1 is sampled from.
+    prefix that token i + 1 is sampled from (0 on padding unless `layout` is
+    padded).
     """
-    return model(input_ids, attention_mask)[:, -T - 1 : -1]
+    if layout == "padded" or not len(input_ids):
+        return model(input_ids, attention_mask)[:, -T - 1 : -1]
+    packed = pack(input_ids, attention_mask, T, share=layout == "tree")
+    mask = packed.attention_mask(model_dtype(model))
+    values = model(packed.input_ids, mask, packed.position_ids)
+    return packed.scatter(values.flatten()[packed.at])

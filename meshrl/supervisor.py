@@ -98,7 +98,7 @@ class Supervisor:
         self, roles: Role | tuple[Role, ...], endpoint: str, batch: TrainBatch, *args: Any
     ) -> dict:
         """`endpoint(shard, *args)` on every proc of each role, all at once, each proc
-        with its data-parallel shard of `batch` (rows i::n); each role's ranks'
+        with its data-parallel shard of `batch` (contiguous row blocks); each role's ranks'
         metrics averaged, the roles' merged (a policy and a value step together)."""
         roles = roles if isinstance(roles, tuple) else (roles,)
         shards = {r.name: [(batch.shard(i, r.size), *args) for i in range(r.size)] for r in roles}

@@ -155,11 +155,15 @@ class TrainBatch:
         )
 
     def shard(self, index: int, count: int, rows: torch.Tensor | slice | None = None) -> TrainBatch:
-        """The data-parallel shard of rank `index` of `count`: rows index::count
-        (or `rows`), carrying this whole batch's `LossScale` so that the ranks'
-        averaged gradients are the whole batch's."""
+        """The data-parallel shard of rank `index` of `count`: the index-th of
+        `count` contiguous row blocks (so a group's rows, which are adjacent,
+        share their prompt's forward: meshrl.packing), or `rows`, carrying this
+        whole batch's `LossScale` so that the ranks' averaged gradients are the
+        whole batch's."""
         scale = self.scale or LossScale.of(self.completion_mask, count)
-        part = self.rows(slice(index, None, count) if rows is None else rows)
+        if rows is None:
+            rows = torch.arange(len(self)).tensor_split(count)[index]
+        part = self.rows(rows)
         return replace(part, scale=scale, paired=self.paired and rows is not None)
 
     def split(self, parts: int) -> list[TrainBatch]:

@@ -250,12 +250,12 @@ def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():
     whose controller cannot check the policy hosts up front)."""
     import torch
 
-    from meshrl.config import ModelConfig
+    from meshrl.config import ModelConfig, PolicyConfig
     from meshrl.engines import EngineUnavailable, make_engine
     from meshrl.models import load_model
 
     with pytest.raises(EngineUnavailable) as info:
-        make_engine("vllm", load_model(ModelConfig()), ModelConfig(), 0, 1, 0)
+        make_engine(PolicyConfig(engine="vllm"), load_model(ModelConfig()), ModelConfig(), 0, 1, 0)
     assert str(info.value).startswith("config key 'policy.engine': ")
     assert "\n" not in str(info.value)
     if not torch.cuda.is_available():
