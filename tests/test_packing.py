@@ -38,7 +38,9 @@ def test_packed_and_tree_layouts_score_what_the_padded_batch_scores():
     scored = mask[:, -T:]
     model = load_model(MODEL, seed=1)
     values_model = load_value_model(MODEL, seed=1)
-    torch.nn.init.normal_(values_model.value_head.weight, generator=torch.Generator().manual_seed(2))
+    torch.nn.init.normal_(
+        values_model.value_head.weight, generator=torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         want = completion_logprobs(model, ids, mask, T, 0.7) * scored
         want_values = completion_values(values_model, ids, mask, T) * scored
@@ -90,7 +92,7 @@ def test_draw_samples_the_given_distribution_and_never_a_zero():
     assert freq[1] == 0
     assert torch.allclose(freq, probs.double(), atol=0.005)
     u = row_uniforms(seeds, 0)
-    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert float(u.min()) >= 0 and float(u.max()) < 1
     assert not torch.equal(u, row_uniforms(seeds, 1))  # a fresh draw each step
 
 
