@@ -101,8 +101,7 @@ class GRPO(Algorithm):
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
                     seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
-                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout,
-                    rendezvous=True,
+                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
@@ -110,9 +109,7 @@ class GRPO(Algorithm):
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
-                    self.reference = run.spawn(
-                        "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
-                    )
+                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)  # fmt: skip
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path

@@ -118,14 +118,12 @@ class PPO(Algorithm):
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
                     seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
-                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout,
-                    rendezvous=True,
+                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
                 )  # fmt: skip
                 self.critic = run.spawn(
                     "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,
-                    value_clip=cfg.value_clip, seed=cfg.run.seed,
-                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout,
-                    rendezvous=True,
+                    value_clip=cfg.value_clip, seed=cfg.run.seed, layout=cfg.trainer.layout,
+                    micro_batches=cfg.trainer.micro_batches, rendezvous=True,
                 )  # fmt: skip
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
@@ -133,9 +131,7 @@ class PPO(Algorithm):
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
-                    self.reference = run.spawn(
-                        "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
-                    )
+                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)  # fmt: skip
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path

@@ -4,11 +4,17 @@ settings, on this machine's CPU, in one run.
     pip install -e '.[bench]'          # TRL (make bench does it)
     python benchmarks/grpo_vs_trl.py   # 6 steps each
     python benchmarks/grpo_vs_trl.py --steps 20 --max-new-tokens 32 --aggregation token-mean
+    python benchmarks/grpo_vs_trl.py --model 4M --prompt-tokens 256
+    python benchmarks/grpo_vs_trl.py --sweep   # 4M and 34M, short and long prompts
 
-Both train the same ~34M-parameter Llama built from one config (hidden 512, 8
-layers, the project's character tokenizer), from the same random init, on
-reverse_digits: `--prompts` prompts x `--group` completions per step of
-exactly `--max-new-tokens` tokens, learning rate `--lr`, temperature 1.
+Both train the same Llama built from one config (`--model`: 34M is hidden 512,
+8 layers; 4M is hidden 256, 4 layers; the project's character tokenizer), from
+the same random init, on reverse_digits: `--prompts` prompts x `--group`
+completions per step of exactly `--max-new-tokens` tokens, learning rate
+`--lr`, temperature 1. With `--prompt-tokens N` the prompt is chat-templated:
+the model directory's tokenizer carries a chat template whose system text
+makes each prompt N tokens or more (as chat-templated reasoning prompts are),
+and both sides take the prompt as a user message through it.
 
 TRL is configured as its experts would for this model on a CPU: float32, no
 gradient checkpointing (TRL turns it on by default: a memory saving that costs
@@ -29,7 +35,10 @@ The headline is the step time: `step_time_ratio` = TRL's / meshrl's (> 1: meshrl
 is faster), over the timed steps (each side's first step is left out:
 start-up). Prints a table, then one JSON object with both sides' step time,
 tokens per second and final reward (the mean of the last two steps), the steps
-and the tokens per step.
+and the tokens per step. `--sweep` runs the four cells (4M and 34M, each with
+the task's short prompt and a 256-token one) each in its own process and ends
+with one JSON object whose `step_time_ratio` is keyed 4M_short, 4M_long,
+34M_short and 34M_long.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,8 +62,35 @@ from meshrl.config import TaskConfig, load_config  # noqa: E402
 from meshrl.envs import make_task  # noqa: E402
 from meshrl.models import build_char_tokenizer, load_model  # noqa: E402
 
-MODEL = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8"]
-MODEL += ["model.intermediate_size=2048"]
+MODELS = {
+    "34M": ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8"]
+    + ["model.intermediate_size=2048"],
+    "4M": ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4"]
+    + ["model.intermediate_size=1024"],
+}
+SWEEP = {  # cell -> (model, prompt tokens, completion tokens)
+    "4M_short": ("4M", 0, 16),
+    "4M_long": ("4M", 256, 16),
+    "34M_short": ("34M", 0, 32),
+    "34M_long": ("34M", 256, 32),
+}
+SYSTEM = "You reverse digit strings. Read the digits, then write them back in reverse order. "
+
+
+def model_dir(args, directory: str) -> str:
+    """The model and tokenizer both sides load: the tiny Llama of `--model`, its
+    tokenizer given a chat template whose system text is `--prompt-tokens` long."""
+    cfg = load_config(GRPOConfig, None, [*MODELS[args.model], "model.max_positions=1024"]).model
+    tokenizer = build_char_tokenizer()
+    system = (SYSTEM * (1 + args.prompt_tokens // len(SYSTEM)))[: args.prompt_tokens]
+    tokenizer.chat_template = (
+        "{{ '" + system + "' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    load_model(cfg, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 TRL_LOSS = {
     "seq-mean-token-mean": "grpo",
     "token-mean": "dapo",
@@ -67,7 +104,7 @@ def run_meshrl(args, run_dir: str) -> dict:
         GRPOConfig,
         os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
         [
-            *MODEL,
+            *([f"model.path={args.model_dir}"] if args.prompt_tokens else MODELS[args.model]),
             f"steps={args.steps}",
             f"prompts_per_step={args.prompts}",
             f"group_size={args.group}",
@@ -101,20 +138,24 @@ def run_meshrl(args, run_dir: str) -> dict:
 
 def run_trl(args, run_dir: str) -> dict:
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
     from meshrl.config import ModelConfig
 
-    tokenizer = build_char_tokenizer()
-    model_cfg = load_config(GRPOConfig, None, MODEL).model
-    assert isinstance(model_cfg, ModelConfig)
+    if args.prompt_tokens:
+        model_cfg = ModelConfig(path=args.model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    else:
+        model_cfg = load_config(GRPOConfig, None, MODELS[args.model]).model
+        tokenizer = build_char_tokenizer()
     model = load_model(model_cfg, seed=0)
     task = make_task(TaskConfig())
     prompts = task.sample(args.prompts * (args.steps + 1), random.Random(0))
+    as_prompt = (lambda t: [{"role": "user", "content": t}]) if args.prompt_tokens else str
     dataset = Dataset.from_dict(
-        {"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]}
+        {"prompt": [as_prompt(p.text) for p in prompts], "answer": [p.answer for p in prompts]}
     )
     tokens_per_step: list[int] = []
     rewards_per_step: list[float] = []
@@ -123,6 +164,9 @@ def run_trl(args, run_dir: str) -> dict:
         tokens_per_step.append(sum(len(ids) for ids in completion_ids))
         from meshrl.types import Prompt
 
+        if args.prompt_tokens:  # conversations: the user message, the assistant's reply
+            prompts = [p[-1]["content"] for p in prompts]
+            completions = [c[-1]["content"] for c in completions]
         scores = [
             task.reward(Prompt(text=p, answer=a), c)
             for p, c, a in zip(prompts, completions, answer, strict=True)
@@ -192,11 +236,18 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=0, help="meshrl max_staleness")
     parser.add_argument("--threads", type=int, default=0, help="meshrl threads per proc")
     parser.add_argument("--aggregation", choices=sorted(TRL_LOSS), default="seq-mean-token-mean")
+    parser.add_argument("--model", choices=sorted(MODELS), default="34M")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="0: the task's own prompt")
+    parser.add_argument("--sweep", action="store_true", help="the four cells, one process each")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the first step of each is not timed)")
+    if args.sweep:
+        return sweep(args)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as run_dir:
+        if args.prompt_tokens:
+            args.model_dir = model_dir(args, os.path.join(run_dir, "model"))
         meshrl = run_meshrl(args, run_dir)
         trl = run_trl(args, run_dir + "/trl")
     figures = {
@@ -215,6 +266,8 @@ def main() -> int:
         "aggregation": args.aggregation,
         "trl_loss_type": TRL_LOSS[args.aggregation],
         "model_params": meshrl["params"],
+        "model": args.model,
+        "prompt_tokens": args.prompt_tokens,
         "completions_per_step": args.prompts * args.group,
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
@@ -227,6 +280,34 @@ def main() -> int:
         )
     print(f"step time ratio {figures['step_time_ratio']:.2f} (TRL / meshrl; > 1: meshrl faster)")
     print(json.dumps(figures))
+    return 0
+
+
+def sweep(args) -> int:
+    """Each cell of SWEEP in its own process (a fresh TRL and torch state)."""
+    cells = {}
+    for cell, (model, prompt_tokens, new_tokens) in SWEEP.items():
+        command = [sys.executable, os.path.abspath(__file__), "--model", model]
+        command += ["--prompt-tokens", str(prompt_tokens), "--max-new-tokens", str(new_tokens)]
+        command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
+        command += ["--group", str(args.group), "--aggregation", args.aggregation]
+        print(f"--- {cell}: {' '.join(command[1:])}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            print(done.stdout[-2000:], done.stderr[-4000:])
+            raise SystemExit(f"{cell} failed (exit {done.returncode})")
+        cells[cell] = json.loads(done.stdout.strip().splitlines()[-1])
+        print("\n".join(done.stdout.strip().splitlines()[-5:-1]), flush=True)
+    print(json.dumps({
+        "step_time_ratio": {c: f["step_time_ratio"] for c, f in cells.items()},
+        "meshrl_step_s": {c: f["meshrl_step_s"] for c, f in cells.items()},
+        "trl_step_s": {c: f["trl_step_s"] for c, f in cells.items()},
+        "final_reward": {c: [f["meshrl_final_reward"], f["trl_final_reward"]] for c, f in cells.items()},
+        "prompt_tokens": {c: SWEEP[c][1] for c in cells},
+        "max_new_tokens": {c: SWEEP[c][2] for c in cells},
+        "steps": args.steps,
+        "completions_per_step": args.prompts * args.group,
+    }))  # fmt: skip
     return 0
 
 

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from meshrl.config_files import check
-
-if TYPE_CHECKING:
-    from meshrl.config import GenerationConfig, ModelConfig
 
 LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.packing)."""
@@ -71,8 +67,9 @@ class TrainerConfig:
             f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
         )
 
-    def recompute(self, model: ModelConfig, generation: GenerationConfig, engine: str) -> bool:
-        """Whether old log-probs come from the trainer (resolving `auto`)."""
+    def recompute(self, model, generation, engine: str) -> bool:
+        """Whether old log-probs come from the trainer (resolving `auto`), given the
+        run's `model` and `generation` sections and `policy.engine`."""
         if self.recompute_old_logprobs != "auto":
             return self.recompute_old_logprobs == "true"
         return (

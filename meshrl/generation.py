@@ -86,6 +86,21 @@ def _cache_of(out) -> object:
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
+def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object]:
+    """The last logits [B, V] and the KV cache of the prompts; with `share`, each
+    distinct prompt is computed once and its cache copied to its rows."""
+    first, inverse = distinct_prompts(ids, mask) if share else (None, None)
+    rows = first if share else slice(None)
+    out = model(
+        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True
+    )
+    logits, cache = out.logits[:, -1], _cache_of(out)
+    if share:
+        logits = logits[inverse]
+        cache.reorder_cache(inverse)
+    return logits, cache
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -134,18 +149,7 @@ def sample(
     seeds = seeds.to(device)
     attention_mask = prompt_mask.long()
     positions = sequence_positions(attention_mask)
-    first, inverse = distinct_prompts(prompt_ids, prompt_mask) if share_prefix else (None, None)
-    rows = first if share_prefix else slice(None)
-    out = model(
-        input_ids=prompt_ids[rows],
-        attention_mask=attention_mask[rows],
-        position_ids=positions[rows],
-        use_cache=True,
-    )
-    logits, cache = out.logits[:, -1], _cache_of(out)
-    if share_prefix:
-        logits = logits[inverse]
-        cache.reorder_cache(inverse)
+    logits, cache = _prefill(model, prompt_ids, attention_mask, positions, share_prefix)
     next_position = positions[:, -1:] + 1
     live = torch.arange(B, device=device)  # the original row of each decode row
     finished = torch.zeros(B, dtype=torch.bool, device=device)
