@@ -12,8 +12,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from meshrl.models import sequence_positions
+from meshrl.packing import takes_logits_to_keep
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -86,14 +88,56 @@ def _cache_of(out) -> object:
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
+class GrowingLayer(DynamicLayer):
+    """A KV-cache layer that writes each step's keys and values in place into a
+    buffer with room to spare (doubled when full), where HF's dynamic layer
+    concatenates, copying the whole cache at every token (a fifth of the decode
+    time of a 34M model here). `keys` and `values` are views of the buffers."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.length, self.k_buffer, self.v_buffer = (
+                0,
+                key_states[..., :0, :],
+                value_states[..., :0, :],
+            )
+        end = self.length + key_states.size(-2)
+        if end > self.k_buffer.size(-2):
+            self.k_buffer, self.v_buffer = (
+                self._grown(b, max(end, 2 * self.length)) for b in (self.k_buffer, self.v_buffer)
+            )
+        self.k_buffer[..., self.length : end, :] = key_states
+        self.v_buffer[..., self.length : end, :] = value_states
+        self.length = end
+        self.keys, self.values = self.k_buffer[..., :end, :], self.v_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def _grown(self, buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.size(-1)))
+        grown[..., : self.length, :] = buffer[..., : self.length, :]
+        return grown
+
+    def reorder_cache(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) the batch rows `rows`, room to spare included."""
+        if self.is_initialized:
+            self.k_buffer, self.v_buffer = self.k_buffer[rows], self.v_buffer[rows]
+            self.keys, self.values = (
+                self.k_buffer[..., : self.length, :],
+                self.v_buffer[..., : self.length, :],
+            )
+
+
 def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object]:
     """The last logits [B, V] and the KV cache of the prompts; with `share`, each
     distinct prompt is computed once and its cache copied to its rows."""
     first, inverse = distinct_prompts(ids, mask) if share else (None, None)
     rows = first if share else slice(None)
     out = model(
-        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True
-    )
+        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True,
+        **{_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)},
+        **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
+    )  # fmt: skip
     logits, cache = out.logits[:, -1], _cache_of(out)
     if share:
         logits = logits[inverse]
@@ -133,8 +177,10 @@ def sample(
     so a row's tokens do not depend on the rows beside it. `share_prefix`:
     each distinct prompt is prefilled once and its KV cache copied to its rows.
     `drop_finished`: rows leave the decode batch when they end. Both leave
-    every row's distribution as it is; on this project's CPU they also leave
-    the tokens and log-probs bitwise equal (tests/test_packing.py).
+    every row's distribution as it is; with the same seeds they give the same
+    tokens (unless a draw falls within rounding of a boundary between two
+    tokens' probability mass), and log-probs equal up to float rounding (other batch shapes run
+    other matmul blockings): tests/test_packing.py.
     """
     B = prompt_ids.size(0)
     device = prompt_ids.device
@@ -174,8 +220,8 @@ def sample(
         logprobs[live, step] = torch.where(running, logp.gather(-1, token[:, None])[:, 0], 0.0)
         masks[live, step] = running.float()
         finished[live] |= torch.isin(token, stop)
-        if bool(finished.all()):
-            break
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break  # (the last token's forward would feed nothing)
         if drop_finished and bool(finished[live].any()):
             keep = (~finished[live]).nonzero().squeeze(-1)
             live, attention_mask, next_position = (

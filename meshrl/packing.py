@@ -13,7 +13,8 @@ right-padded, and GRPO's G completions of a prompt repeat that prompt G times.
   the gradient of every completion of the group, which is the sum the padded
   layout computes G times over.
 
-Trees (or rows) are packed first-fit, longest first, into rows as long as the
+A completion's last token predicts nothing and no later token attends to it,
+so it is not computed either. Trees (or rows) are packed first-fit, longest first, into rows as long as the
 longest tree, so padding is left only at the ends of rows. The outputs that
 score completion token j of row b are gathered back into the [B, T] layout the
 losses read, with 0 where the padded layout has padding. The same math as
@@ -89,7 +90,9 @@ def pack(
         prompt = ids[b][P - prompt_len[b] : P]
         key = tuple(prompt) if share else b
         trees.setdefault(key, (prompt, []))[1].append(b)
-    sized = [(len(p) + sum(completion_len[b] for b in m), p, m) for p, m in trees.values()]
+    sized = [
+        (len(p) + sum(max(completion_len[b] - 1, 0) for b in m), p, m) for p, m in trees.values()
+    ]
     sized.sort(key=lambda s: -s[0])
     capacity = sized[0][0]
     bins: list[list] = []  # [used, [(prompt, members), ...]]
@@ -116,15 +119,15 @@ def pack(
             tree[r, c : c + p], member[r, c : c + p] = tree_id, -1
             last_prompt = r * capacity + c + p - 1
             c += p
-            for b in members:
+            for b in members:  # its tokens but the last, which predicts nothing
                 t = completion_len[b]
-                tokens[r, c : c + t] = torch.tensor(ids[b][P : P + t])
-                positions[r, c : c + t] = torch.arange(p, p + t)
-                tree[r, c : c + t], member[r, c : c + t] = tree_id, b
+                tokens[r, c : c + t - 1] = torch.tensor(ids[b][P : P + t - 1])
+                positions[r, c : c + t - 1] = torch.arange(p, p + t - 1)
+                tree[r, c : c + t - 1], member[r, c : c + t - 1] = tree_id, b
                 rows += [b] * t
                 cols += range(t)
-                at += [last_prompt, *range(r * capacity + c, r * capacity + c + t - 1)]
-                c += t
+                at += [last_prompt, *range(r * capacity + c, r * capacity + c + t - 1)][:t]
+                c += max(t - 1, 0)
             tree_id += 1
     causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
     same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)

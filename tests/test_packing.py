@@ -113,11 +113,11 @@ def test_shared_prefixes_and_dropped_rows_sample_the_plain_paths_tokens():
     plain = run(share_prefix=False, drop_finished=False)
     assert plain[2].sum(1).min() < plain[2].size(1)  # some rows end early: rows drop
     assert len({tuple(r) for r in plain[0].tolist()}) > 3  # a group's rows differ
-    shared = run(share_prefix=True, drop_finished=False)
-    assert all(torch.equal(a, b) for a, b in zip(plain, shared, strict=True))  # bitwise
-    fast = run(share_prefix=True, drop_finished=True)
-    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[2], plain[2])
-    assert torch.allclose(fast[1], plain[1], atol=1e-5)  # another batch shape's matmuls
+    for flags in ({"drop_finished": False}, {"share_prefix": False}, {}):
+        fast = run(**flags)
+        assert torch.equal(fast[0], plain[0]) and torch.equal(fast[2], plain[2]), flags
+        # Log-probs up to float rounding: other batch shapes, other matmul blockings.
+        assert torch.allclose(fast[1], plain[1], rtol=0, atol=1e-5), flags
     alone = sample(model, prompt_ids[5:6], prompt_mask[5:6], **{**kw, "seeds": seeds[5:6]})
     width = alone[0].size(1)
     assert torch.equal(alone[0][0], plain[0][5, :width])
