@@ -1,6 +1,7 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
-# `make bench` : the speed benchmarks (weight sync, GRPO vs TRL, step breakdown, rollout latency, sandbox,
+# `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
+#                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
 #                relay fan-out, controller at scale and the scale model; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
@@ -34,8 +35,10 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python benchmarks/weight_sync.py
+	$(BIN)/python benchmarks/generation.py
+	$(BIN)/python benchmarks/prefix_training.py
 	$(BIN)/python benchmarks/step_breakdown.py
-	$(BIN)/python benchmarks/grpo_vs_trl.py
+	$(BIN)/python benchmarks/grpo_vs_trl.py --sweep
 	$(BIN)/python benchmarks/rollout_latency.py
 	$(BIN)/python benchmarks/sandbox.py
 	$(BIN)/python benchmarks/fanout.py --save runs/bench/fanout.json

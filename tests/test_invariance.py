@@ -1,7 +1,7 @@
 """Same math at any placement and layout: one fixed batch, the gradient of one
 optimizer step under trainer 1 / 2 procs, DDP / FSDP2, micro-batches 1 / 2,
 critic 1 / 2 procs, and batch layouts padded / tree / packed
-(`trainer.layout`), on real trainer and critic meshes (gloo). Each must equal
+(`trainer.layout`: padded against tree), on real trainer and critic meshes (gloo). Each must equal
 the single-proc padded gradient within 1e-5 relative (float sums in another
 order), for every loss aggregation, the KL term, the value loss and the DPO loss. The end-to-end variant (placement
 through the whole loop) is in test_e2e.py."""
@@ -69,7 +69,7 @@ def fixed_batch(rows: int = 8, prompt: int = 3, completion: int = 6) -> TrainBat
 @pytest.fixture(scope="module")
 def meshes():
     """Trainers: 1 proc, padded; 2 procs DDP with 2 micro-batches, tree; 2 procs
-    FSDP2, packed. Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
+    FSDP2, tree (packed is checked in-process, test_packing.py). Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
     with 2 micro-batches, tree."""
     meshes = RoleMeshes({"one": 1, "ddp": 2, "fsdp": 2, "critic": 2})
     optim = OptimConfig(lr=1e-2)
@@ -89,7 +89,7 @@ def meshes():
         yield {
             "one": trainer("one", layout="padded"),
             "ddp": trainer("ddp", micro_batches=2, layout="tree"),
-            "fsdp": trainer("fsdp", sharding="fsdp", layout="packed"),
+            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
             "critic_one": critic("one", layout="padded"),
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }

@@ -52,6 +52,36 @@ def test_packed_and_tree_layouts_score_what_the_padded_batch_scores():
             assert torch.allclose(values, want_values, atol=1e-5), layout
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
+def test_every_layout_gives_the_padded_gradient(aggregation):
+    """GRPO's loss with a KL term, on one model in this process (the layouts at
+    every placement: test_invariance.py)."""
+    from algorithms.base import HookLoss
+    from algorithms.grpo import GRPO, GRPOConfig
+    from meshrl.types import TrainBatch
+
+    ids, mask, T = grouped_batch()
+    g = torch.Generator().manual_seed(1)
+    batch = TrainBatch(
+        input_ids=ids, attention_mask=mask, completion_mask=mask[:, -T:],
+        old_logprobs=-4.6 + 0.3 * torch.randn(len(ids), T, generator=g),
+        advantages=torch.randn(len(ids), generator=g),
+        ref_logprobs=-4.6 + 0.3 * torch.randn(len(ids), T, generator=g),
+    )  # fmt: skip
+    loss_fn = HookLoss(GRPO(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1)))
+    model = load_model(MODEL, seed=2)
+    grads = {}
+    for layout in ("padded", "packed", "tree"):
+        model.zero_grad()
+        loss, _ = loss_fn(completion_logprobs(model, ids, mask, T, 1.0, layout), batch)
+        loss.backward()
+        grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = grads["padded"]
+    for layout in ("packed", "tree"):
+        error = ((grads[layout] - want).norm() / want.norm()).item()
+        assert error < 1e-5, f"{layout}: relative error {error:.1e}"
+
+
 def test_tree_layout_computes_each_prompt_once_and_no_padding():
     ids, mask, T = grouped_batch()
     real = int(mask.sum())
