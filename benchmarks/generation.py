@@ -69,13 +69,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    cfg = ModelConfig(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=max(1, args.hidden // 64),
-        intermediate_size=4 * args.hidden,
-        max_positions=args.prompt + args.max_new_tokens,
-    )
+    cfg = ModelConfig.sized(args.hidden, args.layers, args.prompt + args.max_new_tokens)
     model = load_model(cfg, seed=0).eval()
     stops = list(range(40, 40 + args.stops))
     figures: dict = {"params": sum(p.numel() for p in model.parameters())}

@@ -65,13 +65,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    model = ModelConfig(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=max(1, args.hidden // 64),
-        intermediate_size=4 * args.hidden,
-        max_positions=args.prompt + args.completion,
-    )
+    model = ModelConfig.sized(args.hidden, args.layers, args.prompt + args.completion)
     loss = HookLoss(GRPO(GRPOConfig(kl_coef=0.01)))
     batch = grpo_batch(args.prompts, args.group, args.prompt, args.completion)
     figures: dict = {}

@@ -90,6 +90,18 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA on the trainer (rank 0: off)."""
 
+    @staticmethod
+    def sized(hidden: int, layers: int, max_positions: int) -> ModelConfig:
+        """The embedded Llama at another width and depth, with the usual ratios
+        (64-wide heads, an MLP 4x the width): benchmarks' model sizes."""
+        return ModelConfig(
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=max(1, hidden // 64),
+            intermediate_size=4 * hidden,
+            max_positions=max_positions,
+        )
+
     def validate(self, prefix: str = "model") -> None:
         _check(
             self.dtype in ("float32", "bfloat16"),
