@@ -128,6 +128,17 @@ class GrowingLayer(DynamicLayer):
             )
 
 
+def _growing_cache(model) -> dict:
+    """The `GrowingLayer` cache argument for attention-only models (full or
+    sliding window: a window over a full cache is still applied by the mask);
+    none for models with other layers (linear attention, state spaces), which
+    make their own."""
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return {}
+    return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
+
+
 def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object]:
     """The last logits [B, V] and the KV cache of the prompts; with `share`, each
     distinct prompt is computed once and its cache copied to its rows."""
@@ -135,7 +146,7 @@ def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, ob
     rows = first if share else slice(None)
     out = model(
         input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True,
-        **{_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)},
+        **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
     )  # fmt: skip
     logits, cache = out.logits[:, -1], _cache_of(out)
