@@ -12,9 +12,8 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
-from meshrl.models import sequence_positions
+from meshrl.models import Cache, DynamicLayer, sequence_positions
 from meshrl.packing import takes_logits_to_keep
 
 

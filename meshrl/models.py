@@ -26,6 +26,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+# The sampler's cache classes (meshrl.generation) come through here, imported
+# with the model classes above: a colocated policy and trainer import their
+# modules in two threads of one proc at once, and importing transformers'
+# submodules from both sides broke its lazy imports (ImportError on
+# AutoModelForCausalLM). This module's import lock serializes them.
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402, F401
+
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
 from meshrl.packing import model_dtype, pack, packed_logits, takes_logits_to_keep
