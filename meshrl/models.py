@@ -31,7 +31,7 @@ from transformers import (
 # modules in two threads of one proc at once, and importing transformers'
 # submodules from both sides broke its lazy imports (ImportError on
 # AutoModelForCausalLM). This module's import lock serializes them.
-from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402, F401
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
