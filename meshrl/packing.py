@@ -150,9 +150,13 @@ def _takes_logits_to_keep(cls: type) -> bool:
 
 
 def takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the HF model (inside a DDP wrapper; FSDP2 and peft keep its
-    forward) computes logits at chosen positions only (`logits_to_keep`)."""
-    return _takes_logits_to_keep(type(getattr(model, "module", model)))
+    """Whether the HF model computes logits at chosen positions only
+    (`logits_to_keep`). DDP wraps it (`module`); peft passes keyword arguments
+    through to it (`get_base_model`); FSDP2 keeps its forward."""
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return _takes_logits_to_keep(type(model))
 
 
 def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
