@@ -9,6 +9,7 @@ compared token for token.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -76,11 +77,12 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
 
 def _cache_keyword(model: torch.nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); take either."""
-    return (
-        "cache"
-        if "cache" in inspect.signature(type(model).forward).parameters
-        else "past_key_values"
-    )
+    return _cache_keyword_of(type(model))
+
+
+@functools.cache  # asked at every decode step: the signature is read once per class
+def _cache_keyword_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def _cache_of(out) -> object:
@@ -189,8 +191,8 @@ def sample(
     `drop_finished`: rows leave the decode batch when they end. Both leave
     every row's distribution as it is; with the same seeds they give the same
     tokens (unless a draw falls within rounding of a boundary between two
-    tokens' probability mass), and log-probs equal up to float rounding (other batch shapes run
-    other matmul blockings): tests/test_packing.py.
+    tokens' probability mass), and log-probs equal up to float rounding
+    (other batch shapes run other matmul blockings): tests/test_packing.py.
     """
     B = prompt_ids.size(0)
     device = prompt_ids.device
@@ -221,9 +223,10 @@ def sample(
         if step < min_new_tokens:
             logits[:, stop] = -float("inf")
         logp = torch.log_softmax(logits, dim=-1)
-        token = draw(top_p_filter(logp.exp(), top_p), row_uniforms(seeds[live], step))
+        probs = logp.exp()
+        token = draw(top_p_filter(probs, top_p), row_uniforms(seeds[live], step))
         if stats is not None:
-            entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
+            entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
             entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
         running = ~finished[live]
         tokens[live, step] = torch.where(running, token, pad_token_id)
