@@ -353,9 +353,17 @@ class Algorithm:
             sync.pull(policy, sync.publish(trainer))  # version 0: the trainer's weights
             if cfg.warm_start.steps:
                 self.warm_start()
-            if self.reference is not None:
+            if self.frozen_copy is not None:
                 sup.call_all(self.reference, "load_weights", sync.handle)
         self.log = StepLog(run, cfg.steps, state.step, self.headline)
+
+    @property
+    def frozen_copy(self) -> Any:
+        """The reference mesh when it holds a frozen copy of the starting policy
+        (pulled from the trainer once, saved in checkpoints); None when there is
+        none, or when it is a model of its own (distillation's teacher)."""
+        reference = getattr(self, "reference", None)
+        return reference if reference is not None and reference.name == "reference" else None
 
     def reload_reference(self) -> None:
         """A replaced reference takes its frozen weights from the newest checkpoint."""

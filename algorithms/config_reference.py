@@ -11,6 +11,7 @@ import os
 import sys
 
 from algorithms.dapo import DAPOConfig
+from algorithms.distill import DistillConfig
 from algorithms.dpo import DPOConfig
 from algorithms.grpo import GRPOConfig
 from algorithms.ppo import PPOConfig
@@ -24,6 +25,7 @@ SCHEMAS = {
     "reinforce_pp": (ReinforcePPConfig, "REINFORCE++ config keys (`ReinforcePPConfig`)"),
     "ppo": (PPOConfig, "PPO config keys (`PPOConfig`)"),
     "dpo": (DPOConfig, "DPO config keys (`DPOConfig`)"),
+    "distill": (DistillConfig, "On-policy distillation config keys (`DistillConfig`)"),
 }
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config")
 

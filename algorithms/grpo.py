@@ -37,7 +37,7 @@ import torch
 from algorithms.base import Algorithm, HookLoss, RLConfig, main
 from meshrl.config import ConfigError
 from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
-from meshrl.run import Run
+from meshrl.run import Role, Run
 from meshrl.steplog import rollout_metrics
 from meshrl.supervisor import RoleLost, step_metrics
 from meshrl.types import TrainBatch
@@ -89,7 +89,6 @@ class GRPO(Algorithm):
         `cfg.steps`, then save the model and stop every proc)."""
         from actors.environment import Environment
         from actors.policy import Policy
-        from actors.reference import Reference
         from actors.reward_model import RewardModel
         from actors.trainer import Trainer
 
@@ -107,14 +106,13 @@ class GRPO(Algorithm):
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
                 )  # fmt: skip
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
-                self.reference = self.reward_model = None
-                if cfg.kl_coef > 0:  # a frozen copy of the starting weights
-                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)  # fmt: skip
+                self.reference = self.spawn_reference(run)
+                self.reward_model = None
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
-                self.compose(run, [self.trainer, self.reference, self.policy])
+                self.compose(run, [self.trainer, self.frozen_copy, self.policy])
             run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
             policy, trainer, reference = self.policy, self.trainer, self.reference
             end = self.steps_to(num_steps)
@@ -180,6 +178,18 @@ class GRPO(Algorithm):
         return log.history
 
     # --- hooks: override one of these for a variant ---------------------------------
+
+    def spawn_reference(self, run: Run) -> Role | None:
+        """The mesh whose log-probs each batch carries as `ref_logprobs`: with
+        `kl_coef > 0`, a frozen copy of the starting weights (it pulls them
+        from the trainer once, after any warm-start); else none. Distillation
+        spawns its teacher here instead."""
+        from actors.reference import Reference
+
+        cfg = self.cfg
+        if cfg.kl_coef <= 0:
+            return None
+        return run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).

@@ -36,7 +36,13 @@ ROWS = [  # (algorithm, module, config)
     ("GRPO, calculator tool", "grpo", "grpo_calculator.yaml"),
     ("GRPO, code", "grpo", "grpo_code.yaml"),
     ("DPO", "dpo", "dpo.yaml"),
+    ("On-policy distillation", "distill", "distill.yaml"),
 ]
+HELD_OUT = {  # module: (key, headline) of an evaluation before the first step and after
+    "dpo": ("eval/accuracy", "held-out accuracy"),
+    "distill": ("eval/reverse_kl", "held-out reverse KL"),
+}
+TEACHER = "grpo_default.yaml"  # its final model is distill.yaml's teacher
 PAGES = ("README.md", os.path.join("docs", "algorithms", "README.md"))
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADER = (
@@ -50,8 +56,14 @@ def run_row(module: str, config: str, run_dir: str) -> dict:
         sys.executable, "-m", f"algorithms.{module}",
         "--config", os.path.join("algorithms", "configs", config),
         f"run.dir={run_dir}", f"run.name={name}",
-        "run.progress=false", "run.save_final=false", "run.samples_every=0",
+        "run.progress=false", "run.samples_every=0",
+        f"run.save_final={str(config == TEACHER).lower()}",
     ]  # fmt: skip
+    if module == "distill":
+        teacher = os.path.join(run_dir, TEACHER.removesuffix(".yaml"), "final")
+        if not os.path.isdir(teacher):  # `--only distill.yaml`: train its teacher first
+            run_row("grpo", TEACHER, run_dir)
+        command.append(f"teacher.path={teacher}")
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     wall = time.monotonic() - started
@@ -61,9 +73,10 @@ def run_row(module: str, config: str, run_dir: str) -> dict:
         records = [json.loads(line) for line in f if line.strip() not in ("", "{}")]
     steps = [r for r in records if "step" in r]
     step_s = [r["time/step_s"] for r in steps if "time/step_s" in r]
-    if module == "dpo":
-        evals = [r["eval/accuracy"] for r in steps if "eval/accuracy" in r]
-        first, last, headline = steps[0]["eval/accuracy_before"], evals[-1], "held-out accuracy"
+    if module in ("dpo", "distill"):
+        key, headline = HELD_OUT[module]
+        evals = [r[key] for r in steps if key in r]
+        first, last = steps[0][f"{key}_before"], evals[-1]
     else:
         rewards = [r["reward/mean"] for r in steps]
         first, last, headline = mean(rewards[:10]), mean(rewards[-10:]), "reward/mean"

@@ -14,6 +14,7 @@ again (`stale`), and a group with a failed episode is replaced by new prompts
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,16 +70,17 @@ class Collector:
 
     # --- prompts --------------------------------------------------------------------------
 
-    def sample_prompts(self, num_prompts: int) -> list[Prompt]:
+    def sample_prompts(self, num_prompts: int, rng: random.Random | None = None) -> list[Prompt]:
         """`num_prompts` prompts from the task that fit the model's context with
-        `generation.max_new_tokens` to spare. A prompt that does not is skipped
-        and another drawn (`samples/skipped_overlong_prompts`), or is an error
+        `generation.max_new_tokens` to spare, drawn with `rng` (the loop's by
+        default). A prompt that does not is skipped and another drawn
+        (`samples/skipped_overlong_prompts`), or is an error
         (`generation.overlong_prompt=error`)."""
-        generation = self.cfg.generation
+        generation, rng = self.cfg.generation, rng or self.state.rng
         room = self.context - generation.max_new_tokens
         prompts: list[Prompt] = []
         for _ in range(100):  # draws of a batch, before concluding nothing fits
-            drawn = self.task.sample(num_prompts - len(prompts), self.state.rng)
+            drawn = self.task.sample(num_prompts - len(prompts), rng)
             lengths = map(len, self.format.prompts([p.text for p in drawn]))  # one batch call
             for prompt, length in zip(drawn, lengths, strict=True):
                 if length <= room:

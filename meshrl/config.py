@@ -263,6 +263,8 @@ class PlacementConfig:
     """Spawned only when reward_model.path is set."""
     critic: int = 1
     """Spawned only by algorithms with a critic (PPO)."""
+    teacher: int = 1
+    """Spawned only by distillation: the teacher's procs (rows split over them)."""
     threads_per_proc: int = 0
     """torch threads in each proc; 0 shares this host's cores among the procs that
     compute at the same time (one role at a time in the synchronous loop)."""
@@ -275,7 +277,8 @@ class PlacementConfig:
     sharded through torch.distributed.checkpoint). The critic runs ddp."""
 
     def validate(self) -> None:
-        for role in ("policy", "trainer", "environment", "reference", "critic", "reward_model"):
+        roles = ("policy", "trainer", "environment", "reference", "critic", "reward_model")
+        for role in (*roles, "teacher"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
         _check(self.threads_per_proc >= 0, "placement.threads_per_proc", "must be >= 0")
         _check(

@@ -27,7 +27,9 @@ SHIPPED = {
     "dapo": ("algorithms.dapo", "DAPOConfig"),
     "ppo": ("algorithms.ppo", "PPOConfig"),
     "dpo": ("algorithms.dpo", "DPOConfig"),
+    "distill": ("algorithms.distill", "DistillConfig"),
 }
+NEEDS = {"distill": ["teacher.path=null"]}  # its teacher is another run's output
 
 
 def test_every_shipped_yaml_is_listed_here():
@@ -181,11 +183,19 @@ def test_base_key_chains_configs(tmp_path):
 def test_every_shipped_config_loads_and_names_its_command(config):
     module, schema = SHIPPED[config]
     path = os.path.join(REPO, "algorithms", "configs", f"{config}.yaml")
-    cfg = load_config(getattr(importlib.import_module(module), schema), path)
+    cfg = load_config(getattr(importlib.import_module(module), schema), path, NEEDS.get(config))
     cfg.validate()
     with open(path) as f:
         header = f.read().split("\n\n")[0]
     assert f"python -m {module} --config algorithms/configs/{config}.yaml" in header
+
+
+def test_a_missing_teacher_says_how_to_make_one():
+    from algorithms.distill import DistillConfig
+
+    path = os.path.join(REPO, "algorithms", "configs", "distill.yaml")
+    with pytest.raises(ConfigError, match=r"'teacher.path': no such directory: /nope .*make run"):
+        load_config(DistillConfig, path, ["teacher.path=/nope"])
 
 
 def test_ppo_keys_are_checked():

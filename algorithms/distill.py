@@ -1,0 +1,205 @@
+"""On-policy distillation: a student learns a frozen teacher's per-token
+distribution on the student's own samples.
+
+Each step runs GRPO's loop (grpo.py) with two changes. The frozen mesh is a
+teacher with weights of its own: a model loaded by path, or built from config.
+It is not a copy of the student. Each completion token t gets the advantage
+
+    A_t = -(log pi_student(x_t) - log p_teacher(x_t))
+
+This is minus the per-token estimate of the reverse KL on the student's sample,
+with no credit to later tokens: the Thinking Machines on-policy distillation
+recipe (Lu et al. 2025), after GKD (Agarwal et al. 2024) and MiniLLM (Gu et al.
+2024). With one optimizer step per batch, the clipped surrogate's gradient is
+then the policy gradient of the per-token reverse KL. `reward_weight` adds the
+task's group-normalized reward to every token's advantage. 0 (the default)
+trains on the teacher alone.
+
+Every `eval_every` steps a fixed set of `eval_prompts` prompts is drawn once,
+from a seed of its own. On it, the student samples one completion per prompt,
+the teacher scores it, and the environment rewards it. These give
+`eval/reverse_kl` (per token) and `eval/reward`. Step 0 also logs both before
+any update (`_before`).
+
+Run it (the teacher is the final model of a GRPO run):
+    make run ARGS="run.name=teacher"
+    make run ALGO=distill CONFIG=algorithms/configs/distill.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from algorithms.base import main
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import ConfigError, ModelConfig
+from meshrl.envs import make_task
+from meshrl.losses import group_advantages, masked_mean, scale_of
+from meshrl.mesh import split
+from meshrl.models import context_length, load_tokenizer
+from meshrl.run import Role, Run
+from meshrl.types import Completions, TrainBatch
+
+
+@dataclass
+class DistillConfig(GRPOConfig):
+    teacher: ModelConfig = field(default_factory=ModelConfig)
+    """The frozen teacher: a local HF directory (`teacher.path`) or a model built
+    from these keys. Its tokenizer must be the student's (`model`)."""
+    teacher_seed: int = 1
+    """Initialization seed of a teacher built from config (no `teacher.path`)."""
+    reward_weight: float = 0.0
+    """Weight of the task's group-normalized reward, added to every token's
+    advantage; 0 trains on the teacher's log-probs alone."""
+    baseline: bool = True
+    """Subtract the batch's mean token advantage from every token's: the same
+    expected gradient (a constant baseline), with much less variance."""
+    eval_every: int = 10
+    """Steps between held-out evaluations (and after the last step)."""
+    eval_prompts: int = 64
+    """Prompts in the held-out set: drawn once, from a seed of their own."""
+    loss_aggregation: str = "token-mean"
+    """How per-token losses become a scalar; see meshrl.losses.aggregate."""
+
+    min_group_size = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.teacher.path is not None and not os.path.isdir(self.teacher.path):
+            raise ConfigError(
+                f"config key 'teacher.path': no such directory: {self.teacher.path} (a trained "
+                "model; `make run ARGS=run.name=teacher` writes one to runs/teacher/final)"
+            )
+        self.teacher.validate("teacher")
+        if self.kl_coef:
+            raise ConfigError(
+                "config key 'kl_coef': must be 0 in distillation (the KL is to the teacher)"
+            )
+        if self.reward_weight < 0:
+            raise ConfigError("config key 'reward_weight': must be >= 0")
+        if self.reward_weight and self.group_size < 2:
+            raise ConfigError(
+                "config key 'group_size': must be >= 2 with reward_weight > 0 "
+                "(reward advantages compare completions of one prompt)"
+            )
+        for key in ("eval_every", "eval_prompts"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}': must be >= 1")
+        if make_task(self.task).multi_turn:
+            raise ConfigError(
+                f"config key 'task.name': distillation runs single-turn tasks ({self.task.name} "
+                "is multi-turn)"
+            )
+
+
+class Distill(GRPO):
+    name = "distill"
+    headline = "distill/reverse_kl"
+
+    def __init__(self, cfg: DistillConfig):
+        super().__init__(cfg)
+        teacher = load_tokenizer(cfg.teacher)
+        if teacher.get_vocab() != self.tokenizer.get_vocab():
+            raise ConfigError(
+                "config key 'teacher': distillation needs a shared vocabulary: the teacher's "
+                f"tokenizer ({len(teacher)} tokens) is not the student's ({len(self.tokenizer)})"
+            )
+        if context_length(cfg.teacher) < self.context:
+            raise ConfigError(
+                f"config key 'teacher': its context ({context_length(cfg.teacher)} tokens) is "
+                f"shorter than the student's ({self.context}), whose samples it scores"
+            )
+        self.eval_set: list | None = None
+        self.before: dict[str, float] | None = None
+
+    # --- the meshes: GRPO's, with a teacher where the reference would be ----------
+
+    def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
+        procs, share, busy = super().placement()
+        procs["teacher"] = self.cfg.placement.teacher
+        return procs, share, [*busy, ("teacher",)]
+
+    def spawn_reference(self, run: Run) -> Role:
+        """The teacher: its own weights, loaded (or built) in its procs."""
+        from actors.reference import Reference
+
+        cfg = self.cfg
+        return run.spawn("teacher", Reference, cfg.teacher, cfg.teacher_seed, cfg.trainer.layout)
+
+    def compose(self, run: Any, stateful: list) -> None:
+        super().compose(run, stateful)
+        self.sup.on_respawn("teacher")  # a new teacher proc loads its weights itself
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def rollout(self, batch: Any) -> tuple[Completions, torch.Tensor, dict]:
+        if self.before is None and self.state.step == 0:  # before the first update
+            self.before = self.evaluate()
+        return super().rollout(batch)
+
+    def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B, T]: minus each token's reverse-KL estimate, plus the weighted
+        reward advantage."""
+        mask = batch.completion_mask
+        advantages = batch.ref_logprobs - batch.old_logprobs
+        if self.cfg.baseline:  # the batch's mean over its tokens: unbiased, far less variance
+            advantages = advantages - masked_mean(advantages, mask)
+        advantages = advantages * mask
+        if self.cfg.reward_weight:
+            cfg = self.cfg
+            rewarded = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)
+            advantages = advantages + cfg.reward_weight * rewarded.unsqueeze(1) * mask
+        return advantages
+
+    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        loss, metrics = super().loss(logprobs, batch)
+        mask = batch.completion_mask
+        reverse_kl = logprobs.detach() - batch.ref_logprobs
+        metrics["distill/reverse_kl"] = (
+            scale_of(mask, batch.scale).token_mean(reverse_kl, mask).item()
+        )
+        return loss, metrics
+
+    def after_step(self, step: int, metrics: dict) -> None:
+        cfg = self.cfg
+        if step == 0 and self.before is not None:
+            metrics.update({f"{key}_before": value for key, value in self.before.items()})
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            metrics.update(self.evaluate())
+        super().after_step(step, metrics)
+
+    # --- held-out evaluation ----------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """One completion per held-out prompt from the student now: the teacher's
+        per-token reverse KL to it and the task's reward. Not in the ledger."""
+        cfg, sup = self.cfg, self.sup
+        if self.eval_set is None:
+            rng = random.Random(f"eval-{cfg.run.seed}")
+            self.eval_set = self.collector.sample_prompts(cfg.eval_prompts, rng)
+        prompts = self.eval_set
+        ids = self.collector.format.prompts([p.text for p in prompts])
+        shards = split(ids, self.policy.size)
+        parts, _ = sup.call(self.policy, "generate", [(s, cfg.generation) for s in shards])
+        completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+        batch = TrainBatch.from_completions(completions)
+        teacher = sup.call_rows(self.reference, "logprobs", batch, cfg.generation.temperature)
+        n = self.environment.size
+        work = zip(split(prompts, n), split(completions.completion_lists(), n), strict=True)
+        scores, _ = sup.call(self.environment, "score", list(work))
+        rewards = [reward for part, _ in scores for reward in part]
+        mask = batch.completion_mask
+        return {
+            "eval/reverse_kl": masked_mean(batch.old_logprobs - teacher, mask).item(),
+            "eval/reward": sum(rewards) / len(rewards),
+        }
+
+
+if __name__ == "__main__":
+    sys.exit(main(Distill, DistillConfig))
