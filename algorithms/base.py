@@ -41,6 +41,7 @@ from meshrl.config import (
 from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
 from meshrl.envs.sandbox import SandboxConfig
+from meshrl.export import start_from
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
@@ -226,6 +227,7 @@ class Algorithm:
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        start_from(cfg.model, "model.path")
         self.state = LoopState(seed=cfg.run.seed)
         self.meshes: Any = None  # the `Run`, once spawned
         self.log: Any = None

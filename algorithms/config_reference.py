@@ -16,6 +16,7 @@ from algorithms.dpo import DPOConfig
 from algorithms.grpo import GRPOConfig
 from algorithms.ppo import PPOConfig
 from algorithms.reinforce_pp import ReinforcePPConfig
+from algorithms.sft import SFTConfig
 from meshrl.config_docs import markdown
 from meshrl.generated import write_or_check
 
@@ -26,6 +27,7 @@ SCHEMAS = {
     "ppo": (PPOConfig, "PPO config keys (`PPOConfig`)"),
     "dpo": (DPOConfig, "DPO config keys (`DPOConfig`)"),
     "distill": (DistillConfig, "On-policy distillation config keys (`DistillConfig`)"),
+    "sft": (SFTConfig, "SFT config keys (`SFTConfig`)"),
 }
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config")
 

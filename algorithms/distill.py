@@ -40,6 +40,7 @@ from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.envs import make_task
+from meshrl.export import start_from
 from meshrl.losses import group_advantages, masked_mean, scale_of
 from meshrl.mesh import split
 from meshrl.models import context_length, load_tokenizer
@@ -103,6 +104,7 @@ class Distill(GRPO):
     headline = "distill/reverse_kl"
 
     def __init__(self, cfg: DistillConfig):
+        start_from(cfg.teacher, "teacher.path")  # another run's output works too
         super().__init__(cfg)
         teacher = load_tokenizer(cfg.teacher)
         if teacher.get_vocab() != self.tokenizer.get_vocab():

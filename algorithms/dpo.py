@@ -72,7 +72,7 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class SFTConfig:
+class DPOSFTConfig:
     steps: int = 0
     """Supervised steps on the train split's chosen responses before DPO; 0 skips."""
     batch_size: int = 64
@@ -101,7 +101,7 @@ class DPOConfig:
     """The trainer's and reference's batch layout (as `trainer.layout` in GRPO):
     tree (a pair's two responses share one forward of its prompt), packed or padded."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: DPOSFTConfig = field(default_factory=DPOSFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -251,12 +251,7 @@ class DPO(Algorithm):
     def next_pairs(self) -> list[PreferencePair]:
         """The next `batch_size` train pairs: shuffled passes over the split (the
         position is in the `LoopState`, so a resumed run goes on where it was)."""
-        queue = self.state.data.setdefault("queue", [])
-        while len(queue) < self.cfg.batch_size:
-            more = list(range(len(self.train_pairs)))
-            self.state.rng.shuffle(more)
-            queue += more
-        taken, self.state.data["queue"] = queue[: self.cfg.batch_size], queue[self.cfg.batch_size :]
+        taken = self.state.next_items(len(self.train_pairs), self.cfg.batch_size)
         return [self.train_pairs[i] for i in taken]
 
     def pair_batch(self, pairs: list[PreferencePair]) -> TrainBatch:

@@ -37,10 +37,12 @@ ROWS = [  # (algorithm, module, config)
     ("GRPO, code", "grpo", "grpo_code.yaml"),
     ("DPO", "dpo", "dpo.yaml"),
     ("On-policy distillation", "distill", "distill.yaml"),
+    ("SFT", "sft", "sft.yaml"),
 ]
 HELD_OUT = {  # module: (key, headline) of an evaluation before the first step and after
     "dpo": ("eval/accuracy", "held-out accuracy"),
     "distill": ("eval/reverse_kl", "held-out reverse KL"),
+    "sft": ("eval/nll", "held-out NLL"),
 }
 TEACHER = "grpo_default.yaml"  # its final model is distill.yaml's teacher
 PAGES = ("README.md", os.path.join("docs", "algorithms", "README.md"))
@@ -73,7 +75,7 @@ def run_row(module: str, config: str, run_dir: str) -> dict:
         records = [json.loads(line) for line in f if line.strip() not in ("", "{}")]
     steps = [r for r in records if "step" in r]
     step_s = [r["time/step_s"] for r in steps if "time/step_s" in r]
-    if module in ("dpo", "distill"):
+    if module in HELD_OUT:
         key, headline = HELD_OUT[module]
         evals = [r[key] for r in steps if key in r]
         first, last = steps[0][f"{key}_before"], evals[-1]

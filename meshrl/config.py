@@ -73,8 +73,10 @@ class ModelConfig:
     """The policy model. Either a local HF directory or the embedded tiny Llama."""
 
     path: str | None = None
-    """Local directory of a HF causal LM + tokenizer (`save_pretrained` layout).
-    None builds the embedded tiny Llama and the project's character tokenizer."""
+    """Local directory of a HF causal LM + tokenizer (`save_pretrained` layout),
+    or another meshrl run's directory (its `final/`, else its newest checkpoint)
+    or checkpoint. None builds the embedded tiny Llama and the project's
+    character tokenizer."""
     hidden_size: int = 64
     """Embedded model only: width of the residual stream."""
     num_layers: int = 2
@@ -110,12 +112,17 @@ class ModelConfig:
         )
         if self.path is not None:
             _check(os.path.isdir(self.path), f"{prefix}.path", f"no such directory: {self.path}")
-            _check(
-                os.path.isfile(os.path.join(self.path, "config.json")),
-                f"{prefix}.path",
-                f"{self.path} has no config.json (expected a save_pretrained directory)",
-            )
-            _check_tokenizer_fits(self.path, f"{prefix}.path")
+            if os.path.isfile(os.path.join(self.path, "config.json")):
+                _check_tokenizer_fits(self.path, f"{prefix}.path")
+            else:  # another run's output: `meshrl.export.model_source` resolves it
+                run = os.path.isfile(os.path.join(self.path, "config.yaml"))
+                saved = os.path.isfile(os.path.join(self.path, "COMPLETE"))
+                _check(
+                    run or saved,
+                    f"{prefix}.path",
+                    f"{self.path} has no config.json (expected a save_pretrained directory, "
+                    "a meshrl run directory or one of its checkpoints)",
+                )
         self.lora.validate(f"{prefix}.lora")
         for name in (
             "hidden_size",

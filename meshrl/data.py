@@ -101,11 +101,11 @@ def write_jsonl(path: str, records: list[dict]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def read_rows(path: str, fields: list[str], key: str) -> list[dict]:
-    """Task rows from a `.jsonl` or `.parquet` file, or a directory written by HF
-    `datasets` `save_to_disk` (its `train` split when it holds several). Every
-    row must have `fields`; errors name `key` (the config key), the file and the
-    line or row."""
+def read_records(path: str, key: str) -> list[tuple[str, dict]]:
+    """(where, row) of each row of a `.jsonl` or `.parquet` file, or of a
+    directory written by HF `datasets` `save_to_disk` (its `train` split when it
+    holds several); `where` names the line or row for errors. Errors name `key`
+    (the config key) and the file."""
     if os.path.isdir(path):
         records = _read_hf_dir(path, key)
     elif not os.path.isfile(path):
@@ -117,6 +117,13 @@ def read_rows(path: str, fields: list[str], key: str) -> list[dict]:
     for where, record in records:
         if not isinstance(record, dict):
             raise DatasetError(f"dataset file {path}, {where}: expected an object")
+    return records
+
+
+def read_rows(path: str, fields: list[str], key: str) -> list[dict]:
+    """Task rows (`read_records`); every row must have `fields`."""
+    records = read_records(path, key)
+    for where, record in records:
         for name in fields:
             if name not in record:
                 raise DatasetError(

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from meshrl import checkpoint, lora
-from meshrl.config import ModelConfig
+from meshrl.config import ConfigError, ModelConfig
 from meshrl.models import load_model, load_tokenizer
 
 
@@ -95,6 +95,39 @@ def export_checkpoint(path: str, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     save_hf(model, cfg, out)
     return ckpt
+
+
+def model_source(path: str) -> str:
+    """An HF directory for `model.path`: `path` itself when it is one; a run
+    directory's `final/` when it has one; else a checkpoint's (or a run
+    directory's newest) model, exported once into the checkpoint's `hf/`. So a
+    run starts from another's output with no conversion step (SFT -> RL -> SFT)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    final = os.path.join(path, "final")
+    if os.path.isfile(os.path.join(path, "config.yaml")) and os.path.isfile(
+        os.path.join(final, "config.json")
+    ):
+        return final
+    ckpt, _ = resolve(path)
+    out = os.path.join(ckpt, "hf")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        partial = f"{out}.partial-{os.getpid()}"  # renamed into place once written
+        export_checkpoint(ckpt, partial)
+        os.replace(partial, out)
+    return out
+
+
+def start_from(model: ModelConfig, key: str) -> None:
+    """Point `model.path` at an HF directory when it names another run's output
+    (its `final/`, or a checkpoint exported once: `model_source`)."""
+    if model.path is None:
+        return
+    try:
+        model.path = model_source(model.path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"config key '{key}': {error}") from None
+    model.validate(key.rsplit(".", 1)[0])  # the tokenizer of what it resolved to
 
 
 def main(argv: list[str] | None = None) -> int:

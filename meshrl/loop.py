@@ -125,3 +125,15 @@ class LoopState:
 
     def count(self, key: str, by: int = 1) -> None:
         self.counters[key] += by
+
+    def next_items(self, total: int, count: int) -> list[int]:
+        """The next `count` of shuffled passes over `range(total)` (an offline
+        dataset's rows). The position is in `data`, so a resumed run goes on
+        where it was."""
+        queue = self.data.setdefault("queue", [])
+        while len(queue) < count:
+            more = list(range(total))
+            self.rng.shuffle(more)
+            queue += more
+        taken, self.data["queue"] = queue[:count], queue[count:]
+        return taken

@@ -13,16 +13,23 @@ from meshrl.types import TrainBatch
 
 
 def supervised_batch(
-    prompt_ids: list[list[int]], targets: list[list[int]], pad_id: int
+    prompt_ids: list[list[int]],
+    targets: list[list[int]],
+    pad_id: int,
+    target_masks: list[list[int]] | None = None,
 ) -> TrainBatch:
-    """Prompt + target token ids -> a TrainBatch whose completion is the target."""
+    """Prompt + target token ids -> a TrainBatch whose completion is the target.
+    `target_masks`: which target tokens the loss counts (all when None; a
+    conversation's user turns between assistant turns are 0)."""
     P, T = max(map(len, prompt_ids)), max(map(len, targets))
     ids = torch.full((len(prompt_ids), P + T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompt_ids), P + T)
+    completion_mask = torch.zeros(len(prompt_ids), T)
     for row, (prompt, target) in enumerate(zip(prompt_ids, targets, strict=True)):
         ids[row, P - len(prompt) : P + len(target)] = torch.tensor(prompt + target)
         mask[row, P - len(prompt) : P + len(target)] = 1
-    completion_mask = mask[:, P:]
+        counted = target_masks[row] if target_masks is not None else [1] * len(target)
+        completion_mask[row, : len(target)] = torch.tensor(counted, dtype=torch.float)
     return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
 
 

@@ -28,6 +28,7 @@ SHIPPED = {
     "ppo": ("algorithms.ppo", "PPOConfig"),
     "dpo": ("algorithms.dpo", "DPOConfig"),
     "distill": ("algorithms.distill", "DistillConfig"),
+    "sft": ("algorithms.sft", "SFTConfig"),
 }
 NEEDS = {"distill": ["teacher.path=null"]}  # its teacher is another run's output
 

@@ -1,0 +1,218 @@
+"""SFT: supervised fine-tuning on the trainer mesh, as an algorithm of its own.
+
+A dataset of prompt/completion pairs or chat conversations (`meshrl.sft_data`:
+the chat template, the loss on the assistant's tokens only) is tokenized once
+on the controller and split into train and held-out rows. Each step takes
+`batch_size` train rows and the trainer mesh takes one optimizer step of their
+token-mean NLL (data-parallel, DDP or FSDP2; the mean is over the step's
+assistant tokens at any placement). Every `eval_every` steps the held-out rows
+give `eval/nll`. A run has the same trainer, checkpoints, exact resume,
+metrics and HF export (`final/`) as the RL algorithms.
+
+Chain runs by path, with no conversion: `model.path` may name another run's
+directory (its `final/`, else its newest checkpoint) or one of its
+checkpoints, for SFT -> RL -> SFT:
+    python -m algorithms.sft --config algorithms/configs/sft.yaml run.name=sft
+    python -m algorithms.grpo --config algorithms/configs/grpo_default.yaml \
+        model.path=runs/sft warm_start.steps=0
+
+In Python: `SFT(load_config(SFTConfig, "algorithms/configs/sft.yaml")).run()`.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from algorithms.base import Algorithm, HookLoss, main
+from algorithms.dpo import SHIPPED_PREFERENCES
+from meshrl.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.config import (
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    PlacementConfig,
+    RunConfig,
+    check_lora_placement,
+)
+from meshrl.config_trainer import LAYOUTS
+from meshrl.data import DatasetError
+from meshrl.faults import FaultsConfig
+from meshrl.job import JobConfig
+from meshrl.losses import nll_loss
+from meshrl.run import Run
+from meshrl.sft_data import Example, load_examples
+from meshrl.steplog import StepLog
+from meshrl.supervised import supervised_batch
+from meshrl.supervisor import RoleLost, Supervisor
+from meshrl.types import TrainBatch
+from meshrl.weight_sync import WeightSync
+
+
+@dataclass
+class SFTDataConfig:
+    path: str = SHIPPED_PREFERENCES
+    """A .jsonl or .parquet file, or a datasets `save_to_disk` directory, of
+    conversations or prompt/completion pairs (meshrl/sft_data.py)."""
+    prompt_field: str = "prompt"
+    """The field of a pair's prompt."""
+    completion_field: str = "completion"
+    """The field of a pair's completion (the shipped file's: `chosen`)."""
+    messages_field: str = "messages"
+    """The field of a conversation: a list of {role, content}."""
+    eval_fraction: float = 0.1
+    """Share of the rows held out for `eval/nll`."""
+
+    def validate(self) -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError("config key 'data.eval_fraction': must be in [0, 1)")
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Rows per step."""
+    eval_every: int = 25
+    """Steps between held-out evaluations (and after the last step)."""
+    layout: str = "tree"
+    """The trainer's batch layout (as `trainer.layout` in GRPO): tree, packed or padded."""
+    micro_batches: int = 1
+    """Passes each trainer proc splits its rows into (gradient accumulation)."""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def validate(self) -> None:
+        for section in (
+            self.data,
+            self.model,
+            self.optim,
+            self.placement,
+            self.run,
+            self.job,
+            self.checkpoint,
+            self.faults,
+        ):
+            section.validate()
+        check_lora_placement(self.model, self.placement)
+        for key in ("steps", "batch_size", "eval_every", "micro_batches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}': must be >= 1")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(
+                f"config key 'layout': '{self.layout}' is not one of {', '.join(LAYOUTS)}"
+            )
+
+
+class SFT(Algorithm):
+    name = "sft"
+    headline = "loss/nll"
+
+    def run(self, num_steps: int | None = None) -> list[dict]:
+        """Spawn the trainer mesh (first call), train `num_steps` more steps (None:
+        to `cfg.steps`, then save the model and stop every proc)."""
+        from actors.trainer import Trainer
+
+        cfg, state = self.cfg, self.state
+        try:
+            if self.meshes is None:  # --- one mesh: the trainer ---
+                self.load_data()
+                run = self.meshes = Run(cfg, self.name, {"trainer": cfg.placement.trainer})
+                self.trainer = run.spawn(
+                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
+                    total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
+                    shm_prefix=run.shm_prefix, micro_batches=cfg.micro_batches,
+                    layout=cfg.layout, rendezvous=True,
+                )  # fmt: skip
+                self.sup = Supervisor(run, cfg.faults, state)
+                self.sync = WeightSync(self.sup)
+                self.ckpt = Checkpointer(run, state, [self.trainer], cfg.checkpoint)
+                self.ckpt.resume()
+                self.log = StepLog(run, cfg.steps, state.step, self.headline)
+                self.before = self.evaluate()
+            run, sup, log = self.meshes, self.sup, self.log
+            end = self.steps_to(num_steps)
+            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
+                while state.step < end:
+                    step = state.step
+                    sup.drill(step)  # drills from the `faults:` config, if any
+                    with log.timer("step"):
+                        rows = state.next_items(len(self.train), cfg.batch_size)
+                        batch = self.batch([self.train[i] for i in rows])
+                        try:  # each trainer rank steps on its block of rows
+                            metrics = sup.call_sharded(self.trainer, "train_step", batch)
+                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                            self.ckpt.rewind(lost, sup, log, 0)
+                            continue
+                    record = {
+                        "step": step,
+                        **metrics,
+                        "tokens/trained": int(batch.completion_mask.sum()),
+                        **sup.metrics(),
+                    }
+                    if step == 0:
+                        record.update({f"{k}_before": v for k, v in self.before.items()})
+                    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+                        record.update(self.evaluate())
+                    self.after_step(step, record)
+                    state.step += 1
+                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
+        except BaseException:
+            self.close()
+            raise
+        if num_steps is None:
+            self.stop()
+        return log.history
+
+    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """Runs on every trainer proc: the mean NLL of the step's assistant tokens."""
+        return nll_loss(logprobs, batch.completion_mask, batch.scale)
+
+    # --- data -------------------------------------------------------------------------
+
+    def load_data(self) -> None:
+        """Every row tokenized, then a seeded split into train and held-out rows."""
+        cfg = self.cfg.data
+        fields = (cfg.prompt_field, cfg.completion_field, cfg.messages_field)
+        try:
+            examples = load_examples(cfg.path, self.tokenizer, fields, self.context)
+        except DatasetError as error:
+            raise ConfigError(str(error)) from None
+        order = list(range(len(examples)))
+        random.Random(self.cfg.run.seed).shuffle(order)
+        held = round(len(examples) * cfg.eval_fraction)
+        self.train = [examples[i] for i in order[: len(order) - held]]
+        self.held_out = [examples[i] for i in order[len(order) - held :]]
+        if not self.train:
+            raise ConfigError(
+                f"config key 'data.eval_fraction': no rows of {cfg.path} are left to train on"
+            )
+
+    def batch(self, examples: list[Example]) -> TrainBatch:
+        return supervised_batch(
+            [e.prompt for e in examples],
+            [e.target for e in examples],
+            self.tokenizer.pad_token_id,
+            [e.counted for e in examples],
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """The mean NLL of the held-out rows' assistant tokens (no update)."""
+        if not self.held_out:
+            return {}
+        metrics = self.sup.call_sharded(self.trainer, "eval_step", self.batch(self.held_out))
+        return {"eval/nll": metrics["loss/nll"]}
+
+
+if __name__ == "__main__":
+    sys.exit(main(SFT, SFTConfig))
