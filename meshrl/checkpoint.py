@@ -143,26 +143,36 @@ class Checkpointer:
         after_restore=None,
         collector=None,
         same_size: tuple[str, ...] = ("policy",),
+        subdirs: dict[str, str] | None = None,
     ):
         self.run, self.state, self.cfg = run, state, cfg
         self.roles = [r for r in roles if r is not None]
         self.after_restore, self.collector, self.same_size = after_restore, collector, same_size
+        self.subdirs = subdirs or {}  # role name -> its files' subdirectory (two trainers)
         self.saved_at = -1
 
     def latest(self) -> str | None:
         return latest(self.run.dir)
 
-    def _each_role(self, endpoint: str, directory: str) -> None:
+    def _each_role(self, endpoint: str, directory: str, roles: list | None = None) -> None:
         from meshrl.mesh import call_all
 
-        for role in self.roles:
+        for role in self.roles if roles is None else roles:
+            target = os.path.join(directory, self.subdirs.get(role.name, ""))
+            os.makedirs(target, exist_ok=True)
             call_all(
                 role,
                 endpoint,
-                directory,
+                target.rstrip(os.sep),
                 what=f"{role.name}.{endpoint}",
                 timeout_s=self.run.timeout_s,
             )
+
+    def load_roles(self, path: str, roles: list) -> None:
+        """Restore only `roles` from the checkpoint at `path`, the loop's state
+        and every other role as they are (one player of several after its
+        trainer was lost)."""
+        self._each_role("load_state", path, roles)
 
     def maybe_save(self) -> None:
         """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C

@@ -41,6 +41,11 @@ DRILLED_ENDPOINTS = {
 """The endpoints `faults.raise_in` can fail; each calls `Drillable.drill` first."""
 
 
+def base_role(name: str) -> str:
+    """The role of a mesh: itself, or `trainer` for a player's `trainer_a`."""
+    return name if name in ROLES else name.rsplit("_", 1)[0]
+
+
 class InjectedError(RuntimeError):
     """Raised inside an endpoint by a `faults.raise_in` drill."""
 
@@ -65,9 +70,10 @@ class FaultsConfig:
             match = _KILL.match(item)
             if not match:
                 raise ConfigError(f"config key 'faults.kill': '{item}' is not role:rank@step")
-            if match.group(1) not in ROLES:
+            if base_role(match.group(1)) not in ROLES:
                 raise ConfigError(
-                    f"config key 'faults.kill': '{item}': the roles are {', '.join(ROLES)}"
+                    f"config key 'faults.kill': '{item}': the roles are {', '.join(ROLES)} "
+                    "(or role_<player> where several models train: trainer_a)"
                 )
         for item in self.raise_in:
             match = _RAISE.match(item)
@@ -75,7 +81,7 @@ class FaultsConfig:
                 raise ConfigError(
                     f"config key 'faults.raise_in': '{item}' is not role.endpoint@step"
                 )
-            role, name = match.group(1), match.group(2)
+            role, name = base_role(match.group(1)), match.group(2)
             if name not in DRILLED_ENDPOINTS.get(role, ()):
                 known = ", ".join(f"{r}.{e}" for r, es in DRILLED_ENDPOINTS.items() for e in es)
                 raise ConfigError(
