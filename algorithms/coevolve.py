@@ -47,16 +47,26 @@ from meshrl.config import (
     PlacementConfig,
     PolicyConfig,
     RunConfig,
+    WarmStartConfig,
 )
 from meshrl.config_trainer import TrainerConfig
 from meshrl.envs import kuhn
 from meshrl.faults import FaultsConfig
-from meshrl.games import FIXED, Match, deal, results, strategy_batch, strategy_of
+from meshrl.games import (
+    FIXED,
+    Match,
+    deal,
+    format_batch,
+    results,
+    strategy_batch,
+    strategy_of,
+)
 from meshrl.job import JobConfig
 from meshrl.losses import policy_loss
 from meshrl.mesh import start_each
 from meshrl.run import Role, Run
 from meshrl.steplog import StepLog
+from meshrl.supervised import supervised_steps
 from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
 from meshrl.types import TrainBatch
 from meshrl.weight_sync import WeightsConfig, WeightSync
@@ -80,6 +90,9 @@ class CoevolveConfig:
     """Steps between evaluations against the fixed opponents (and after the last)."""
     eval_games: int = 300
     """Held-out games per player and fixed opponent (half in each seat)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised steps teaching the format first: every decision's sensible
+    actions, uniformly (random play, no strategy); steps 0 skips it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Both players' architecture; B's weights start from another seed (run.seed + 1)."""
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=1))
@@ -96,7 +109,7 @@ class CoevolveConfig:
 
     def validate(self) -> None:
         for section in (
-            self.model, self.generation, self.policy, self.optim, self.trainer,
+            self.model, self.generation, self.policy, self.optim, self.trainer, self.warm_start,
             self.placement, self.weights, self.run, self.job, self.checkpoint, self.faults,
         ):  # fmt: skip
             section.validate()
@@ -162,7 +175,7 @@ class Coevolve(Algorithm):
                         # Both trainers step at once, each on its own player's sequences;
                         # each player's replicas then pull that player's new weights.
                         with log.timer("train"):
-                            record.update(self.train(batches))
+                            record.update(self.train_players(batches))
                     if step == 0 and self.before:
                         record.update({f"{k}_before": v for k, v in self.before.items()})
                     if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -195,6 +208,8 @@ class Coevolve(Algorithm):
         # The players' policies generate at once, and their trainers train at once.
         busy = [tuple(f"{role}_{n}" for n in names) for role in ("policy", "trainer")]
         run = self.meshes = Run(cfg, self.name, procs, busy_together=busy)
+        # The actors' own figures (time/policy/generate_s, ...) per player: a/..., b/...
+        run.meshes.metric_prefix = {role: f"{role.rsplit('_', 1)[1]}/" for role in procs}
         self.sup = sup = Supervisor(run, cfg.faults, self.state)
         self.players: dict[str, Player] = {}
         for i, name in enumerate(names):
@@ -221,7 +236,14 @@ class Coevolve(Algorithm):
         )  # fmt: skip
         fresh = self.ckpt.resume() is None
         if fresh:
-            self.sync_all()  # version 0: each trainer's weights on its player's replicas
+            if cfg.warm_start.steps:  # the format only: uniform over the sensible actions
+                for name, player in self.players.items():
+                    supervised_steps(
+                        sup, player.trainer, lambda step: format_batch(self.tokenizer),
+                        cfg.warm_start.steps, cfg.warm_start.lr,
+                        f"{run.dir}/warm_start_{name}.jsonl", f"warm-start {name}",
+                    )  # fmt: skip
+            self.sync_all()  # each trainer's weights on its player's replicas
         policies = {name: player.policy for name, player in self.players.items()}
         self.match = Match(sup, policies, self.tokenizer, cfg.generation)
         self.log = StepLog(run, cfg.steps, self.state.step, self.headline)
@@ -231,7 +253,7 @@ class Coevolve(Algorithm):
         for player in self.players.values():
             player.sync.pull(player.policy, player.sync.publish(player.trainer))
 
-    def train(self, batches: dict[str, TrainBatch]) -> dict[str, float]:
+    def train_players(self, batches: dict[str, TrainBatch]) -> dict[str, float]:
         """One optimizer step of every player's trainer, all at once, then each
         player's weight sync. A player whose trainer proc was lost is restored
         from the newest checkpoint (`recover`); the others keep their step."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from algorithms.coevolve import CoevolveConfig
 from algorithms.dapo import DAPOConfig
 from algorithms.distill import DistillConfig
 from algorithms.dpo import DPOConfig
@@ -28,6 +29,7 @@ SCHEMAS = {
     "dpo": (DPOConfig, "DPO config keys (`DPOConfig`)"),
     "distill": (DistillConfig, "On-policy distillation config keys (`DistillConfig`)"),
     "sft": (SFTConfig, "SFT config keys (`SFTConfig`)"),
+    "coevolve": (CoevolveConfig, "Co-evolution and self-play config keys (`CoevolveConfig`)"),
 }
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config")
 

@@ -38,11 +38,13 @@ ROWS = [  # (algorithm, module, config)
     ("DPO", "dpo", "dpo.yaml"),
     ("On-policy distillation", "distill", "distill.yaml"),
     ("SFT", "sft", "sft.yaml"),
+    ("Co-evolution (player A)", "coevolve", "coevolve.yaml"),
 ]
 HELD_OUT = {  # module: (key, headline) of an evaluation before the first step and after
     "dpo": ("eval/accuracy", "held-out accuracy"),
     "distill": ("eval/reverse_kl", "held-out reverse KL"),
     "sft": ("eval/nll", "held-out NLL"),
+    "coevolve": ("eval/a/win_rate_vs_random", "win rate vs random"),
 }
 TEACHER = "grpo_default.yaml"  # its final model is distill.yaml's teacher
 PAGES = ("README.md", os.path.join("docs", "algorithms", "README.md"))

@@ -150,23 +150,48 @@ def results(games: list[Game], name: str) -> dict[str, float]:
     }
 
 
-def strategy_batch(tokenizer: Any) -> tuple[TrainBatch, list[tuple[str, str, str]]]:
-    """Every decision's context as a model sees it (its view, its own earlier
-    action, the opponent's) with each action as a one-token completion: a batch
-    whose log-probs give a model's strategy (`strategy_of`); and the (card,
-    history, action) of each row."""
-    prompts, targets, keys = [], [], []
+def decisions(tokenizer: Any) -> list[tuple[str, str, list[int]]]:
+    """(card, history, token ids) of each of the 12 decisions, the ids as the
+    deciding player's sequence holds them: its view at its first turn, then its
+    own earlier action and the opponent's."""
+    found = []
     for card in kuhn.CARDS:
         for history in kuhn.DECISIONS:
             seat = kuhn.seat_to_act(history)
             first = "" if seat == 0 else history  # the history at its first turn
             ids = tokenizer(kuhn.view(card, seat, first)).input_ids
             ids += tokenizer(history[len(first) :], add_special_tokens=False).input_ids
-            for action in "cb":
-                prompts.append(ids)
-                targets.append(tokenizer(action, add_special_tokens=False).input_ids)
-                keys.append((card, history, action))
+            found.append((card, history, ids))
+    return found
+
+
+def strategy_batch(tokenizer: Any) -> tuple[TrainBatch, list[tuple[str, str, str]]]:
+    """Every decision's context with c and with b as a one-token completion: a
+    batch whose log-probs give a model's strategy (`strategy_of`); and the
+    (card, history, action) of each row."""
+    prompts, targets, keys = [], [], []
+    for card, history, ids in decisions(tokenizer):
+        for action in "cb":
+            prompts.append(ids)
+            targets.append(tokenizer(action, add_special_tokens=False).input_ids)
+            keys.append((card, history, action))
     return supervised_batch(prompts, targets, tokenizer.pad_token_id), keys
+
+
+def format_batch(tokenizer: Any) -> TrainBatch:
+    """Every decision with each sensible action as the target (check or bet; call
+    or fold a bet): supervised steps on it teach the format and uniform random
+    play, no strategy."""
+    prompts, targets = [], []
+    for _, history, ids in decisions(tokenizer):
+        for action in random_actions(history):
+            prompts.append(ids)
+            targets.append(tokenizer(action, add_special_tokens=False).input_ids)
+    return supervised_batch(prompts, targets, tokenizer.pad_token_id)
+
+
+def random_actions(history: str) -> str:
+    return "".join(a for a, p in kuhn.random_strategy("", history).items() if p > 0)
 
 
 def strategy_of(logprobs: torch.Tensor, keys: list[tuple[str, str, str]]) -> kuhn.Strategy:

@@ -287,6 +287,8 @@ class RoleMeshes:
         self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
         self.meshes: dict[str, Any] = {}
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
+        # role -> a prefix for its actors' metrics (a player's meshes: "a/")
+        self.metric_prefix: dict[str, str] = {}
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.process_group_roles: set[str] | None = None
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
@@ -462,8 +464,9 @@ class RoleMeshes:
             except RemoteCallError as error:
                 logger.warning("no report from the %s mesh: %s", role, error)
                 continue
+            prefix = self.metric_prefix.get(role, "")
             for _, (metrics, status) in answers.items():
-                parts.append(metrics)
+                parts.append({prefix + key: value for key, value in metrics.items()})
                 procs.append(status)
         return reduce_partials(parts), procs
 

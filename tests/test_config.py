@@ -29,6 +29,7 @@ SHIPPED = {
     "dpo": ("algorithms.dpo", "DPOConfig"),
     "distill": ("algorithms.distill", "DistillConfig"),
     "sft": ("algorithms.sft", "SFTConfig"),
+    "coevolve": ("algorithms.coevolve", "CoevolveConfig"),
 }
 NEEDS = {"distill": ["teacher.path=null"]}  # its teacher is another run's output
 
