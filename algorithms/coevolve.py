@@ -65,7 +65,7 @@ from meshrl.job import JobConfig
 from meshrl.losses import policy_loss
 from meshrl.mesh import start_each
 from meshrl.run import Role, Run
-from meshrl.steplog import StepLog
+from meshrl.steplog import StepLog, add_evaluation
 from meshrl.supervised import supervised_steps
 from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
 from meshrl.types import TrainBatch
@@ -176,11 +176,8 @@ class Coevolve(Algorithm):
                         # each player's replicas then pull that player's new weights.
                         with log.timer("train"):
                             record.update(self.train_players(batches))
-                    if step == 0 and self.before:
-                        record.update({f"{k}_before": v for k, v in self.before.items()})
-                    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-                        with log.timer("eval"):
-                            record.update(self.evaluate())
+                    with log.timer("eval"):
+                        add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C

@@ -45,6 +45,7 @@ from meshrl.losses import group_advantages, masked_mean, scale_of
 from meshrl.mesh import split
 from meshrl.models import context_length, load_tokenizer
 from meshrl.run import Role, Run
+from meshrl.steplog import add_evaluation
 from meshrl.types import Completions, TrainBatch
 
 
@@ -169,11 +170,7 @@ class Distill(GRPO):
         return loss, metrics
 
     def after_step(self, step: int, metrics: dict) -> None:
-        cfg = self.cfg
-        if step == 0 and self.before is not None:
-            metrics.update({f"{key}_before": value for key, value in self.before.items()})
-        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-            metrics.update(self.evaluate())
+        add_evaluation(metrics, step, self.cfg, self.before, self.evaluate)
         super().after_step(step, metrics)
 
     # --- held-out evaluation ----------------------------------------------------------

@@ -42,7 +42,7 @@ from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.losses import dpo_loss, scale_of, sequence_logprobs
 from meshrl.run import Run
-from meshrl.steplog import StepLog
+from meshrl.steplog import StepLog, add_evaluation
 from meshrl.supervised import supervised_batch, supervised_steps
 from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
 from meshrl.types import TrainBatch
@@ -197,10 +197,7 @@ class DPO(Algorithm):
                             self.ckpt.rewind(lost, sup, log, 0)
                             continue
                     record = {"step": step, **metrics, **sup.metrics()}
-                    if step == 0:
-                        record.update({f"{k}_before": v for k, v in self.before.items()})
-                    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-                        record.update(self.evaluate())
+                    add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C

@@ -45,7 +45,7 @@ from meshrl.job import JobConfig
 from meshrl.losses import nll_loss
 from meshrl.run import Run
 from meshrl.sft_data import Example, load_examples
-from meshrl.steplog import StepLog
+from meshrl.steplog import StepLog, add_evaluation
 from meshrl.supervised import supervised_batch
 from meshrl.supervisor import RoleLost, Supervisor
 from meshrl.types import TrainBatch
@@ -160,10 +160,7 @@ class SFT(Algorithm):
                         "tokens/trained": int(batch.completion_mask.sum()),
                         **sup.metrics(),
                     }
-                    if step == 0:
-                        record.update({f"{k}_before": v for k, v in self.before.items()})
-                    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-                        record.update(self.evaluate())
+                    add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
