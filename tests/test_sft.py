@@ -96,6 +96,25 @@ def test_bad_rows_are_refused_naming_the_file_and_row(tmp_path):
     refused([two], "line 1: the chat template renders earlier turns differently")
 
 
+@pytest.mark.unit
+def test_jsonl_parquet_and_save_to_disk_give_the_same_examples(tmp_path):
+    import datasets
+
+    rows = [
+        {"messages": [{"role": "user", "content": "12>"}, {"role": "assistant", "content": "21"}]},
+        {"messages": [{"role": "user", "content": "34>"}, {"role": "assistant", "content": "43"}]},
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "rows"))
+    tok, fields = chat_tokenizer(), ("prompt", "completion", "messages")
+    loaded = [
+        load_examples(str(tmp_path / name), tok, fields, context=256)
+        for name in ("rows.jsonl", "rows.parquet", "rows")
+    ]
+    assert loaded[0] == loaded[1] == loaded[2] and len(loaded[0]) == 2
+
+
 def chat_model(path) -> str:
     """The embedded tiny Llama and the chat tokenizer, saved by `save_pretrained`."""
     load_model(ModelConfig()).save_pretrained(path)
