@@ -12,15 +12,13 @@ request), `Supervisor` (deadlines, retries, respawns, drills), `Checkpointer`,
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-import traceback
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from algorithms.command import main  # noqa: F401 - every algorithm's command line
 from meshrl.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.collector import Batch, Collector, decode
 from meshrl.config import (
@@ -36,17 +34,17 @@ from meshrl.config import (
     TrainerConfig,
     WarmStartConfig,
     check_lora_placement,
-    parse_cli,
 )
 from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
 from meshrl.envs.sandbox import SandboxConfig
+from meshrl.evaluation import EvalConfig, Evaluator
 from meshrl.export import start_from
 from meshrl.faults import FaultsConfig
 from meshrl.job import JobConfig
 from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
-from meshrl.mesh import RemoteCallError, debugging, one_line
+from meshrl.mesh import RemoteCallError
 from meshrl.models import context_length, load_tokenizer
 from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
@@ -94,6 +92,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     min_group_size = 1
 
@@ -114,6 +113,7 @@ class RLConfig:
             self.checkpoint,
             self.faults,
             self.sandbox,
+            self.eval,
         ):
             section.validate()
         self.sandbox.check_task(self.task.name)
@@ -144,6 +144,11 @@ class RLConfig:
         if self.max_staleness < 0:
             raise ConfigError("config key 'max_staleness': must be >= 0")
         check_lora_placement(self.model, self.placement)
+        if self.eval.every and make_task(self.task).multi_turn:
+            raise ConfigError(
+                f"config key 'eval.every': held-out evaluation runs single-turn tasks "
+                f"({self.task.name} is multi-turn)"
+            )
         if self.max_staleness and make_task(self.task).multi_turn:
             raise ConfigError(
                 f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "
@@ -245,7 +250,13 @@ class Algorithm:
         raise NotImplementedError
 
     def after_step(self, step: int, metrics: dict) -> None:
-        """Record the step (metrics.jsonl, the sinks, the progress bar)."""
+        """Record the step (metrics.jsonl, the sinks, the progress bar), with the
+        held-out evaluation (`eval:`) when one is due, on the replicas now idle."""
+        evaluator = getattr(self, "evaluator", None)
+        if evaluator is not None and evaluator.due(step, self.cfg.steps - 1):
+            started = time.perf_counter()
+            metrics.update(evaluator.evaluate())
+            metrics["time/eval_s"] = time.perf_counter() - started
         self.log.step(metrics)
 
     # --- in a notebook --------------------------------------------------------------------
@@ -342,6 +353,10 @@ class Algorithm:
             cfg, state, sup, sync, self.tokenizer, self.task, self.context,
             policy, self.environment, self.reward_model,
         )  # fmt: skip
+        # Held-out sets, drawn before any training prompt (which then skips them).
+        self.evaluator = (
+            Evaluator(cfg.eval, self.collector, cfg.run.seed) if cfg.eval.every else None
+        )
         self.ckpt = Checkpointer(
             run, state, stateful, cfg.checkpoint,
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
@@ -460,40 +475,3 @@ class Algorithm:
 
     def newest_checkpoint(self) -> str | None:
         return self.ckpt.latest() if self.cfg.checkpoint.every else None
-
-
-def main(algorithm: type[Algorithm], schema: type, argv: list[str] | None = None) -> int:
-    """`python -m algorithms.X --config FILE key=value ... [--debug]` for any algorithm.
-
-    A failure prints one line, `error: ...`; `--debug` (or MESHRL_DEBUG=1) adds
-    the full traceback, the remote one included.
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or debugging()
-    if debug:  # the procs spawned from here on see it too: every detail on the console
-        os.environ["MESHRL_DEBUG"] = "1"
-    cfg = parse_cli(schema, [a for a in args if a != "--debug"])
-    # A scheduler's SIGTERM (preemption, scancel) stops the run like Ctrl-C: at
-    # once outside the loop; inside it the run's own `StopRequest` takes over.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        algorithm(cfg).run()
-    except KeyboardInterrupt as stop:
-        if debug:
-            traceback.print_exc()
-        print(f"interrupted: {stop or 'every proc stopped'}", file=sys.stderr)
-        return 130
-    except Exception as error:  # noqa: BLE001 - the CLI's last word: one line, not a wall
-        if debug:
-            traceback.print_exc()
-        print(f"error: {one_line(error)}", file=sys.stderr)
-        if not debug:
-            print("(run again with --debug for the full traceback)", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -67,6 +67,8 @@ class Collector:
         self.format = ChatFormat(tokenizer)  # the chat template, when it has one
         self.policy, self.environment, self.reward_model = policy, environment, reward_model
         self.last_episodes: list = []
+        self.held_out: set[str] = set()
+        """Prompt texts training never draws (the held-out evaluation sets')."""
 
     # --- prompts --------------------------------------------------------------------------
 
@@ -79,10 +81,13 @@ class Collector:
         generation, rng = self.cfg.generation, rng or self.state.rng
         room = self.context - generation.max_new_tokens
         prompts: list[Prompt] = []
+        message = "every prompt drawn is held out for evaluation (eval.sets)"
         for _ in range(100):  # draws of a batch, before concluding nothing fits
             drawn = self.task.sample(num_prompts - len(prompts), rng)
             lengths = map(len, self.format.prompts([p.text for p in drawn]))  # one batch call
             for prompt, length in zip(drawn, lengths, strict=True):
+                if prompt.text in self.held_out:
+                    continue
                 if length <= room:
                     prompts.append(prompt)
                     continue

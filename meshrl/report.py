@@ -3,7 +3,8 @@ running run at a glance, from its `metrics.jsonl`.
 
 Prints a table of the key figures (first and last steps, min, max) and writes
 PNG plots into the run directory: `report_reward.png`, `report_kl.png`,
-`report_entropy.png`, `report_length.png` and `report_time.png` (each phase's
+`report_entropy.png`, `report_length.png`, `report_eval.png` (the held-out
+sets' reward and pass@k, with `eval:`) and `report_time.png` (each phase's
 seconds per step). The table also gives each role's endpoint times
 (`time/<role>/<endpoint>_s`, the slowest proc's, recorded by the actors).
 """
@@ -54,11 +55,16 @@ def _numbers(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
+def held_out(records: list[dict]) -> list[str]:
+    """The held-out evaluation's keys (`eval/<set>/reward`, `pass@1`, `pass@<k>`)."""
+    return sorted({k for r in records for k in r if k.startswith("eval/") and k.count("/") == 2})
+
+
 def table(records: list[dict]) -> str:
     """The key figures: mean of the first and the last (up to) 10 steps, min, max."""
     lines = [f"{'metric':<34}{'first':>10}{'last':>10}{'min':>10}{'max':>10}"]
     roles = sorted({k for r in records for k in r if k.count("/") == 2 and k.startswith("time/")})
-    for key in ROWS + [f"time/{p}_s" for p in PHASES] + roles:
+    for key in ROWS + held_out(records) + [f"time/{p}_s" for p in PHASES] + roles:
         _, values = _numbers(records, key)
         if not values:
             continue
@@ -78,7 +84,8 @@ def plots(records: list[dict], run_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    for filename, keys in PLOTS.items():
+    evaluated = {"report_eval.png": held_out(records)}
+    for filename, keys in {**PLOTS, **evaluated}.items():
         series = {k: _numbers(records, k) for k in keys}
         series = {k: v for k, v in series.items() if v[1]}
         if not series:

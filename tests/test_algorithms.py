@@ -138,7 +138,18 @@ CALCULATOR = [
 ]
 PYTHON_RUNS = [
     (GRPO, GRPOConfig, "gspo", ["placement.trainer=2", "minibatches=2"]),
-    (RLOO, GRPOConfig, "rloo", ["placement.policy=2"]),
+    # With a held-out set evaluated every step: 6 prompts x 3 samples over 2 replicas.
+    (
+        RLOO,
+        GRPOConfig,
+        "rloo",
+        [
+            "placement.policy=2",
+            "eval.every=1",
+            "eval.sets.heldout.prompts=6",
+            "eval.sets.heldout.k=3",
+        ],
+    ),
     (ReinforcePP, ReinforcePPConfig, "reinforce_pp", ["placement.reference=2"]),
     (DAPO, DAPOConfig, "dapo", ["placement.environment=2"]),
     # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked.
@@ -169,6 +180,9 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
     assert not undocumented_metrics(history, page)
     for record in history:
         assert all(isinstance(v, int | str) or math.isfinite(v) for v in record.values()), record
+        if cls is RLOO:  # the held-out set, every step: pass@1 <= pass@3, both in [0, 1]
+            assert 0 <= record["eval/heldout/pass@1"] <= record["eval/heldout/pass@3"] <= 1
+            assert 0 <= record["eval/heldout/reward"] <= 1
         if cls is PPO:  # the replies were in the batch, attended, and the critic trained
             assert record["tokens/environment"] > 0 and record["episodes/turns_mean"] >= 1
             assert record["sampling/logprob_abs_diff"] < 1e-4 and record["value/grad_norm"] > 0

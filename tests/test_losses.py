@@ -504,3 +504,17 @@ def test_corrections_bring_a_perturbed_samplers_gradient_back_on_policy(kind):
     corrected = cosine(gradient(weights), exact, dim=0).item()
     assert corrected > uncorrected, (corrected, uncorrected)
     assert corrected >= 0.99, (corrected, uncorrected)
+
+
+def test_pass_at_k_is_chen_et_al_unbiased_estimator():
+    from meshrl.evaluation import pass_at_k
+
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the pass rate
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(5, 3, 3) == 1.0  # n - c < k: every draw of 3 holds a pass
+    assert pass_at_k(1, 1, 1) == 1.0
+    for bad in ((3, 4, 1), (3, 1, 0), (3, 1, 4), (3, -1, 1)):
+        with pytest.raises(ValueError, match="pass@k needs"):
+            pass_at_k(*bad)
