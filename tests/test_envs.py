@@ -34,10 +34,22 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
         ("\\boxed{12} and later 13", "12", True),  # boxed wins over later numbers
         ("#### 9", "#### 8", False),
         ("no number here", "8", False),
+        ("\\boxed{\\sqrt{4}}", "2", True),  # symbolic: math-verify (the dev extra) only
+        ("\\boxed{2^3}", "#### 8", True),
+        ("\\boxed{\\frac{2}{3}}", "0.67", False),
     ],
 )
 def test_math_answers_are_extracted_and_normalized(completion, gold, match):
     assert answers_match(completion, gold) is match
+
+
+def test_math_answers_without_math_verify_fall_back_to_exact_fractions(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    assert answers_match("so the total is \\boxed{\\frac{1}{2}}", "0.5")
+    assert answers_match("It costs $5.50.", "11/2") and not answers_match("#### 9", "#### 8")
+    assert not answers_match("\\boxed{\\sqrt{4}}", "2")  # symbolic needs math-verify
 
 
 def test_boxed_with_nested_braces():

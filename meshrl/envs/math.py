@@ -1,11 +1,13 @@
 """Math answer checking (GSM8K-style) and countdown, both single-turn.
 
 `math`: a word problem; the completion's answer is read from `\\boxed{...}`,
-else from `#### ...` (GSM8K's format), else the last number in the text, and
-compared as an exact fraction after normalization (commas, `$`, `%`, spaces
-and a trailing period dropped; `0.50`, `1/2` and `.5` are equal). The gold
-answer is read the same way, so a GSM8K `answer` field ("... #### 42") works
-as it is.
+else from `#### ...` (GSM8K's format), else the last number in the text. The
+gold answer is read the same way, so a GSM8K `answer` field ("... #### 42")
+works as it is. The two are compared by HF `math-verify` (the `math` extra):
+symbolic and numeric equality of what it parses (`\\frac{1}{2}` = `0.5`,
+`1,234` = `1234`). Without it, or for an answer it cannot parse, they are
+compared as exact fractions after normalization (commas, `$`, `%`, spaces and
+a trailing period dropped), else as lower-case text.
 
 `countdown`: reach a target from given numbers with + - * / (each number at
 most once). The expression is parsed and evaluated by a small exact
@@ -15,6 +17,7 @@ arithmetic interpreter (`arith`): model text is never given to `eval`.
 from __future__ import annotations
 
 import ast
+import logging
 import random
 import re
 from collections import Counter
@@ -70,11 +73,35 @@ def normalize_number(text: str | None) -> Fraction | str | None:
 
 
 def answers_match(completion: str, gold: str) -> bool:
-    predicted = normalize_number(extract_answer(completion))
-    expected = normalize_number(
-        extract_answer(gold) if "####" in gold or "\\boxed" in gold else gold
-    )
-    return predicted is not None and predicted == expected
+    predicted = extract_answer(completion)
+    expected = extract_answer(gold) if "####" in gold or "\\boxed" in gold else gold
+    if predicted is None or expected is None:
+        return False
+    verified = math_verify(predicted, expected)
+    if verified is not None:
+        return verified
+    return normalize_number(predicted) == normalize_number(expected)
+
+
+def math_verify(predicted: str, expected: str) -> bool | None:
+    """HF math-verify's verdict on two extracted answers, or None when it is not
+    installed or parses nothing in one of them. Its signal-based timeouts are off
+    (they need the main thread); the environment's `task.step_timeout_s` bounds
+    the reward instead (MathAnswer runs in the environment procs' threads)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled", per call
+
+    def parsed(answer: str) -> list:
+        bare = answer.strip().removeprefix("\\$").lstrip("$")  # a currency sign, not math mode
+        return parse("$" + bare + "$", parsing_timeout=None)
+
+    gold, prediction = parsed(expected), parsed(predicted)
+    if not gold or not prediction:
+        return None
+    return bool(verify(gold, prediction, timeout_seconds=None))
 
 
 # --- exact arithmetic on model text (no eval) ----------------------------------------
@@ -132,6 +159,8 @@ _NAMES = ["Ann", "Ben", "Cal", "Dee", "Eve", "Finn"]
 
 class MathAnswer(Env):
     """Word problems with numeric answers (GSM8K-style `#### N`)."""
+
+    threaded = True  # math-verify's sympy work is bounded by task.step_timeout_s there
 
     def generate(self, rng: random.Random) -> Prompt:
         name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
