@@ -6,11 +6,13 @@ from __future__ import annotations
 import sys
 
 USAGE = "usage: meshrl report RUN_DIR | meshrl status RUN_DIR | meshrl export CHECKPOINT OUT_DIR"
+COMMANDS = ("report", "status", "export")
+"""The core's commands; `meshrl eval` is the top layer's (`algorithms.cli`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("report", "status", "export"):
+    if not args or args[0] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         return 2
     if args[0] == "report":

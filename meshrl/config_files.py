@@ -34,8 +34,15 @@ def _omegaconf_message(error: OmegaConfBaseException) -> str:
     return first
 
 
-def load_config(schema: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+def load_config(
+    schema: type[T],
+    path: str | None = None,
+    overrides: list[str] | None = None,
+    known_only: bool = False,
+) -> T:
     """Merge `schema` defaults, the YAML file at `path` and `key=value` overrides.
+    `known_only`: the file's top-level keys that `schema` lacks are left out (a
+    command that reads the sections it needs of another's config).
 
     Returns an instance of `schema` whose `validate()` has passed.
     """
@@ -43,6 +50,8 @@ def load_config(schema: type[T], path: str | None = None, overrides: list[str] |
         merged = OmegaConf.structured(schema)
         if path is not None:
             for file_path, file_cfg in _config_chain(path):
+                if known_only:
+                    file_cfg = OmegaConf.masked_copy(file_cfg, [k for k in file_cfg if k in merged])
                 merged = _merge(merged, file_cfg, f"in {file_path}")
         for item in overrides or []:
             if "=" not in item:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from algorithms.cli import main as cli_main
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.sft import SFT, SFTConfig
 from meshrl.config import ConfigError, ModelConfig, load_config
@@ -189,6 +190,17 @@ def test_sft_on_conversations_then_grpo_and_sft_from_its_output(tmp_path, no_str
         assert grpo.step()["reward/mean"] > 0.3  # the SFT model answers (measured: 0.48)
     finally:
         grpo.close()
+
+    # `meshrl eval` on the SFT run: the sections it needs of another algorithm's config.
+    code = cli_main([
+        "eval", str(run_dir), "--config", DEFAULT_CONFIG, "eval.sets.heldout.prompts=8",
+        "eval.sets.heldout.k=2", f"run.dir={tmp_path}", "run.name=evaluated",
+    ])  # fmt: skip
+    assert code == 0
+    with open(tmp_path / "evaluated" / "eval.json") as f:
+        figures = json.load(f)
+    assert figures["model"] == str(run_dir / "final") and figures["eval/heldout/reward"] > 0.2
+    assert 0 <= figures["eval/heldout/pass@1"] <= figures["eval/heldout/pass@2"] <= 1
 
     # A checkpoint exports once to an HF directory beside it: the step-20 weights.
     checkpoint = run_dir / "checkpoints" / "step_00000020"
