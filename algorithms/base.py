@@ -12,7 +12,6 @@ request), `Supervisor` (deadlines, retries, respawns, drills), `Checkpointer`,
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,10 +252,8 @@ class Algorithm:
         """Record the step (metrics.jsonl, the sinks, the progress bar), with the
         held-out evaluation (`eval:`) when one is due, on the replicas now idle."""
         evaluator = getattr(self, "evaluator", None)
-        if evaluator is not None and evaluator.due(step, self.cfg.steps - 1):
-            started = time.perf_counter()
-            metrics.update(evaluator.evaluate())
-            metrics["time/eval_s"] = time.perf_counter() - started
+        if evaluator is not None:
+            metrics.update(evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
         self.log.step(metrics)
 
     # --- in a notebook --------------------------------------------------------------------
@@ -335,9 +332,13 @@ class Algorithm:
             procs["reference"] = cfg.placement.reference
         if cfg.reward_model.path:
             procs["reward_model"] = cfg.placement.reward_model
+        if cfg.eval.every and cfg.eval.mesh:
+            procs["eval"] = cfg.eval.procs
         busy = [(role,) for role in procs]
         if cfg.max_staleness:
             busy.append(("policy", "trainer"))
+        if "eval" in procs:  # it samples while the next step trains
+            busy.append(("eval", "trainer"))
         return procs, {"policy": "trainer"} if cfg.placement.colocate else {}, busy
 
     def compose(self, run: Any, stateful: list) -> None:
@@ -354,9 +355,7 @@ class Algorithm:
             policy, self.environment, self.reward_model,
         )  # fmt: skip
         # Held-out sets, drawn before any training prompt (which then skips them).
-        self.evaluator = (
-            Evaluator(cfg.eval, self.collector, cfg.run.seed) if cfg.eval.every else None
-        )
+        self.evaluator = self.spawn_evaluator(run) if cfg.eval.every else None
         self.ckpt = Checkpointer(
             run, state, stateful, cfg.checkpoint,
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
@@ -381,6 +380,21 @@ class Algorithm:
         none, or when it is a model of its own (distillation's teacher)."""
         reference = getattr(self, "reference", None)
         return reference if reference is not None and reference.name == "reference" else None
+
+    def spawn_evaluator(self, run: Any) -> Evaluator:
+        """The held-out sets' `Evaluator`: on the policy replicas, or on an `eval`
+        mesh of its own (`eval.mesh`) with its own weight sync."""
+        cfg = self.cfg
+        if not cfg.eval.mesh:
+            return Evaluator(cfg.eval, self.collector, cfg.run.seed)
+        from actors.policy import Policy
+
+        mesh = run.spawn(
+            "eval", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
+        )
+        sync = WeightSync(self.sup)
+        self.sup.on_respawn("eval", lambda: sync.catch_up(mesh))
+        return Evaluator(cfg.eval, self.collector, cfg.run.seed, mesh, sync)
 
     def reload_reference(self) -> None:
         """A replaced reference takes its frozen weights from the newest checkpoint."""

@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 import os
 import random
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshrl.config_files import ConfigError
-from meshrl.mesh import split
+from meshrl.mesh import split, start_each
 from meshrl.types import Completions, Prompt
 
 
@@ -71,6 +72,13 @@ class EvalConfig:
 
     every: int = 0
     """Steps between evaluations (and after the last step); 0: none."""
+    mesh: bool = False
+    """Sample on an `eval` policy mesh of its own (`procs` procs), which pulls the
+    step's weights and samples while the next step trains; its figures are logged
+    with the next step's (`eval/step` says which weights). False: on the policy
+    replicas, between steps."""
+    procs: int = 1
+    """Procs of the `eval` mesh (with `mesh: true`)."""
     sets: dict[str, EvalSetConfig] = field(default_factory=dict)
     """Held-out sets by name, each with dataset, prompts, k, temperature and
     threshold; logged as eval/<name>/reward, pass@1 and pass@<k>."""
@@ -80,6 +88,8 @@ class EvalConfig:
             raise ConfigError("config key 'eval.every': must be >= 0")
         if self.every and not self.sets:
             raise ConfigError("config key 'eval.sets': eval.every is set but there is no set")
+        if self.procs < 1:
+            raise ConfigError("config key 'eval.procs': must be >= 1")
         for name, spec in self.sets.items():
             if "/" in name or not name:
                 raise ConfigError(f"config key 'eval.sets': '{name}' is not a set name")
@@ -89,11 +99,16 @@ class EvalConfig:
 class Evaluator:
     """A run's held-out sets (drawn once) and their evaluation. `collector` (a
     `Collector`) lays out the prompts, skips them in training, and reaches the
-    policy and environment meshes through its supervisor."""
+    policy and environment meshes through its supervisor. `mesh`: an `eval`
+    policy mesh of its own (then `sync`, a `WeightSync` for it, gets each
+    version's handle from the run's)."""
 
-    def __init__(self, cfg: EvalConfig, collector: Any, seed: int):
-        self.cfg, self.collector = cfg, collector
+    def __init__(
+        self, cfg: EvalConfig, collector: Any, seed: int, mesh: Any = None, sync: Any = None
+    ):
+        self.cfg, self.collector, self.mesh, self.sync = cfg, collector, mesh, sync
         self.sets: dict[str, list[Prompt]] = {}
+        self.pending: tuple[int, dict] | None = None  # (step, per set: the calls in flight)
         task = collector.task
         for name, spec in cfg.sets.items():
             if spec.dataset:
@@ -116,12 +131,42 @@ class Evaluator:
         every = self.cfg.every
         return bool(every and self.sets) and ((step + 1) % every == 0 or step == last)
 
+    def after_step(self, step: int, last: int, handle: Any = None) -> dict[str, float]:
+        """The figures to log with `step`'s record: on the replicas, this step's
+        evaluation when due; on an eval mesh, the previous one's (collected now),
+        and this step's is sent (`handle`: the weights it trained), or, at the
+        last step, collected too."""
+        figures = self.finish() if self.pending is not None else {}
+        if self.due(step, last):
+            started = time.perf_counter()
+            if self.mesh is None:
+                figures.update(self.evaluate())
+            else:
+                self.start(step, handle)
+                if step == last:
+                    figures.update(self.finish())
+            figures["time/eval_s"] = time.perf_counter() - started
+        return figures
+
     def evaluate(self) -> dict[str, float]:
-        """Every set now: k samples a prompt, scored; the figures by set."""
-        figures = {}
+        """Every set now, on the policy replicas: k samples a prompt, scored."""
+        self.pending = (-1, {name: self._send(name, self.collector.policy) for name in self.sets})
+        return self.finish()
+
+    def start(self, step: int, handle: Any) -> None:
+        """The eval mesh takes `handle`'s weights, then samples every set; nothing
+        waits for the samples."""
+        self.sync.handle = handle
+        self.sync.pull(self.mesh)
+        self.pending = (step, {name: self._send(name, self.mesh) for name in self.sets})
+
+    def finish(self) -> dict[str, float]:
+        """The pending samples collected and scored: the figures by set."""
+        (step, calls), self.pending = self.pending, None
+        figures = {"eval/step": step} if step >= 0 else {}
         for name, prompts in self.sets.items():
             spec = self.cfg.sets[name]
-            rewards = self._rewards(prompts, spec)
+            rewards = self._score(name, *calls[name])
             passed = [sum(r >= spec.threshold for r in per) for per in rewards]
             figures[f"eval/{name}/reward"] = sum(map(sum, rewards)) / (len(prompts) * spec.k)
             figures[f"eval/{name}/pass@1"] = _mean(pass_at_k(spec.k, c, 1) for c in passed)
@@ -131,31 +176,30 @@ class Evaluator:
                 )
         return figures
 
-    def _rewards(self, prompts: list[Prompt], spec: EvalSetConfig) -> list[list[float]]:
-        """[prompt][sample] rewards: k samples of each prompt on the replicas, then
-        the environment's scores (not entered in the sample ledger)."""
-        collector = self.collector
-        sup, policy, environment = collector.sup, collector.policy, collector.environment
-        ids = [
-            row
-            for row in collector.format.prompts([p.text for p in prompts])
-            for _ in range(spec.k)
-        ]
-        generation = _with_temperature(collector.cfg.generation, spec.temperature)
-        parts, _ = sup.call(policy, "generate", [(s, generation) for s in split(ids, policy.size)])
+    def _send(self, name: str, role: Any) -> tuple[Any, list, list, int]:
+        """k samples of each of the set's prompts, sent to `role`'s replicas."""
+        spec, collector = self.cfg.sets[name], self.collector
+        prompts = collector.format.prompts([p.text for p in self.sets[name]])
+        ids = [row for row in prompts for _ in range(spec.k)]
+        generation = replace(collector.cfg.generation, temperature=spec.temperature)
+        args = [(shard, generation) for shard in split(ids, role.size)]
+        return role, args, start_each(role, "generate", args), role.respawns
+
+    def _score(
+        self, name: str, role: Any, args: list, futures: list, respawns: int
+    ) -> list[list[float]]:
+        """[prompt][sample] rewards of a set's samples from the environment mesh
+        (not entered in the sample ledger)."""
+        spec, collector = self.cfg.sets[name], self.collector
+        sup, environment = collector.sup, collector.environment
+        parts, _ = sup.call(role, "generate", args, (futures, respawns))
         completions = Completions.concat(parts, collector.tokenizer.pad_token_id)
-        group = [p for p in prompts for _ in range(spec.k)]
+        group = [p for p in self.sets[name] for _ in range(spec.k)]
         n = environment.size
         work = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
         scores, _ = sup.call(environment, "score", list(work))
         flat = [reward for part, _ in scores for reward in part]
-        return [flat[i * spec.k : (i + 1) * spec.k] for i in range(len(prompts))]
-
-
-def _with_temperature(generation: Any, temperature: float) -> Any:
-    from dataclasses import replace
-
-    return replace(generation, temperature=temperature)
+        return [flat[i * spec.k : (i + 1) * spec.k] for i in range(len(self.sets[name]))]
 
 
 def _mean(values: Any) -> float:

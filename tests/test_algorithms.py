@@ -151,7 +151,19 @@ PYTHON_RUNS = [
         ],
     ),
     (ReinforcePP, ReinforcePPConfig, "reinforce_pp", ["placement.reference=2"]),
-    (DAPO, DAPOConfig, "dapo", ["placement.environment=2"]),
+    # With the held-out set on an eval mesh of its own, every step.
+    (
+        DAPO,
+        DAPOConfig,
+        "dapo",
+        [
+            "placement.environment=2",
+            "eval.every=1",
+            "eval.mesh=true",
+            "eval.sets.heldout.prompts=4",
+            "eval.sets.heldout.k=2",
+        ],
+    ),
     # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked.
     (PPO, PPOConfig, "ppo", ["placement.critic=2", "placement.trainer=2", *CALCULATOR]),
     # 3 reference procs for 64 rows: blocks of 22, 21, 21.
@@ -180,6 +192,10 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
     assert not undocumented_metrics(history, page)
     for record in history:
         assert all(isinstance(v, int | str) or math.isfinite(v) for v in record.values()), record
+        if cls is DAPO and record["step"]:  # the eval mesh's figures come a step later
+            last = record["step"] == len(history) - 1  # ... but the last step's wait for it
+            assert record["eval/step"] == (record["step"] if last else record["step"] - 1)
+            assert 0 <= record["eval/heldout/pass@1"] <= record["eval/heldout/pass@2"] <= 1
         if cls is RLOO:  # the held-out set, every step: pass@1 <= pass@3, both in [0, 1]
             assert 0 <= record["eval/heldout/pass@1"] <= record["eval/heldout/pass@3"] <= 1
             assert 0 <= record["eval/heldout/reward"] <= 1
