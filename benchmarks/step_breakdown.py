@@ -3,6 +3,7 @@ and what the controller itself spends between them.
 
     python benchmarks/step_breakdown.py                 # 100 steps of the default
     python benchmarks/step_breakdown.py --steps 30 model.hidden_size=256
+    python benchmarks/step_breakdown.py --eval          # what held-out evaluation costs
 
 Runs the default GRPO config (with a reference: kl_coef 0.01) synchronously
 (`max_staleness=0`, so the phases do not overlap) and averages each phase over
@@ -14,6 +15,14 @@ trip and the pickling of what travels (`<phase>_runtime_s`), which a single
 process like TRL's does not pay. Prints a table, then one JSON object with
 `controller_overhead_fraction` and each phase's mean seconds, share and
 runtime part.
+
+`--eval` instead runs the same config three times in one go: without
+evaluation, with a held-out set (64 prompts x 4 samples every 10 steps) on the
+policy replicas between steps, and with it on an eval mesh of its own. It
+prints the mean wall time a step (the step plus its evaluation work) of each,
+and the two overheads as fractions of the first. Every variant runs one torch
+thread a proc, so that the eval mesh's extra proc does not change how the
+cores are shared.
 """
 
 from __future__ import annotations
@@ -40,27 +49,62 @@ ENDPOINTS = {  # phase -> the endpoints (time/<role>/<name>_s) that do its work
 }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("overrides", nargs="*", help="config key=value")
-    args = parser.parse_args()
+EVAL = ["eval.every=10", "eval.sets.heldout.prompts=64", "eval.sets.heldout.k=4"]
+
+
+def run(steps: int, overrides: list[str]) -> list[dict]:
+    """The records of a GRPO run of the default config, the first step left out."""
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(
             GRPOConfig,
             os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
             [
-                f"steps={args.steps}",
+                f"steps={steps}",
                 "kl_coef=0.01",
                 "max_staleness=0",
-                *args.overrides,
+                *overrides,
                 f"run.dir={run_dir}",
                 "run.name=breakdown",
                 "run.progress=false",
                 "run.save_final=false",
             ],
         )
-        history = GRPO(cfg).run()[1:]
+        return GRPO(cfg).run()[1:]
+
+
+def evaluation_cost(steps: int, overrides: list[str]) -> int:
+    """Mean wall time a step (`time/step_s` + `time/eval_s`) without evaluation,
+    with it on the replicas, and with it on an eval mesh: one JSON line."""
+    variants = {"none": [], "replicas": EVAL, "mesh": [*EVAL, "eval.mesh=true"]}
+    means = {}
+    for name, extra in variants.items():
+        # One torch thread a proc in every variant: else the eval mesh's extra proc
+        # changes how the cores are shared, and so every phase's speed.
+        history = run(steps, ["placement.threads_per_proc=1", *overrides, *extra])
+        total = sum(r["time/step_s"] + r.get("time/eval_s", 0.0) for r in history)
+        means[name] = total / len(history)
+        print(f"{name:<10}{means[name] * 1e3:>9.2f} ms a step", flush=True)
+    figures = {
+        "step_s_no_eval": round(means["none"], 5),
+        "step_s_eval_replicas": round(means["replicas"], 5),
+        "step_s_eval_mesh": round(means["mesh"], 5),
+        "eval_overhead_replicas": round(means["replicas"] / means["none"] - 1, 4),
+        "eval_overhead_mesh": round(means["mesh"] / means["none"] - 1, 4),
+        "steps_averaged": steps - 1,
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval", action="store_true", help="what held-out evaluation costs")
+    parser.add_argument("overrides", nargs="*", help="config key=value")
+    args = parser.parse_args()
+    if args.eval:
+        return evaluation_cost(args.steps, args.overrides)
+    history = run(args.steps, args.overrides)
 
     def mean(key: str) -> float:
         return sum(r.get(key, 0.0) for r in history) / len(history)

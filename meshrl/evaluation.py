@@ -136,15 +136,16 @@ class Evaluator:
         evaluation when due; on an eval mesh, the previous one's (collected now),
         and this step's is sent (`handle`: the weights it trained), or, at the
         last step, collected too."""
+        started, due = time.perf_counter(), self.due(step, last)
         figures = self.finish() if self.pending is not None else {}
-        if self.due(step, last):
-            started = time.perf_counter()
+        if due:
             if self.mesh is None:
                 figures.update(self.evaluate())
             else:
                 self.start(step, handle)
                 if step == last:
                     figures.update(self.finish())
+        if figures or due:
             figures["time/eval_s"] = time.perf_counter() - started
         return figures
 
