@@ -355,7 +355,7 @@ class Algorithm:
             policy, self.environment, self.reward_model,
         )  # fmt: skip
         # Held-out sets, drawn before any training prompt (which then skips them).
-        self.evaluator = self.spawn_evaluator(run) if cfg.eval.every else None
+        self.evaluator = self.spawn_evaluator(run)
         self.ckpt = Checkpointer(
             run, state, stateful, cfg.checkpoint,
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
@@ -381,10 +381,13 @@ class Algorithm:
         reference = getattr(self, "reference", None)
         return reference if reference is not None and reference.name == "reference" else None
 
-    def spawn_evaluator(self, run: Any) -> Evaluator:
-        """The held-out sets' `Evaluator`: on the policy replicas, or on an `eval`
-        mesh of its own (`eval.mesh`) with its own weight sync."""
+    def spawn_evaluator(self, run: Any) -> Evaluator | None:
+        """The held-out sets' `Evaluator` (None without `eval.every`): on the policy
+        replicas, or on an `eval` mesh of its own (`eval.mesh`) with its own weight
+        sync. It runs before the warm-start and the first step draw any prompt."""
         cfg = self.cfg
+        if not cfg.eval.every:
+            return None
         if not cfg.eval.mesh:
             return Evaluator(cfg.eval, self.collector, cfg.run.seed)
         from actors.policy import Policy

@@ -15,8 +15,9 @@ then the policy gradient of the per-token reverse KL. `reward_weight` adds the
 task's group-normalized reward to every token's advantage. 0 (the default)
 trains on the teacher alone.
 
-Every `eval_every` steps a fixed set of `eval_prompts` prompts is drawn once,
-from a seed of its own. On it, the student samples one completion per prompt,
+A held-out set of `eval_prompts` prompts is drawn once, from a seed of its own,
+before any other (training never draws them). Every `eval_every` steps the
+student samples one completion per prompt of it,
 the teacher scores it, and the environment rewards it. These give
 `eval/reverse_kl` (per token) and `eval/reward`. Step 0 also logs both before
 any update (`_before`).
@@ -118,7 +119,7 @@ class Distill(GRPO):
                 f"config key 'teacher': its context ({context_length(cfg.teacher)} tokens) is "
                 f"shorter than the student's ({self.context}), whose samples it scores"
             )
-        self.eval_set: list | None = None
+        self.eval_set: list = []  # drawn when the meshes are up (`spawn_evaluator`)
         self.before: dict[str, float] | None = None
 
     # --- the meshes: GRPO's, with a teacher where the reference would be ----------
@@ -134,6 +135,15 @@ class Distill(GRPO):
 
         cfg = self.cfg
         return run.spawn("teacher", Reference, cfg.teacher, cfg.teacher_seed, cfg.trainer.layout)
+
+    def spawn_evaluator(self, run: Any) -> Any:
+        """Also the held-out prompts, drawn before the warm-start's and training's,
+        which then skip them."""
+        cfg = self.cfg
+        rng = random.Random(f"eval-{cfg.run.seed}")
+        self.eval_set = self.collector.sample_prompts(cfg.eval_prompts, rng)
+        self.collector.held_out |= {p.text for p in self.eval_set}
+        return super().spawn_evaluator(run)
 
     def compose(self, run: Any, stateful: list) -> None:
         super().compose(run, stateful)
@@ -179,9 +189,6 @@ class Distill(GRPO):
         """One completion per held-out prompt from the student now: the teacher's
         per-token reverse KL to it and the task's reward. Not in the ledger."""
         cfg, sup = self.cfg, self.sup
-        if self.eval_set is None:
-            rng = random.Random(f"eval-{cfg.run.seed}")
-            self.eval_set = self.collector.sample_prompts(cfg.eval_prompts, rng)
         prompts = self.eval_set
         ids = self.collector.format.prompts([p.text for p in prompts])
         shards = split(ids, self.policy.size)

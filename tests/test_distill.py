@@ -54,9 +54,9 @@ def distill_config(tmp_path, teacher: str, *overrides: str) -> DistillConfig:
         CONFIG,
         [
             f"teacher.path={teacher}",
-            "steps=40",
+            "steps=60",
             "warm_start.steps=20",  # the answer format first: the test is short
-            "eval_every=20",
+            "eval_every=30",
             "eval_prompts=32",
             "placement.teacher=2",
             f"run.dir={tmp_path}",
@@ -70,12 +70,12 @@ def distill_config(tmp_path, teacher: str, *overrides: str) -> DistillConfig:
 def test_student_reverse_kl_to_a_teacher_falls(tmp_path, no_stray_procs):
     teacher = save_teacher(tmp_path / "teacher")
     records = Distill(distill_config(tmp_path, teacher)).run()
-    assert [r["step"] for r in records] == list(range(40))
+    assert [r["step"] for r in records] == list(range(60))
     assert not undocumented_metrics(records, "algorithms/distill.md")
     before = records[0]["eval/reverse_kl_before"]
     evals = [r["eval/reverse_kl"] for r in records if "eval/reverse_kl" in r]
     assert len(evals) == 2 and before > 1.0, (before, evals)
-    assert evals[-1] < 0.6 * before, (before, evals)  # measured: 6.32 -> 2.89
+    assert evals[-1] < 0.6 * before, (before, evals)  # measured: 6.49 -> 2.47
     # The training figure is the same quantity, on the batch's own samples.
     assert records[-1]["distill/reverse_kl"] < 0.6 * records[0]["distill/reverse_kl"]
 
