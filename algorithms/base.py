@@ -143,11 +143,6 @@ class RLConfig:
         if self.max_staleness < 0:
             raise ConfigError("config key 'max_staleness': must be >= 0")
         check_lora_placement(self.model, self.placement)
-        if self.eval.every and make_task(self.task).multi_turn:
-            raise ConfigError(
-                f"config key 'eval.every': held-out evaluation runs single-turn tasks "
-                f"({self.task.name} is multi-turn)"
-            )
         if self.max_staleness and make_task(self.task).multi_turn:
             raise ConfigError(
                 f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "

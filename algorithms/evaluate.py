@@ -65,11 +65,6 @@ class EvaluateConfig:
         self.sandbox.check_task(self.task.name)
         if not self.eval.sets:
             raise ConfigError("config key 'eval.sets': no set to evaluate")
-        if make_task(self.task).multi_turn:
-            raise ConfigError(
-                f"config key 'task.name': held-out evaluation runs single-turn tasks "
-                f"({self.task.name} is multi-turn)"
-            )
 
 
 def evaluate(cfg: EvaluateConfig) -> dict[str, float]:

@@ -8,7 +8,8 @@ Models Trained on Code*): with n samples of a prompt of which c pass,
     pass@k = 1 - C(n - c, k) / C(n, k)
 
 averaged over the prompts; a sample passes when its reward reaches the set's
-`threshold`. A set's prompts come from a dataset file (`dataset`), or are
+`threshold`. A multi-turn task's samples are whole episodes (its tools and
+replies included; a failed one scores 0). A set's prompts come from a dataset file (`dataset`), or are
 drawn once from the run's task generator with a seed of their own. Either
 way they are held out: the training draws skip every prompt text of every set
 (`Collector.held_out`).
@@ -178,8 +179,11 @@ class Evaluator:
         return figures
 
     def _send(self, name: str, role: Any) -> tuple[Any, list, list, int]:
-        """k samples of each of the set's prompts, sent to `role`'s replicas."""
+        """k samples of each of the set's prompts, sent to `role`'s replicas (a
+        multi-turn task's episodes are played when collected, in `_score`)."""
         spec, collector = self.cfg.sets[name], self.collector
+        if collector.task.multi_turn:
+            return role, [], [], role.respawns
         prompts = collector.format.prompts([p.text for p in self.sets[name]])
         ids = [row for row in prompts for _ in range(spec.k)]
         generation = replace(collector.cfg.generation, temperature=spec.temperature)
@@ -193,14 +197,40 @@ class Evaluator:
         (not entered in the sample ledger)."""
         spec, collector = self.cfg.sets[name], self.collector
         sup, environment = collector.sup, collector.environment
-        parts, _ = sup.call(role, "generate", args, (futures, respawns))
-        completions = Completions.concat(parts, collector.tokenizer.pad_token_id)
         group = [p for p in self.sets[name] for _ in range(spec.k)]
-        n = environment.size
-        work = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
-        scores, _ = sup.call(environment, "score", list(work))
-        flat = [reward for part, _ in scores for reward in part]
+        if collector.task.multi_turn:
+            flat = self._episodes(name, group, role)
+        else:
+            parts, _ = sup.call(role, "generate", args, (futures, respawns))
+            completions = Completions.concat(parts, collector.tokenizer.pad_token_id)
+            n = environment.size
+            work = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
+            scores, _ = sup.call(environment, "score", list(work))
+            flat = [reward for part, _ in scores for reward in part]
         return [flat[i * spec.k : (i + 1) * spec.k] for i in range(len(self.sets[name]))]
+
+    def _episodes(self, name: str, group: list[Prompt], role: Any) -> list[float]:
+        """A multi-turn task's episodes of `group` on `role`'s replicas and the
+        environment mesh (`meshrl.rollout.run_episodes`): each one's reward, 0 for
+        a failed one."""
+        from meshrl.rollout import run_episodes
+
+        c, spec = self.collector, self.cfg.sets[name]
+        roles = {"policy": role, "environment": c.environment}
+        episodes, _ = run_episodes(
+            group,
+            lambda which: roles[which].actors,
+            role.size,
+            c.environment.size,
+            c.format,
+            replace(c.cfg.generation, temperature=spec.temperature),
+            c.task.turns,
+            c.context,
+            c.sup.timeout_s,
+            on_lost=c.sup.recover,
+            key_prefix=f"eval.{name}.",
+        )
+        return [0.0 if e.failed else e.reward for e in episodes]
 
 
 def _mean(values: Any) -> float:

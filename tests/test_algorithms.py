@@ -164,8 +164,21 @@ PYTHON_RUNS = [
             "eval.sets.heldout.k=2",
         ],
     ),
-    # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked.
-    (PPO, PPOConfig, "ppo", ["placement.critic=2", "placement.trainer=2", *CALCULATOR]),
+    # PPO on the multi-turn calculator: GAE over the model's tokens, the tool's masked;
+    # a held-out set of whole episodes evaluated after the last step.
+    (
+        PPO,
+        PPOConfig,
+        "ppo",
+        [
+            "placement.critic=2",
+            "placement.trainer=2",
+            *CALCULATOR,
+            "eval.every=3",
+            "eval.sets.tools.prompts=4",
+            "eval.sets.tools.k=2",
+        ],
+    ),
     # 3 reference procs for 64 rows: blocks of 22, 21, 21.
     (
         DPO,
@@ -199,6 +212,8 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
         if cls is RLOO:  # the held-out set, every step: pass@1 <= pass@3, both in [0, 1]
             assert 0 <= record["eval/heldout/pass@1"] <= record["eval/heldout/pass@3"] <= 1
             assert 0 <= record["eval/heldout/reward"] <= 1
+        if cls is PPO and record["step"] == 2:  # the held-out episodes, scored
+            assert 0 <= record["eval/tools/pass@1"] <= record["eval/tools/pass@2"] <= 1
         if cls is PPO:  # the replies were in the batch, attended, and the critic trained
             assert record["tokens/environment"] > 0 and record["episodes/turns_mean"] >= 1
             assert record["sampling/logprob_abs_diff"] < 1e-4 and record["value/grad_norm"] > 0
