@@ -168,9 +168,9 @@ class Coevolve(Algorithm):
                             self.match.play(games, state.rng)
                         batches, record = {}, {"step": step}
                         for name in self.players:
-                            completions, rewards = self.match.sequences(games, name)
+                            completions, rewards, seats = self.match.sequences(games, name)
                             batches[name] = batch = TrainBatch.from_completions(completions)
-                            batch.advantages = self.advantages(rewards, games, name)
+                            batch.advantages = self.advantages(rewards, seats)
                             record.update(self.rollout_metrics(name, rewards, games, batch))
                         # Both trainers step at once, each on its own player's sequences;
                         # each player's replicas then pull that player's new weights.
@@ -289,13 +289,10 @@ class Coevolve(Algorithm):
 
     # --- the math -----------------------------------------------------------------------
 
-    def advantages(self, rewards: torch.Tensor, games: list, name: str) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, seats: torch.Tensor) -> torch.Tensor:
         """Each sequence's reward minus the mean of this player's rewards in the
-        same seat (the first seat loses 1/18 a game at equilibrium), over the
-        player's std."""
-        seats = torch.tensor(
-            [seat for g in games for seat in sorted(g.sequences) if g.players[seat] == name]
-        )
+        same seat (`seats`: the first seat loses 1/18 a game at equilibrium), over
+        the player's std."""
         centered = rewards.clone()
         for seat in (0, 1):
             mine = seats == seat

@@ -12,7 +12,7 @@ the players' calls run at the same time.
     match = Match(sup, {"a": policy_a, "b": policy_b}, tokenizer, generation)
     games = deal(64, [("a", "b"), ("b", "a")], rng)
     match.play(games, rng)
-    completions, rewards = match.sequences(games, "a")   # A's rows, rewards in [-1, 1]
+    completions, rewards, seats = match.sequences(games, "a")   # A's rows, rewards in [-1, 1]
 """
 
 from __future__ import annotations
@@ -129,16 +129,21 @@ class Match:
             game.history = kuhn.step(game.history, text[:1] if len(text) == 1 else "f")
             game.seen[seat] = len(game.history)
 
-    def sequences(self, games: list[Game], name: str) -> tuple[Completions, torch.Tensor]:
+    def sequences(
+        self, games: list[Game], name: str
+    ) -> tuple[Completions, torch.Tensor, torch.Tensor]:
         """`name`'s token sequences of the finished games (one row per seat it
-        played) and their rewards: the chips it won, / 2, in [-1, 1]."""
-        rows = []
+        played), their rewards (the chips it won, / 2, in [-1, 1]) and the seat
+        (0 or 1) of each row."""
+        rows, seats = [], []
         for game in games:
             for seat, sequence in sorted(game.sequences.items()):
                 if game.players[seat] == name:
                     sequence.reward = game.chips(seat) / 2
                     rows.append(sequence)
-        return to_completions(rows, self.tokenizer.pad_token_id)
+                    seats.append(seat)
+        completions, rewards = to_completions(rows, self.tokenizer.pad_token_id)
+        return completions, rewards, torch.tensor(seats)
 
 
 def results(games: list[Game], name: str) -> dict[str, float]:

@@ -58,10 +58,9 @@ def check_masks(algo):
     algo.match.play(games, random.Random(2))
     tokenizer = algo.tokenizer
     for name in ("a", "b"):
-        completions, _ = algo.match.sequences(games, name)
-        seats = [s for g in games for s in sorted(g.sequences) if g.players[s] == name]
+        completions, _, seats = algo.match.sequences(games, name)
         histories = [g.history for g in games for s in sorted(g.sequences) if g.players[s] == name]
-        for row, (seat, history) in enumerate(zip(seats, histories, strict=True)):
+        for row, (seat, history) in enumerate(zip(seats.tolist(), histories, strict=True)):
             ids = completions.completion_ids[row]
             mask, attention = completions.completion_mask[row], completions.attention[row]
             own = [i for i in range(len(ids)) if mask[i] == 1]
@@ -124,14 +123,14 @@ def test_self_play_runs_one_policy_in_both_seats(tmp_path, no_stray_procs):
         records = algo.train(2)
         games = deal(16, [("a", "a")], random.Random(0))
         algo.match.play(games, random.Random(0))
-        completions, _ = algo.match.sequences(games, "a")
+        completions, _, seats = algo.match.sequences(games, "a")
     finally:
         algo.stop()
     assert list(algo.players) == ["a"] and len(records) == 2
     assert not any(key.startswith(("b/", "eval/b/")) for r in records for key in r)
     # One policy, both seats: a row for every seat that acted, player 2's included.
     acted = sum(len(g.history) > 0 for g in games) + sum(len(g.history) > 1 for g in games)
-    assert len(completions) == acted > len(games)
+    assert len(completions) == acted > len(games) and set(seats.tolist()) == {0, 1}
 
 
 @pytest.mark.unit
