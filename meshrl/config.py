@@ -320,6 +320,9 @@ class TaskConfig:
     """An episode step (a tool call) running longer fails that episode."""
     tool_timeout_s: float = 5.0
     """Wall limit of one sandboxed program (python tool, code tests)."""
+    tools: list[str] = field(default_factory=lambda: ["calc", "python"])
+    """calculator: the tools that work; a call to another answers that it is
+    disabled (`[]`: the no-tool ablation)."""
     tool_latency_s: float = 0.1
     """slow_tool: seconds each step waits."""
     env_workers: int = 64
@@ -349,6 +352,8 @@ class TaskConfig:
         _check(self.step_timeout_s > 0, "task.step_timeout_s", "must be > 0")
         _check(self.tool_timeout_s > 0, "task.tool_timeout_s", "must be > 0")
         _check(self.env_workers >= 1, "task.env_workers", "must be >= 1")
+        unknown = sorted(set(self.tools) - {"calc", "python"})
+        _check(not unknown, "task.tools", f"{unknown} are not tools (calc, python)")
         if self.dataset:
             _check(self.name != "reverse_digits", "task.dataset", "reverse_digits has no dataset")
             # A relative path: from the working directory, else from the repository

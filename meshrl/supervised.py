@@ -56,14 +56,46 @@ def supervised_steps(
 
 
 def demonstrations(collector: Any, batch_size: int) -> TrainBatch:
-    """A batch of the task's demonstrations: prompts drawn as for RL, each with
-    the task's answer and EOS as the target."""
-    tokenizer = collector.tokenizer
+    """A batch of the task's demonstrations: prompts drawn as for RL (through
+    the chat template when there is one), each with the task's demonstration as
+    the target. A multi-turn demonstration (a list of model turns) is played
+    through a fresh episode of the task: each turn ends with EOS and is
+    followed by the episode's reply, tokenized as a rollout would and left out
+    of the loss."""
+    tokenizer, fmt = collector.tokenizer, collector.format
     prompts = collector.sample_prompts(batch_size)
-    prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
-    targets = [
-        tokenizer(collector.task.demonstration(p), add_special_tokens=False).input_ids
-        + [tokenizer.eos_token_id]
-        for p in prompts
-    ]
-    return supervised_batch(prompt_ids, targets, tokenizer.pad_token_id)
+    targets, masks = [], []
+    for prompt in prompts:
+        target, mask = demonstration_tokens(collector.task, fmt, prompt)
+        targets.append(target)
+        masks.append(mask)
+    return supervised_batch(fmt.prompts([p.text for p in prompts]), targets,
+                            tokenizer.pad_token_id, masks)  # fmt: skip
+
+
+def demonstration_tokens(task: Any, fmt: Any, prompt: Any) -> tuple[list[int], list[int]]:
+    """The token ids of `prompt`'s demonstration and their loss mask (1 on the
+    model's turns, 0 on the environment's replies)."""
+    tokenizer = fmt.tokenizer
+    turns = task.demonstration(prompt)
+    if isinstance(turns, str):
+        turns = [turns]
+    episode = task.episode(prompt) if len(turns) > 1 else None
+    target: list[int] = []
+    mask: list[int] = []
+    for i, turn in enumerate(turns):
+        ids = tokenizer(turn, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target += ids
+        mask += [1] * len(ids)
+        if episode is None or i == len(turns) - 1:
+            break
+        step = episode.step(turn)
+        if step.done:
+            raise ValueError(
+                f"{type(task).__name__}.demonstration: the episode ended after turn {i + 1} "
+                f"of {len(turns)} ({turn!r})"
+            )
+        reply = fmt.reply(step.observation, ids)
+        target += reply
+        mask += [0] * len(reply)
+    return target, mask

@@ -118,8 +118,10 @@ class Env:
         """Single-turn tasks: the reward of the only action."""
         raise NotImplementedError
 
-    def demonstration(self, prompt: Prompt) -> str:
-        """A correct completion, for a supervised warm-start."""
+    def demonstration(self, prompt: Prompt) -> str | list[str]:
+        """A correct completion, for a supervised warm-start; for a multi-turn
+        task, the model's turns (the warm-start plays them through `episode`
+        for the replies in between)."""
         return prompt.answer
 
 
