@@ -34,6 +34,7 @@ ROWS = [  # (algorithm, module, config)
     ("REINFORCE++", "reinforce_pp", "reinforce_pp.yaml"),
     ("PPO", "ppo", "ppo.yaml"),
     ("GRPO, calculator tool", "grpo", "grpo_calculator.yaml"),
+    ("GRPO, calculator disabled (ablation)", "grpo", "grpo_calculator_notool.yaml"),
     ("GRPO, code", "grpo", "grpo_code.yaml"),
     ("DPO", "dpo", "dpo.yaml"),
     ("On-policy distillation", "distill", "distill.yaml"),

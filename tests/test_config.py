@@ -19,6 +19,7 @@ pytestmark = pytest.mark.unit
 SHIPPED = {
     "grpo_default": ("algorithms.grpo", "GRPOConfig"),
     "grpo_calculator": ("algorithms.grpo", "GRPOConfig"),
+    "grpo_calculator_notool": ("algorithms.grpo", "GRPOConfig"),
     "grpo_code": ("algorithms.grpo", "GRPOConfig"),
     "dr_grpo": ("algorithms.grpo", "GRPOConfig"),
     "gspo": ("algorithms.grpo", "GRPOConfig"),

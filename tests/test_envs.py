@@ -241,3 +241,32 @@ def test_your_own_environment_by_import_path():
     assert make_task(cfg).multi_turn
     with pytest.raises(ConfigError, match="cannot import 'tests.nope:X'"):
         TaskConfig(name="tests.nope:X").validate()
+
+
+def test_a_disabled_tool_answers_so_and_a_multi_turn_warm_start_trace_masks_the_replies():
+    from meshrl.config import ModelConfig
+    from meshrl.models import load_tokenizer
+    from meshrl.rollout import ChatFormat
+    from meshrl.supervised import demonstration_tokens
+
+    prompt = Prompt("What is 12 * 34?", "408", {"expression": "12 * 34"})
+    off = ToolEpisode(prompt, tools=[])
+    assert (
+        off.step("<calc>12 * 34</calc>").observation == " <result>error: calc is disabled</result> "
+    )
+    with pytest.raises(ConfigError, match="task.tools"):
+        TaskConfig(name="calculator", tools=["abacus"]).validate()
+
+    env = make_task(TaskConfig(name="calculator"))
+    tok = load_tokenizer(ModelConfig())
+    traces = {}
+    while len(traces) < 2:  # one trace that calls the tool, one that answers at once
+        ids, mask = demonstration_tokens(env, ChatFormat(tok), prompt)
+        traces[1 if all(mask) else 2] = ids, mask
+    ids, mask = traces[2]
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    masked = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert trained == "<calc>12 * 34</calc></s><answer>408</answer></s>"
+    assert masked == " <result>408</result> "  # the episode's own reply, not trained on
+    ids, mask = traces[1]
+    assert tok.decode(ids) == "<answer>408</answer></s>" and all(mask)

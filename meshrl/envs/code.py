@@ -179,12 +179,19 @@ class Code(Env):
         name, arg, what, body = rng.choice(_TASKS)
         k, c = rng.randint(1, 9), rng.choice("abcxyz")
         name, what, body = (t.format(k=k, c=c) for t in (name, what, body))
+        # Inputs on which every other constant gives another value: a wrong
+        # program fails every test (nonzero x; strings of 10+ characters in which
+        # each letter occurs a different number of times).
         if arg == "x":
-            inputs = [rng.randint(-50, 50) for _ in range(4)]
+            inputs = [rng.choice([-1, 1]) * rng.randint(1, 50) for _ in range(4)]
         else:
-            inputs = [
-                "".join(rng.choice("abcxyz") for _ in range(rng.randint(3, 9))) for _ in range(4)
-            ]
+            inputs = []
+            for _ in range(4):
+                letters = list("abcxyz")
+                rng.shuffle(letters)
+                chars = [letter for n, letter in enumerate(letters) for _ in range(n)]
+                rng.shuffle(chars)
+                inputs.append("".join(chars))
         solution = f"def {name}({arg}):\n    return {body}\n"
         scope: dict = {}
         exec(solution, scope)  # our own generated solution, never model text
@@ -196,18 +203,10 @@ class Code(Env):
         )
 
     def demonstration(self, prompt: Prompt) -> str:
-        """The format only: a function of the name and argument the prompt
-        asks for, whose body is one of the shipped families' for that argument,
-        with a random constant (`x * 7` for `add_4(x)`). Which body passes the
-        tests is left to RL."""
-        rng = self._demo_rng = getattr(self, "_demo_rng", None) or random.Random(0)
-        match = re.search(r"function (\w+)\((\w+)\)", prompt.text)
-        if match is None:
-            return prompt.answer
-        name, arg = match.groups()
-        body = rng.choice([body for _, a, _, body in _TASKS if a == arg] or [arg])
-        body = body.format(k=rng.randint(1, 9), c=rng.choice("abcxyz"))
-        return f"def {name}({arg}):\n    return {body}\n"
+        """The reference solution on one line (the default tokenizer has no
+        newline): a short warm-start on these teaches the shape of a program;
+        which constant passes the tests, RL learns."""
+        return " ".join(line.strip() for line in prompt.answer.splitlines() if line.strip())
 
     def from_row(self, row: dict) -> Prompt:
         prompt = super().from_row(row)
