@@ -72,11 +72,11 @@ class Calculator(Env):
         )
 
     def demonstration(self, prompt: Prompt) -> list[str]:
-        """A trace made in code on a random question: half call the calculator
-        and copy its result, half answer at once (as a model that could
-        multiply in its head would). A short warm-start on these teaches the
-        format; whether calling pays, and copying the result digit by digit,
-        RL learns."""
+        """A trace made in code on a random question: a share (`demo_calls`)
+        call the calculator and copy its result, the rest answer at once (as a
+        model that could multiply in its head would). A short warm-start on
+        these teaches the format, and the copy in part; that calling pays, RL
+        learns."""
         rng = self._demo_rng = getattr(self, "_demo_rng", None) or random.Random(0)
         answer = f"<answer>{prompt.answer}</answer>"
         if rng.random() >= self.demo_calls:
