@@ -51,7 +51,7 @@ class ChatFormat:
 
     def prompts(self, texts: list[str]) -> list[list[int]]:
         if not self.chat:
-            return self.tokenizer(texts).input_ids
+            return self.tokenizer(texts).input_ids  # one batch call
         rendered = [
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -60,22 +60,42 @@ class ChatFormat:
         ]
         return self.tokenizer(rendered, add_special_tokens=False).input_ids
 
+    def conversation(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """A conversation's tokens, up to the model's turn: with the chat template
+        and its generation prompt, else the messages' texts one after another."""
+        if not self.chat:
+            return self.tokenizer("".join(str(m.get("content") or "") for m in messages)).input_ids
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer(rendered, add_special_tokens=False).input_ids
+
     def reply(self, text: str, turn: list[int] | None = None) -> list[int]:
-        """An environment reply's tokens, after the model's `turn` (its tokens).
+        """An environment reply's tokens (a tool message), after the model's `turn`."""
+        return self.after_turn([{"role": "tool", "content": text}], turn)
+
+    def after_turn(
+        self, messages: list[dict], turn: list[int] | None = None, tools: list | None = None
+    ) -> list[int]:
+        """The tokens of `messages` (tool results, user turns) that follow the
+        model's `turn` (its tokens), up to the model's next turn.
 
         With a chat template they start with whatever the template puts after
         an assistant message that the model did not sample: the text after its
         end-of-turn token (ChatML's newline after `<|im_end|>`), or the whole
         closing when the turn was cut at max_new_tokens. So the episode's ids
-        are the template's rendering of the same conversation."""
+        are the template's rendering of the same conversation, except that the
+        model's own turns stay as sampled even where the template would render
+        an earlier turn otherwise (drop a `<think>` block)."""
         if not self.chat:
+            text = "".join(str(m.get("content") or "") for m in messages)
             return self.tokenizer(text, add_special_tokens=False).input_ids
-        # Render with and without the tool message and keep the difference
+        # Render with and without the new messages and keep the difference
         # (system prompts and the like that a template adds at the start cancel out).
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        before = self.tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
         after = self.tokenizer.apply_chat_template(
-            [*base, {"role": "tool", "content": text}], add_generation_prompt=True, tokenize=False
+            [*base, *messages], tools=tools, add_generation_prompt=True, tokenize=False
         )
         if not after.startswith(before):
             raise ValueError("the chat template renders an episode's start differently per turn")
