@@ -305,6 +305,8 @@ class Algorithm:
     def close(self) -> None:
         """Stop every proc now (no save)."""
         meshes, self.meshes = self.meshes, None
+        if getattr(self, "collector", None) is not None:
+            self.collector.close()  # the policy endpoint and the task's own servers
         if meshes is not None:
             self._run_dir = meshes.dir
         if self.log is not None:
@@ -349,6 +351,8 @@ class Algorithm:
             cfg, state, sup, sync, self.tokenizer, self.task, self.context,
             policy, self.environment, self.reward_model,
         )  # fmt: skip
+        if cfg.policy.serve_port:
+            print(f"policy endpoint: {self.collector.endpoint(cfg.policy.serve_port).base_url}")
         # Held-out sets, drawn before any training prompt (which then skips them).
         self.evaluator = self.spawn_evaluator(run)
         self.ckpt = Checkpointer(

@@ -69,6 +69,8 @@ class Collector:
         self.last_episodes: list = []
         self.held_out: set[str] = set()
         """Prompt texts training never draws (the held-out evaluation sets')."""
+        self.server = None
+        """The policy's OpenAI-compatible endpoint (`endpoint()`), once started."""
 
     # --- prompts --------------------------------------------------------------------------
 
@@ -220,19 +222,23 @@ class Collector:
         roles = {"policy": self.policy, "environment": self.environment}
         for attempt in range(self.max_refills + 1):
             group = [p for p in prompts for _ in range(k)]
-            episodes, timing = run_episodes(
-                group,
-                lambda role: roles[role].actors,
-                self.policy.size,
-                self.environment.size,
-                self.format,
-                self.cfg.generation,
-                self.task.turns,
-                self.context,
-                self.sup.timeout_s,
-                on_lost=self.sup.recover,
-                key_prefix=f"{self.sync.published}.{attempt}.",
-            )
+            key_prefix = f"{self.sync.published}.{attempt}."
+            if getattr(self.task, "is_agent", False):  # your agent drives the endpoint
+                episodes, timing = self.task.play(group, self.endpoint(), key_prefix)
+            else:
+                episodes, timing = run_episodes(
+                    group,
+                    lambda role: roles[role].actors,
+                    self.policy.size,
+                    self.environment.size,
+                    self.format,
+                    self.cfg.generation,
+                    self.task.turns,
+                    self.context,
+                    self.sup.timeout_s,
+                    on_lost=self.sup.recover,
+                    key_prefix=key_prefix,
+                )
             self.state.ledger.generated += len(episodes)
             failed = {i // k for i, e in enumerate(episodes) if e.failed}
             kept += [e for i, e in enumerate(episodes) if i // k not in failed]
@@ -254,6 +260,31 @@ class Collector:
         )
         self.last_episodes = kept
         return completions, rewards, info
+
+    def endpoint(self, port: int = 0) -> Any:
+        """The policy replicas' OpenAI-compatible endpoint on 127.0.0.1 (`meshrl.serve`),
+        started on first use; it samples at the run's generation settings."""
+        if self.server is None:
+            from meshrl.serve import PolicyServer, Router
+
+            router = Router(
+                lambda: self.policy.actors,
+                self.policy.size,
+                self.cfg.generation,
+                self.sup.timeout_s,
+                on_lost=self.sup.recover,
+            )
+            self.server = PolicyServer(router, self.format, self.context, port)
+        return self.server
+
+    def close(self) -> None:
+        """Stop the endpoint and the task's own resources (servers, threads)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        close = getattr(self.task, "close", None)
+        if close is not None:
+            close()
 
     def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
         """With a reward model: rule_weight x the environment's reward + weight x

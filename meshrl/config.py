@@ -200,6 +200,10 @@ class PolicyConfig:
     """hf: meshrl's KV-cache sampler on the replica's HF model (CPU or GPU).
     vllm: an in-process vLLM engine per replica (GPU hosts, the `vllm` extra);
     weights arrive through the same versioned sync."""
+    serve_port: int = 0
+    """Serve the policy replicas at http://127.0.0.1:PORT/v1 (OpenAI-compatible,
+    `meshrl.serve`) while the run trains; 0: not served (an `agent:` task serves
+    them on a free port of its own)."""
     gpu_memory_utilization: float = 0.5
     """vllm: the share of its GPU a replica's engine may take."""
     share_prefix: bool = True
@@ -220,6 +224,7 @@ class PolicyConfig:
             "policy.gpu_memory_utilization",
             "must be in (0, 1]",
         )
+        _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
 
 
 @dataclass
@@ -301,7 +306,10 @@ class TaskConfig:
 
     name: str = "reverse_digits"
     """An environment in meshrl.envs.TASKS (reverse_digits, math, countdown, code,
-    calculator, slow_tool), or the import path of your own: `mypkg.envs:MyEnv`."""
+    calculator, slow_tool), the import path of your own (`mypkg.envs:MyEnv`), or
+    an adapter: `openenv:mypkg.server:MyEnvironment` or `openenv:http://HOST:PORT`
+    (OpenEnv), `verifiers:TASKSET_ID` (a verifiers taskset), `agent:mypkg:my_agent`
+    (your agent function, through the policy's OpenAI-compatible endpoint)."""
     num_digits: int = 3
     """reverse_digits: digits per prompt."""
     max_digits: int = 0
@@ -333,9 +341,12 @@ class TaskConfig:
 
         if ":" in self.name:
             try:
-                env_class(self.name)
+                cls = env_class(self.name)
             except (ImportError, AttributeError) as error:
                 _check(False, "task.name", f"cannot import '{self.name}': {error}")
+            # An adapter checks the rest of the name (the module, the server's URL).
+            problem = cls.check_name(self.name) if hasattr(cls, "check_name") else ""
+            _check(not problem, "task.name", problem)
         else:
             _check(
                 self.name in TASKS,
@@ -352,6 +363,8 @@ class TaskConfig:
         _check(self.step_timeout_s > 0, "task.step_timeout_s", "must be > 0")
         _check(self.tool_timeout_s > 0, "task.tool_timeout_s", "must be > 0")
         _check(self.env_workers >= 1, "task.env_workers", "must be >= 1")
+        if self.name.startswith("agent:"):
+            _check(bool(self.dataset), "task.dataset", "an agent task takes its prompts from one")
         unknown = sorted(set(self.tools) - {"calc", "python"})
         _check(not unknown, "task.tools", f"{unknown} are not tools (calc, python)")
         if self.dataset:

@@ -177,6 +177,7 @@ class RunLogger:
 def samples_table(step: int, rows: list[dict[str, Any]], total: int) -> str:
     """Sample rows as a console table (rich), rendered to text."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"step {step}: {len(rows)} of {total} samples", title_justify="left")
@@ -185,7 +186,10 @@ def samples_table(step: int, rows: list[dict[str, Any]], total: int) -> str:
         numeric = isinstance(rows[0][column], (int, float))
         table.add_column(column, justify="right" if numeric else "left", overflow="fold")
     for row in rows:
-        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
+        # Escaped: model text such as "[tool]" is not rich markup.
+        table.add_row(
+            *[f"{v:.3f}" if isinstance(v, float) else escape(str(v)) for v in row.values()]
+        )
     console = Console(width=100, file=None, force_terminal=False, color_system=None)
     with console.capture() as captured:
         console.print(table)

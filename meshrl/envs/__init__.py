@@ -24,13 +24,26 @@ TASKS: dict[str, type[Env]] = {
 }
 
 
+ADAPTERS = {
+    "openenv": ("meshrl.envs.openenv", "OpenEnvTask"),
+    "verifiers": ("meshrl.envs.verifiers", "VerifiersTask"),
+    "agent": ("meshrl.envs.agent", "AgentTask"),
+}
+"""`task.name` prefixes: `openenv:...`, `verifiers:...` and `agent:...` name
+another library's environment or your agent function, through an adapter."""
+
+
 def env_class(name: str) -> type[Env]:
-    """A shipped environment by name, or your own by import path
-    (`package.module:ClassName`)."""
-    if ":" not in name:
-        return TASKS[name]
+    """A shipped environment by name, an adapter by its prefix (`ADAPTERS`), or
+    your own by import path (`package.module:ClassName`)."""
     import importlib
 
+    if ":" not in name:
+        return TASKS[name]
+    prefix = name.partition(":")[0]
+    if prefix in ADAPTERS:
+        module, attr = ADAPTERS[prefix]
+        return getattr(importlib.import_module(module), attr)
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -40,4 +53,4 @@ def make_task(cfg) -> Env:
     return env_class(cfg.name)(cfg)
 
 
-__all__ = ["TASKS", "Env", "Episode", "Step", "Task", "ReverseDigits", "env_class", "make_task"]
+__all__ = ["ADAPTERS", "TASKS", "Env", "Episode", "Step", "Task", "ReverseDigits", "env_class", "make_task"]

@@ -1,0 +1,439 @@
+"""An OpenAI-compatible endpoint in front of the policy replicas.
+
+`PolicyServer` answers `/v1/chat/completions`, `/v1/completions` and
+`/v1/models` on 127.0.0.1. Its `Router` batches the requests that arrive
+together and sends each batch to a free replica (`policy.generate`), as the
+rollout does with episodes. Every answer carries the sampled `token_ids` and
+the weight version (`meshrl` field) beside the usual OpenAI fields, and with
+`logprobs: true` the sampling log-probs.
+
+Requests under `/episodes/<key>/v1/...` belong to one episode. The server
+keeps that episode's conversation as one token sequence (a `Transcript`), as
+`meshrl.rollout` does for its own multi-turn episodes:
+
+- The model's tokens are kept as sampled, with their log-probs and version.
+- Each later request must repeat the conversation so far: the same messages,
+  the assistant's as they were answered. Only the new messages (tool results,
+  user turns) are tokenized, once, and masked out of the loss.
+- So the recorded ids are the sampler's ids, even with a chat template that
+  renders earlier turns otherwise (Qwen3's drops old `<think>` blocks): the
+  model is never shown a re-rendering that it did not sample from.
+
+A request that changes an earlier message is refused (HTTP 400): that
+conversation is not one sequence. `meshrl.envs.agent` plays an agent task's
+episodes through this server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from meshrl.mesh import RemoteCallError, wait
+from meshrl.rollout import ChatFormat
+
+
+class RequestError(ValueError):
+    """A request the endpoint refuses: HTTP 400 with this message."""
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+    version: int
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    sampling: tuple[float, float]  # temperature, top_p
+    future: Future = field(default_factory=Future)
+
+
+class Router:
+    """Requests from many threads, sent in batches to the policy replicas: a free
+    replica takes its share of what is waiting (same sampling settings), so
+    concurrent agents fill a batch as a rollout's episodes do. `actors()` gives
+    the current policy actor mesh; `on_lost(role, error)` is told of a lost
+    proc (the caller replaces the mesh)."""
+
+    def __init__(
+        self,
+        actors: Callable[[], Any],
+        replicas: int,
+        generation: Any,
+        timeout_s: float,
+        on_lost: Callable[[str, RemoteCallError], None] | None = None,
+    ):
+        self.actors, self.generation, self.timeout_s = actors, generation, timeout_s
+        self.on_lost = on_lost
+        self.free = list(range(replicas))
+        self.waiting: list[_Request] = []
+        self.cond = threading.Condition()
+        self.lost_lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._dispatch, name="router", daemon=True).start()
+
+    def generate(
+        self, ids: list[int], max_tokens: int, temperature: float, top_p: float
+    ) -> Sampled:
+        request = _Request(ids, max_tokens, (temperature, top_p))
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the policy endpoint is closed")
+            self.waiting.append(request)
+            self.cond.notify_all()
+        return request.future.result()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            for request in self.waiting:
+                request.future.set_exception(RuntimeError("the policy endpoint is closed"))
+            self.waiting = []
+            self.cond.notify_all()
+
+    def _dispatch(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and not (self.waiting and self.free):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                rank = self.free.pop(0)
+                sampling = self.waiting[0].sampling
+                same = [r for r in self.waiting if r.sampling == sampling]
+                share = same[: max(1, -(-len(same) // (len(self.free) + 1)))]
+                self.waiting = [r for r in self.waiting if all(r is not s for s in share)]
+            threading.Thread(target=self._send, args=(rank, share), daemon=True).start()
+
+    def _send(self, rank: int, batch: list[_Request]) -> None:
+        temperature, top_p = batch[0].sampling
+        generation = replace(
+            self.generation,
+            max_new_tokens=max(r.max_tokens for r in batch),
+            min_new_tokens=0,
+            temperature=temperature,
+            top_p=top_p,
+        )
+        try:
+            future = (
+                self.actors()
+                .slice(procs=rank)
+                .generate.call_one([r.ids for r in batch], generation)
+            )
+            result = wait(future, "policy.generate", self.timeout_s)
+            rows = zip(result.completion_lists(), result.logprobs.tolist(), strict=True)
+            for request, (tokens, logprobs) in zip(batch, rows, strict=True):
+                tokens = tokens[: request.max_tokens]  # the batch sampled to its longest
+                request.future.set_result(
+                    Sampled(tokens, logprobs[: len(tokens)], result.weight_version)
+                )
+        except RemoteCallError as error:
+            if error.proc_lost and self.on_lost is not None:
+                with self.lost_lock:
+                    self.on_lost("policy", error)
+            for request in batch:
+                request.future.set_exception(error)
+        except Exception as error:  # noqa: BLE001 - the requests fail, the router goes on
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(error)
+        finally:
+            with self.cond:
+                self.free.append(rank)
+                self.cond.notify_all()
+
+
+@dataclass
+class Transcript:
+    """One episode's calls as one token sequence (the rollout's `EpisodeState` shape)."""
+
+    max_calls: int
+    prompt_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[tuple[str, str]] = field(default_factory=list)  # chat: (role, text)
+    text: str = ""  # completions: the prompt and the answers so far
+    kind: str = ""  # "chat" or "completions", fixed by the first call
+    calls: int = 0
+    last_turn: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    def continuation(self, fmt: ChatFormat, kind: str, body: dict) -> list[int]:
+        """The ids that a request adds to the episode (the whole prompt on the first call)."""
+        if self.calls >= self.max_calls:
+            raise RequestError(f"the episode's turn limit ({self.max_calls} calls) is reached")
+        if self.kind and kind != self.kind:
+            raise RequestError(f"an episode's calls are all {self.kind} calls; this is {kind}")
+        if kind == "completions":
+            prompt = body["prompt"]
+            if not self.calls:
+                return fmt.tokenizer(prompt).input_ids
+            if not prompt.startswith(self.text):
+                raise RequestError(
+                    "the prompt does not continue the episode (the last prompt and its "
+                    "completion, unchanged)"
+                )
+            return fmt.tokenizer(prompt[len(self.text) :], add_special_tokens=False).input_ids
+        messages, tools = body["messages"], body.get("tools")
+        if not self.calls:
+            return fmt.conversation(messages, tools)
+        seen = [_message(m) for m in messages[: len(self.messages)]]
+        if seen != self.messages:
+            raise RequestError(
+                "the messages do not continue the episode: earlier messages (the "
+                "assistant's as answered) must be sent unchanged"
+            )
+        new = messages[len(self.messages) :]
+        if not new or any(m.get("role") == "assistant" for m in new):
+            raise RequestError("a continuing request adds tool or user messages after the answer")
+        return fmt.after_turn(new, self.last_turn, tools)
+
+    def add(self, kind: str, body: dict, added: list[int], sampled: Sampled, text: str) -> None:
+        first = not self.calls
+        if first:
+            self.prompt_ids = list(added)
+        else:
+            self.tokens += added
+            self.loss_mask += [0] * len(added)
+            self.logprobs += [0.0] * len(added)
+            self.versions += [-1] * len(added)
+        self.tokens += sampled.tokens
+        self.loss_mask += [1] * len(sampled.tokens)
+        self.logprobs += sampled.logprobs
+        self.versions += [sampled.version] * len(sampled.tokens)
+        self.kind, self.calls, self.last_turn = kind, self.calls + 1, sampled.tokens
+        if kind == "completions":
+            self.text = body["prompt"] + text
+        else:
+            self.messages = [_message(m) for m in body["messages"]] + [("assistant", text)]
+
+
+def _message(message: dict) -> tuple[str, str]:
+    content = message.get("content") or ""
+    if isinstance(content, list):  # OpenAI content parts: their text
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(message.get("role", "")), str(content)
+
+
+class PolicyServer:
+    """The endpoint: an HTTP server on 127.0.0.1:`port` (0: a free port) in a
+    thread of this process. `sampling`: "run" samples every request at the
+    run's temperature and top_p (what the trainer scores), "request" honours
+    the request's (`meshrl serve`, where nothing trains)."""
+
+    def __init__(
+        self,
+        router: Router,
+        fmt: ChatFormat,
+        context: int,
+        port: int = 0,
+        model_name: str = "meshrl-policy",
+        sampling: str = "run",
+    ):
+        self.router, self.format, self.context = router, fmt, context
+        self.model_name, self.sampling = model_name, sampling
+        self.episodes: dict[str, Transcript] = {}
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def episode_url(self, key: str) -> str:
+        return f"http://127.0.0.1:{self.port}/episodes/{key}/v1"
+
+    def open(self, key: str, max_calls: int) -> None:
+        with self.lock:
+            self.episodes[key] = Transcript(max_calls)
+
+    def close_episode(self, key: str) -> Transcript | None:
+        with self.lock:
+            return self.episodes.pop(key, None)
+
+    def close(self) -> None:
+        self.router.close()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # --- answering --------------------------------------------------------------------------
+
+    def answer(self, kind: str, body: dict, key: str | None) -> dict:
+        """One request's OpenAI-shaped answer; under an episode `key`, recorded."""
+        _check_body(kind, body)
+        with self.lock:
+            self.requests += 1
+            transcript = self.episodes.get(key) if key is not None else None
+        if key is not None and transcript is None:
+            raise LookupError(f"no open episode '{key}' (it ended or timed out)")
+        transcript = transcript or Transcript(max_calls=1)  # stateless: a one-call episode
+        with transcript.lock:  # an episode's calls come one after another
+            added = transcript.continuation(self.format, kind, body)
+            context = transcript.context() + added if transcript.calls else added
+            room = self.context - len(context)
+            if room <= 0:
+                raise RequestError(
+                    f"the conversation ({len(context)} tokens) fills the model's "
+                    f"context of {self.context}"
+                )
+            max_tokens = min(room, _max_tokens(body, self.router.generation.max_new_tokens))
+            sampling = self._sampling(body)
+            sampled = self.router.generate(context, max_tokens, *sampling)
+            tokenizer = self.format.tokenizer
+            text = tokenizer.decode(sampled.tokens, skip_special_tokens=True)
+            transcript.add(kind, body, added, sampled, text)
+        finish = "length" if len(sampled.tokens) >= max_tokens else "stop"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        choice["token_ids"] = sampled.tokens
+        logprobs = None
+        if body.get("logprobs"):
+            pieces = [tokenizer.decode([t]) for t in sampled.tokens]
+            if kind == "chat":
+                logprobs = {
+                    "content": [
+                        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                        for p, lp in zip(pieces, sampled.logprobs, strict=True)
+                    ]
+                }
+            else:
+                logprobs = {"tokens": pieces, "token_logprobs": sampled.logprobs}
+        choice["logprobs"] = logprobs
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": f"meshrl-{self.requests}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(context),
+                "completion_tokens": len(sampled.tokens),
+                "total_tokens": len(context) + len(sampled.tokens),
+            },
+            "meshrl": {"weight_version": sampled.version, "prompt_token_ids": context},
+        }
+
+    def _sampling(self, body: dict) -> tuple[float, float]:
+        generation = self.router.generation
+        if self.sampling == "run":
+            return generation.temperature, generation.top_p
+        temperature = float(body.get("temperature", generation.temperature))
+        top_p = float(body.get("top_p", generation.top_p))
+        if not (temperature > 0 and 0 < top_p <= 1):
+            raise RequestError("temperature must be > 0 and top_p in (0, 1]")
+        return temperature, top_p
+
+
+def _check_body(kind: str, body: dict) -> None:
+    need = "messages" if kind == "chat" else "prompt"
+    if need not in body:
+        raise RequestError(f"the request has no '{need}'")
+    if kind == "chat" and not (isinstance(body["messages"], list) and body["messages"]):
+        raise RequestError("'messages' must be a non-empty list")
+    if kind == "completions" and not isinstance(body["prompt"], str):
+        raise RequestError("'prompt' must be one string")
+    if body.get("stream"):
+        raise RequestError("stream is not supported")
+    if int(body.get("n", 1)) != 1:
+        raise RequestError("n must be 1 (send one request per sample)")
+
+
+def _max_tokens(body: dict, limit: int) -> int:
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    if asked is None:
+        return limit
+    if not (isinstance(asked, int) and asked >= 1):
+        raise RequestError("max_tokens must be a positive integer")
+    return min(asked, limit)
+
+
+def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # no line per request on stderr
+            pass
+
+        def _reply(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str, kind: str) -> None:
+            self._reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+        def do_GET(self) -> None:
+            key, route = _route(self.path)
+            if route == "/models":
+                model = {"id": server.model_name, "object": "model", "owned_by": "meshrl"}
+                self._reply(200, {"object": "list", "data": [model]})
+            else:
+                self._error(404, f"no route GET {self.path}", "not_found")
+
+        def do_POST(self) -> None:
+            key, route = _route(self.path)
+            kind = {"/chat/completions": "chat", "/completions": "completions"}.get(route)
+            if kind is None:
+                self._error(404, f"no route POST {self.path}", "not_found")
+                return
+            try:
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                self._reply(200, server.answer(kind, body, key))
+            except (RequestError, json.JSONDecodeError, TypeError, ValueError) as error:
+                self._error(400, str(error), "invalid_request_error")
+            except LookupError as error:
+                self._error(404, str(error), "not_found")
+            except Exception as error:  # noqa: BLE001 - the client gets the reason, the server goes on
+                message = str(error).splitlines()[0] if str(error) else type(error).__name__
+                self._error(500, message, "server_error")
+
+    return Handler
+
+
+def _route(path: str) -> tuple[str | None, str]:
+    """`/episodes/<key>/v1/<route>` or `/v1/<route>` -> (key or None, `/<route>`)."""
+    path = path.split("?")[0].rstrip("/")
+    key = None
+    if path.startswith("/episodes/"):
+        key, _, path = path[len("/episodes/") :].partition("/")
+        path = "/" + path
+    return key, path[len("/v1") :] if path.startswith("/v1/") else ""
+
+
+def finite(reward: Any) -> float:
+    """An agent's reward, checked: a finite number."""
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+    ):
+        raise TypeError(f"the agent returned {reward!r:.60} (expected a finite number)")
+    return float(reward)
