@@ -245,9 +245,13 @@ class PolicyServer:
         port: int = 0,
         model_name: str = "meshrl-policy",
         sampling: str = "run",
+        record_path: str | None = None,
     ):
         self.router, self.format, self.context = router, fmt, context
         self.model_name, self.sampling = model_name, sampling
+        self.record_path = record_path
+        """Each answer's record (a JSON line: prompt and completion ids, log-probs,
+        weight version, episode key) is appended here, when set."""
         self.episodes: dict[str, Transcript] = {}
         self.lock = threading.Lock()
         self.requests = 0
@@ -303,6 +307,8 @@ class PolicyServer:
             tokenizer = self.format.tokenizer
             text = tokenizer.decode(sampled.tokens, skip_special_tokens=True)
             transcript.add(kind, body, added, sampled, text)
+        if self.record_path is not None:
+            self._record(key, context, sampled)
         finish = "length" if len(sampled.tokens) >= max_tokens else "stop"
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         choice["token_ids"] = sampled.tokens
@@ -336,6 +342,19 @@ class PolicyServer:
             },
             "meshrl": {"weight_version": sampled.version, "prompt_token_ids": context},
         }
+
+    def _record(self, key: str | None, context: list[int], sampled: Sampled) -> None:
+        line = json.dumps(
+            {
+                "episode": key,
+                "prompt_ids": context,
+                "completion_ids": sampled.tokens,
+                "logprobs": sampled.logprobs,
+                "weight_version": sampled.version,
+            }
+        )
+        with self.lock, open(self.record_path, "a") as f:
+            f.write(line + "\n")
 
     def _sampling(self, body: dict) -> tuple[float, float]:
         generation = self.router.generation

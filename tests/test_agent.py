@@ -195,3 +195,46 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
 def test_bad_agent_config_is_one_clear_error(overrides, key):
     with pytest.raises(ConfigError, match=key):
         load_config(GRPOConfig, DEFAULT_CONFIG, overrides)
+
+
+def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, no_stray_procs):
+    """`meshrl serve MODEL --config FILE`: a policy mesh behind the endpoint; each
+    answer is a line of requests.jsonl; SIGINT stops the server and the procs."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from openai import OpenAI
+
+    from tests.conftest import REPO
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "algorithms.cli", "serve", str(agent_data / "model")]
+    command += ["--config", DEFAULT_CONFIG, f"policy.serve_port={port}", f"run.dir={tmp_path}"]
+    command += ["run.name=serve"]
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "serving" not in (line := proc.stdout.readline()):
+            assert line and time.monotonic() < deadline, "meshrl serve did not come up"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(
+            model="model", messages=[{"role": "user", "content": "12>"}], temperature=0.7
+        )
+        lines = (tmp_path / "serve" / "requests.jsonl").read_text().splitlines()
+        (record,) = [json.loads(x) for x in lines]
+        assert record["completion_ids"] == out.choices[0].model_extra["token_ids"]
+        assert record["prompt_ids"] == out.model_extra["meshrl"]["prompt_token_ids"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,91 @@
+"""`meshrl serve MODEL --config FILE [key=value ...]`: the policy's OpenAI-compatible
+endpoint (`meshrl.serve`) for any saved model, with no training.
+
+MODEL is an HF directory, a run directory or a checkpoint (as for `meshrl
+eval`). FILE is any algorithm's config: its `model`, `generation`, `policy`
+and `placement` sections are read. `placement.policy` replicas answer
+`/v1/chat/completions`, `/v1/completions` and `/v1/models` at
+http://127.0.0.1:PORT/v1 (`policy.serve_port`, else 8000), each request at
+its own temperature and top_p, up to `generation.max_new_tokens` tokens.
+Every answer is appended to `<run dir>/requests.jsonl` (prompt and completion
+ids, log-probs, weight version). Ctrl-C stops the server and the procs.
+
+    meshrl serve runs/grpo-20261124-101500 --config algorithms/configs/grpo_default.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from algorithms.evaluate import EvaluateConfig
+from meshrl.config import ConfigError, load_config
+from meshrl.export import start_from
+from meshrl.mesh import one_line
+
+USAGE = "usage: meshrl serve MODEL_OR_RUN_DIR --config FILE [key=value ...]"
+
+
+class ServeConfig(EvaluateConfig):
+    """`meshrl eval`'s sections; `task` and `eval` are not used."""
+
+    def validate(self) -> None:
+        for section in (self.generation, self.policy, self.placement):
+            section.validate()
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Spawn the policy mesh for `cfg.model` and serve it until Ctrl-C; the procs
+    are stopped on the way out."""
+    from actors.policy import Policy
+    from meshrl.loop import LoopState
+    from meshrl.models import context_length, load_tokenizer
+    from meshrl.rollout import ChatFormat
+    from meshrl.run import Run
+    from meshrl.serve import PolicyServer, Router
+    from meshrl.supervisor import Supervisor
+
+    start_from(cfg.model, "model.path")
+    tokenizer, context = load_tokenizer(cfg.model), context_length(cfg.model)
+    with Run(cfg, "serve", {"policy": cfg.placement.policy}) as run:
+        policy = run.spawn(
+            "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, context, run.shm_prefix
+        )
+        sup = Supervisor(run, cfg.faults, LoopState())
+        sup.on_respawn("policy")  # its weights are the saved model's: loaded again
+        router = Router(
+            lambda: policy.actors, policy.size, cfg.generation, sup.timeout_s, sup.recover
+        )
+        name = os.path.basename(os.path.normpath(cfg.model.path or "meshrl-policy"))
+        server = PolicyServer(
+            router,
+            ChatFormat(tokenizer),
+            context,
+            cfg.policy.serve_port or 8000,
+            model_name=name,
+            sampling="request",
+            record_path=f"{run.dir}/requests.jsonl",
+        )
+        print(f"serving {name} at {server.base_url} (requests in {run.dir}/requests.jsonl)")
+        sys.stdout.flush()
+        try:
+            threading.Event().wait()  # until Ctrl-C
+        except KeyboardInterrupt:
+            print("stopping")
+        finally:
+            server.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--config" or argv[0].startswith("-"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(ServeConfig, argv[2], argv[3:], known_only=True)
+        cfg.model.path = argv[0]
+        serve(cfg)
+    except Exception as error:  # noqa: BLE001 - a command's last word: one line
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, ConfigError) else 1
+    return 0
