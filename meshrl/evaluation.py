@@ -216,6 +216,17 @@ class Evaluator:
         from meshrl.rollout import run_episodes
 
         c, spec = self.collector, self.cfg.sets[name]
+        generation = replace(c.cfg.generation, temperature=spec.temperature)
+        if getattr(c.task, "is_agent", False):  # the agent drives an endpoint of its own
+            from meshrl.serve import PolicyServer, Router
+
+            router = Router(lambda: role.actors, role.size, generation, c.sup.timeout_s)
+            server = PolicyServer(router, c.format, c.context)
+            try:
+                episodes, _ = c.task.play(group, server, f"eval.{name}.")
+            finally:
+                server.close()
+            return [0.0 if e.failed else e.reward for e in episodes]
         roles = {"policy": role, "environment": c.environment}
         episodes, _ = run_episodes(
             group,
@@ -223,7 +234,7 @@ class Evaluator:
             role.size,
             c.environment.size,
             c.format,
-            replace(c.cfg.generation, temperature=spec.temperature),
+            generation,
             c.task.turns,
             c.context,
             c.sup.timeout_s,

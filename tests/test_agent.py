@@ -87,7 +87,15 @@ def test_an_agent_trains_on_exactly_the_tokens_it_was_served(agent_data, tmp_pat
     and the second makes no call: both fail, are counted, and their groups are
     played again."""
     agent_for_tests.CALLS.clear()
-    algo, history = agent_run(agent_data, tmp_path, "sometimes_failing")
+    algo, history = agent_run(
+        agent_data,
+        tmp_path,
+        "sometimes_failing",
+        "eval.every=2",
+        "eval.sets.heldout.prompts=2",
+        "eval.sets.heldout.k=2",
+    )
+    assert 0 <= history[-1]["eval/heldout/reward"] <= 1  # held-out episodes, the agent's too
     assert history[0]["episodes/failed"] == 2 and history[0]["samples/dropped_env_failed"] == 4
     assert all(record["samples/trained"] == 8 for record in history)
     assert max(r["sampling/logprob_abs_diff"] for r in history) < 1e-3  # trainer == sampler
