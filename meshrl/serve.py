@@ -255,8 +255,7 @@ class PolicyServer:
         self.episodes: dict[str, Transcript] = {}
         self.lock = threading.Lock()
         self.requests = 0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer(("127.0.0.1", port), _handler(self))
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -388,6 +387,11 @@ def _max_tokens(body: dict, limit: int) -> int:
     if not (isinstance(asked, int) and asked >= 1):
         raise RequestError("max_tokens must be a positive integer")
     return min(asked, limit)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # many agents connect at once (the default, 5, refuses them)
 
 
 def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:

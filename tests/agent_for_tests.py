@@ -74,3 +74,31 @@ def sometimes_failing(base_url: str, prompt) -> float:
     if kind == "silent":
         return 1.0
     return reverse_with_a_tool(base_url, prompt)
+
+
+def calculator(base_url: str, prompt) -> float:
+    """docs/environments.md's example: the calculator task played by an agent. The
+    model may call `<calc>EXPR</calc>` (the agent evaluates it and answers with a
+    tool message) and ends with `<answer>N</answer>`; reward 1 for the right N."""
+    import re
+
+    from meshrl.envs.math import arith
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": prompt.text}]
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        text = reply.choices[0].message.content
+        answer = re.search(r"<answer>(.*?)</answer>", text)
+        if answer:
+            return float(answer.group(1).strip() == prompt.answer)
+        call = re.search(r"<calc>(.*?)</calc>", text)
+        try:
+            result = arith(call.group(1))[0] if call else "no tool call"
+        except (ValueError, ArithmeticError) as error:
+            result = f"error: {error}"
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "tool", "content": f" <result>{result}</result> "},
+        ]
+    return 0.0
