@@ -106,12 +106,24 @@ class Environment(Drillable, Actor):
         out = []
         for (key, _, _, final), (step, reason) in zip(items, self._run_all(calls), strict=True):
             if reason or final or step.done:
-                self.episodes.pop(key, None)
+                ended = self.episodes.pop(key, None)
+                if ended is not None:
+                    _contained(ended.close)
             if step is not None:
                 for name, value in step.info.items():
                     record(f"env/{name}", value, "sum")
             out.append((key, step, reason))
         return out
+
+    def __cleanup__(self, error: Exception | None) -> None:
+        """Monarch stops this actor (the run ended; a pooled proc lives on for the
+        next run): end the open episodes and stop what the task started (an
+        OpenEnv server)."""
+        for episode in self.episodes.values():
+            _contained(episode.close)
+        self.episodes.clear()
+        _contained(self.task.close)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def __del__(self):
         self.pool.shutdown(wait=False, cancel_futures=True)

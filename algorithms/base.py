@@ -313,6 +313,8 @@ class Algorithm:
             self.log.logger.close()
         if meshes is not None:
             meshes.close()
+        if self.task is not None:
+            self.task.close()  # what the controller's copy started (an OpenEnv server)
 
     # --- what the on-policy loops share ----------------------------------------------------
 

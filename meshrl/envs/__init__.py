@@ -53,4 +53,14 @@ def make_task(cfg) -> Env:
     return env_class(cfg.name)(cfg)
 
 
-__all__ = ["ADAPTERS", "TASKS", "Env", "Episode", "Step", "Task", "ReverseDigits", "env_class", "make_task"]
+__all__ = [
+    "ADAPTERS",
+    "TASKS",
+    "Env",
+    "Episode",
+    "Step",
+    "Task",
+    "ReverseDigits",
+    "env_class",
+    "make_task",
+]

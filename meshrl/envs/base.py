@@ -56,6 +56,11 @@ class Episode:
     def step(self, action: str) -> Step:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the episode holds (a connection to a server), once it has
+        ended: done, failed, or cut at its last turn. Called from the environment
+        actor's thread: must not block."""
+
 
 class Env:
     """An environment: task instances and their episodes. `cfg` is the TaskConfig."""
@@ -117,6 +122,11 @@ class Env:
     def reward(self, prompt: Prompt, completion: str) -> float:
         """Single-turn tasks: the reward of the only action."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what this environment started (a server it runs): at the end of a
+        run, in the controller and in each environment proc, whose process may
+        serve another run next (pooled procs). A later use may start it again."""
 
     def demonstration(self, prompt: Prompt) -> str | list[str]:
         """A correct completion, for a supervised warm-start; for a multi-turn
