@@ -10,7 +10,6 @@ raises or returns garbage fails only that episode, with the reason.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import Episode, Step, make_task, sandbox
+from meshrl.envs.base import checked_reward
 from meshrl.envs.sandbox import SandboxConfig
 from meshrl.faults import Drillable
 from meshrl.models import load_tokenizer
@@ -82,7 +82,7 @@ class Environment(Drillable, Actor):
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         results = self._run_all(
             [
-                (lambda p=p, t=t: _checked(self.task.reward(p, t)))
+                (lambda p=p, t=t: checked_reward(self.task.reward(p, t)))
                 for p, t in zip(prompts, texts, strict=True)
             ]
         )
@@ -141,20 +141,10 @@ def _contained(call: Callable[[], Any]) -> tuple[Any, str]:
         return None, _reason(error)
 
 
-def _checked(reward: Any) -> float:
-    if (
-        isinstance(reward, bool)
-        or not isinstance(reward, (int, float))
-        or not math.isfinite(reward)
-    ):
-        raise TypeError(f"garbage reward {reward!r} (expected a finite number)")
-    return float(reward)
-
-
 def _checked_step(step: Any) -> Step:
     if not isinstance(step, Step):
         raise TypeError(f"garbage step {step!r:.80} (expected meshrl.envs.Step)")
     if not isinstance(step.observation, str):
         raise TypeError(f"garbage observation {step.observation!r:.80} (expected text)")
-    step.reward = _checked(step.reward)
+    step.reward = checked_reward(step.reward)
     return step

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshrl.checkpoint import CheckpointConfig
 from meshrl.config import (
@@ -98,17 +99,23 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
     return figures
 
 
-def main(argv: list[str]) -> int:
+def model_command(argv: list[str], usage: str, schema: type, command: Any) -> tuple[int, Any]:
+    """`MODEL --config FILE [key=value ...]` -> (0, what `command(cfg)` returned), or
+    (exit status, None) after one line on stderr (the usage, or the error)."""
     if len(argv) < 3 or argv[1] != "--config" or argv[0].startswith("-"):
-        print(USAGE, file=sys.stderr)
-        return 2
+        print(usage, file=sys.stderr)
+        return 2, None
     try:
-        cfg = load_config(EvaluateConfig, argv[2], argv[3:], known_only=True)
+        cfg = load_config(schema, argv[2], argv[3:], known_only=True)
         cfg.model.path = argv[0]
-        figures = evaluate(cfg)
+        return 0, command(cfg)
     except Exception as error:  # noqa: BLE001 - a command's last word: one line
         print(f"error: {one_line(error)}", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1
-    for key, value in figures.items():
+        return (2 if isinstance(error, ConfigError) else 1), None
+
+
+def main(argv: list[str]) -> int:
+    status, figures = model_command(argv, USAGE, EvaluateConfig, evaluate)
+    for key, value in (figures or {}).items():
         print(f"{key:<32}{value:>10.4f}")
-    return 0
+    return status

@@ -19,10 +19,8 @@ import os
 import sys
 import threading
 
-from algorithms.evaluate import EvaluateConfig
-from meshrl.config import ConfigError, load_config
+from algorithms.evaluate import EvaluateConfig, model_command
 from meshrl.export import start_from
-from meshrl.mesh import one_line
 
 USAGE = "usage: meshrl serve MODEL_OR_RUN_DIR --config FILE [key=value ...]"
 
@@ -78,14 +76,4 @@ def serve(cfg: ServeConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--config" or argv[0].startswith("-"):
-        print(USAGE, file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(ServeConfig, argv[2], argv[3:], known_only=True)
-        cfg.model.path = argv[0]
-        serve(cfg)
-    except Exception as error:  # noqa: BLE001 - a command's last word: one line
-        print(f"error: {one_line(error)}", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1
-    return 0
+    return model_command(argv, USAGE, ServeConfig, serve)[0]

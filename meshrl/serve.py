@@ -27,7 +27,6 @@ episodes through this server.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -449,14 +448,3 @@ def _route(path: str) -> tuple[str | None, str]:
         key, _, path = path[len("/episodes/") :].partition("/")
         path = "/" + path
     return key, path[len("/v1") :] if path.startswith("/v1/") else ""
-
-
-def finite(reward: Any) -> float:
-    """An agent's reward, checked: a finite number."""
-    if (
-        isinstance(reward, bool)
-        or not isinstance(reward, (int, float))
-        or not math.isfinite(reward)
-    ):
-        raise TypeError(f"the agent returned {reward!r:.60} (expected a finite number)")
-    return float(reward)

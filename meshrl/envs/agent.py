@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from meshrl.envs.base import Env
+from meshrl.envs.base import Env, checked_reward
 from meshrl.rollout import EpisodeState
-from meshrl.serve import PolicyServer, finite
+from meshrl.serve import PolicyServer
 from meshrl.types import Prompt
 
 
@@ -83,7 +83,9 @@ class AgentTask(Env):
         for key, prompt, future in zip(keys, prompts, futures, strict=True):
             reward, failed = 0.0, ""
             try:
-                reward = finite(future.result(timeout=max(0.0, deadline - time.perf_counter())))
+                reward = checked_reward(
+                    future.result(timeout=max(0.0, deadline - time.perf_counter()))
+                )
             except FutureTimeout:
                 failed = f"timeout: the agent did not return within {limit:g}s"
             except Exception as error:  # noqa: BLE001 - the episode fails, not the run

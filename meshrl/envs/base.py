@@ -30,6 +30,7 @@ failed, counted, and its group sampled again.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,3 +142,14 @@ class _OneStep(Episode):
 
     def step(self, action: str) -> Step:
         return Step(reward=self.env.reward(self.prompt, action))
+
+
+def checked_reward(reward: Any) -> float:
+    """A reward from user code, checked: a finite number (TypeError, one line, if not)."""
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+    ):
+        raise TypeError(f"garbage reward {reward!r:.80} (expected a finite number)")
+    return float(reward)
