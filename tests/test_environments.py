@@ -95,10 +95,10 @@ def test_tool_episodes_mask_the_tool_tokens_and_train(tmp_path, no_stray_procs):
 
 def test_the_calculator_config_learns_to_call_the_tool(tmp_path, no_stray_procs):
     """The shipped calculator config as it is (its warm-start on traces made in
-    code, where a quarter call the tool), 16 RL steps: the share of episodes
+    code, where a quarter call the tool), 12 RL steps: the share of episodes
     that call the calculator and the exact answers both climb."""
     _, history = grpo(
-        tmp_path, "grpo_calculator.yaml", "steps=16", "prompts_per_step=16", "group_size=8"
+        tmp_path, "grpo_calculator.yaml", "steps=12", "prompts_per_step=16", "group_size=8"
     )
     first, last = history[:4], history[-4:]
 
@@ -109,13 +109,18 @@ def test_the_calculator_config_learns_to_call_the_tool(tmp_path, no_stray_procs)
     assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.15
 
 
-def test_code_environment_runs_programs_in_the_sandbox(tmp_path, no_stray_procs):
-    _, history = grpo(
-        tmp_path, "grpo_code.yaml", "generation.max_new_tokens=24", "warm_start.steps=0"
-    )
+def test_the_code_config_learns_to_write_passing_programs(tmp_path, no_stray_procs):
+    """The shipped code config as it is (its warm-start on the reference programs),
+    30 RL steps with every program run against its tests in the sandbox: the share
+    of tests passed climbs (measured here: 0.075 over the first 8 steps, 0.179
+    over the last 8)."""
+    _, history = grpo(tmp_path, "grpo_code.yaml", "steps=30", "prompts_per_step=16", "group_size=8")
     for record in history:
         assert 0.0 <= record["reward/mean"] <= 1.0 and math.isfinite(record["train/loss"])
         assert record["time/environment/score_s"] > 0
+    first = sum(r["reward/mean"] for r in history[:8]) / 8
+    last = sum(r["reward/mean"] for r in history[-8:]) / 8
+    assert last > first + 0.05, (first, last)
 
 
 def test_failed_episodes_are_counted_and_their_groups_played_again(tmp_path, no_stray_procs):
