@@ -306,7 +306,7 @@ class Algorithm:
         """Stop every proc now (no save)."""
         meshes, self.meshes = self.meshes, None
         if getattr(self, "collector", None) is not None:
-            self.collector.close()  # the policy endpoint and the task's own servers
+            self.collector.close()  # the policy's endpoint
         if meshes is not None:
             self._run_dir = meshes.dir
         if self.log is not None:
@@ -314,7 +314,7 @@ class Algorithm:
         if meshes is not None:
             meshes.close()
         if self.task is not None:
-            self.task.close()  # what the controller's copy started (an OpenEnv server)
+            self.task.close()  # what the controller's copy started (a server, agent threads)
 
     # --- what the on-policy loops share ----------------------------------------------------
 

@@ -89,10 +89,12 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
         sup = Supervisor(run, cfg.faults, state)
         sup.on_respawn("policy")  # its weights are the saved model's: loaded again
         sup.on_respawn("environment")
-        collector = Collector(
-            cfg, state, sup, None, tokenizer, make_task(cfg.task), context, policy, environment
-        )
-        figures = Evaluator(cfg.eval, collector, cfg.run.seed).evaluate()
+        task = make_task(cfg.task)
+        collector = Collector(cfg, state, sup, None, tokenizer, task, context, policy, environment)
+        try:
+            figures = Evaluator(cfg.eval, collector, cfg.run.seed).evaluate()
+        finally:
+            task.close()  # what it started (a server, agent threads)
         with open(f"{run.dir}/eval.json", "w") as f:
             json.dump({"model": cfg.model.path, **figures}, f, indent=1)
         print(f"{cfg.model.path}: eval.json in {run.dir}")

@@ -278,13 +278,10 @@ class Collector:
         return self.server
 
     def close(self) -> None:
-        """Stop the endpoint and the task's own resources (servers, threads)."""
+        """Stop the endpoint (the task is its owner's to close: `Env.close`)."""
         if self.server is not None:
             self.server.close()
             self.server = None
-        close = getattr(self.task, "close", None)
-        if close is not None:
-            close()
 
     def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
         """With a reward model: rule_weight x the environment's reward + weight x
