@@ -191,13 +191,13 @@ def run_episodes(
     while ready or acted or waiter.in_flight:
         while ready and free_policy:
             rank = free_policy.pop(0)
-            chunk, ready = _share(ready, len(free_policy) + 1)
+            chunk, ready = share(ready, len(free_policy) + 1)
             contexts = [episodes[i].context() for i in chunk]
             future = actors("policy").slice(procs=rank).generate.call_one(contexts, generation)
             waiter.add(("policy", rank, chunk, time.perf_counter()), future, "policy.generate")
         while acted and free_env:
             rank = free_env.pop(0)
-            chunk, acted = _share(acted, len(free_env) + 1)
+            chunk, acted = share(acted, len(free_env) + 1)
             items = [
                 (episodes[i].key, episodes[i].prompt, episodes[i].last_action, episodes[i].final)
                 for i in chunk
@@ -258,7 +258,7 @@ def run_episodes(
     }
 
 
-def _share(items: list[int], workers: int) -> tuple[list[int], list[int]]:
+def share(items: list, workers: int) -> tuple[list, list]:
     """The first 1/workers of `items` (at least one), and the rest."""
     size = max(1, -(-len(items) // workers))
     return items[:size], items[size:]

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from meshrl.mesh import RemoteCallError, wait
-from meshrl.rollout import ChatFormat
+from meshrl.rollout import ChatFormat, share
 
 
 class RequestError(ValueError):
@@ -80,6 +80,8 @@ class Router:
         self.cond = threading.Condition()
         self.lost_lock = threading.Lock()
         self.closed = False
+        self.generate_s = 0.0
+        """Seconds the replicas spent on this router's batches (summed over batches)."""
         threading.Thread(target=self._dispatch, name="router", daemon=True).start()
 
     def generate(
@@ -111,9 +113,9 @@ class Router:
                 rank = self.free.pop(0)
                 sampling = self.waiting[0].sampling
                 same = [r for r in self.waiting if r.sampling == sampling]
-                share = same[: max(1, -(-len(same) // (len(self.free) + 1)))]
-                self.waiting = [r for r in self.waiting if all(r is not s for s in share)]
-            threading.Thread(target=self._send, args=(rank, share), daemon=True).start()
+                batch, _ = share(same, len(self.free) + 1)
+                self.waiting = [r for r in self.waiting if all(r is not b for b in batch)]
+            threading.Thread(target=self._send, args=(rank, batch), daemon=True).start()
 
     def _send(self, rank: int, batch: list[_Request]) -> None:
         temperature, top_p = batch[0].sampling
@@ -130,7 +132,10 @@ class Router:
                 .slice(procs=rank)
                 .generate.call_one([r.ids for r in batch], generation)
             )
+            sent = time.perf_counter()
             result = wait(future, "policy.generate", self.timeout_s)
+            with self.cond:
+                self.generate_s += time.perf_counter() - sent
             rows = zip(result.completion_lists(), result.logprobs.tolist(), strict=True)
             for request, (tokens, logprobs) in zip(batch, rows, strict=True):
                 tokens = tokens[: request.max_tokens]  # the batch sampled to its longest

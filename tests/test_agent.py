@@ -98,6 +98,7 @@ def test_an_agent_trains_on_exactly_the_tokens_it_was_served(agent_data, tmp_pat
     assert 0 <= history[-1]["eval/heldout/reward"] <= 1  # held-out episodes, the agent's too
     assert history[0]["episodes/failed"] == 2 and history[0]["samples/dropped_env_failed"] == 4
     assert all(record["samples/trained"] == 8 for record in history)
+    assert all(record["time/generate_s"] > 0 for record in history)  # the router's batches
     assert max(r["sampling/logprob_abs_diff"] for r in history) < 1e-3  # trainer == sampler
     tok = algo.tokenizer
     rewritten = 0

@@ -66,7 +66,7 @@ class AgentTask(Env):
     ) -> tuple[list[EpisodeState], dict[str, float]]:
         """One episode per prompt: the agent function with the episode's URL.
         Returns the recorded episodes (in prompt order) and timing metrics."""
-        started = time.perf_counter()
+        started, generating = time.perf_counter(), server.router.generate_s
         workers = self.cfg.env_workers
         if self._pool is None:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="agent")
@@ -104,7 +104,7 @@ class AgentTask(Env):
             episodes.append(episode)
         return episodes, {
             "time/episodes_s": time.perf_counter() - started,
-            "time/episode_generate_s": 0.0,
+            "time/episode_generate_s": server.router.generate_s - generating,
         }
 
     def close(self) -> None:
