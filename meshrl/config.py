@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
+from meshrl.architectures import ARCHITECTURES
 from meshrl.config_files import ConfigError, load_config, parse_cli, save_config  # noqa: F401
 from meshrl.config_files import check as _check
 from meshrl.config_trainer import TrainerConfig  # noqa: F401
@@ -70,13 +71,16 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy model. Either a local HF directory or the embedded tiny Llama."""
+    """The policy model. Either a local HF directory or the embedded tiny model."""
 
     path: str | None = None
     """Local directory of a HF causal LM + tokenizer (`save_pretrained` layout),
     or another meshrl run's directory (its `final/`, else its newest checkpoint)
-    or checkpoint. None builds the embedded tiny Llama and the project's
+    or checkpoint. None builds the embedded tiny model and the project's
     character tokenizer."""
+    arch: str = "llama"
+    """Embedded model only: its architecture, one of llama, qwen2, qwen3,
+    qwen3_moe, gemma2, gemma3, phi3, gpt2 (`meshrl.architectures`)."""
     hidden_size: int = 64
     """Embedded model only: width of the residual stream."""
     num_layers: int = 2
@@ -124,6 +128,11 @@ class ModelConfig:
                     "a meshrl run directory or one of its checkpoints)",
                 )
         self.lora.validate(f"{prefix}.lora")
+        _check(
+            self.arch in ARCHITECTURES,
+            f"{prefix}.arch",
+            f"'{self.arch}' is not one of {', '.join(ARCHITECTURES)}",
+        )
         for name in (
             "hidden_size",
             "num_layers",

@@ -1,7 +1,8 @@
 """Models and tokenizers: any HF causal LM from a local path, or the embedded default.
 
-The embedded default is a tiny Llama built from `ModelConfig` plus a character
-tokenizer built here in code, so nothing is downloaded. Both save with
+The embedded default is a tiny model (Llama unless `model.arch` says otherwise,
+`meshrl.architectures`) built from `ModelConfig` plus a character tokenizer
+built here in code, so nothing is downloaded. Both save with
 `save_pretrained` and load back through `AutoModelForCausalLM` /
 `AutoTokenizer`, exactly like a real model.
 """
@@ -20,8 +21,7 @@ from tokenizers.models import WordLevel
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
@@ -33,6 +33,7 @@ from transformers import (
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
+from meshrl.architectures import tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
 from meshrl.packing import model_dtype, pack, packed_logits, takes_logits_to_keep
@@ -57,19 +58,18 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
+def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfig:
+    """The HF config of the embedded model: `model.arch` at `cfg`'s sizes
+    (`meshrl.architectures`); `ids` overrides the pad, BOS and EOS ids."""
+    return tiny_config(
+        cfg.arch,
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
         intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        max_positions=cfg.max_positions,
+        **ids,
     )
 
 
@@ -126,9 +126,23 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     else:
         vocab_size = len(build_char_tokenizer())
         with seeded_init(seed):
-            model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(dtype)
+            config = embedded_config(cfg, vocab_size)
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.config.use_cache = True
+    without_dropout(model)
     return model
+
+
+def without_dropout(model: torch.nn.Module) -> None:
+    """Turn every dropout of `model` off, as TRL's `disable_dropout` (on by
+    default) does: the trainer runs in train mode, and dropout there would make
+    its log-probs of a sample differ from the sampler's (GPT-2's configs keep
+    0.1 in three places). The saved config is left as it was."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # HF attention modules read it when training
 
 
 def device_for_this_proc() -> torch.device:
@@ -258,6 +272,6 @@ def completion_values(
     if layout == "padded" or not len(input_ids):
         return model(input_ids, attention_mask)[:, -T - 1 : -1]
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
-    mask = packed.attention_mask(model_dtype(model))
+    mask = packed.attention_mask(model_dtype(model), model.backbone.config)
     values = model(packed.input_ids, mask, packed.position_ids)
     return packed.scatter(values.flatten()[packed.at])

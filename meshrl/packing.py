@@ -21,8 +21,9 @@ losses read, with 0 where the padded layout has padding. The same math as
 `padded`, up to the order of float sums (tests check 1e-5 relative).
 
 Every HF causal LM that takes a 4D attention mask (transformers' eager and sdpa
-attention) runs these layouts; sliding-window attention is not applied to a
-custom mask, so models that use it (Gemma 2/3, Mistral) should use `padded`.
+attention) runs these layouts. HF applies no sliding window to a mask it is
+given, so models with sliding-window layers (Gemma 2/3, Mistral) get one mask
+per layer kind, the window cut by position distance.
 """
 
 from __future__ import annotations
@@ -48,11 +49,26 @@ class Packed:
     at: torch.Tensor  # [N] flat packed index (r * L + c) of the position predicting it
     shape: tuple[int, int]  # (B, T) of the batch
 
-    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """[R, 1, L, L] additive mask (0 where allowed), which eager and sdpa read alike."""
-        blocked = torch.finfo(dtype).min
-        zero = torch.zeros((), dtype=dtype, device=self.allowed.device)
-        return torch.where(self.allowed, zero, blocked).unsqueeze(1)
+    def attention_mask(
+        self, dtype: torch.dtype, config: object = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[R, 1, L, L] additive mask (0 where allowed), which eager and sdpa read
+        alike. For a model `config` with sliding-window layers, HF's per-kind
+        mapping instead: the sliding layers' mask also blocks keys `window` or
+        more positions back (as HF's own `kv_idx > q_idx - window`)."""
+        mask = self._additive(self.allowed, dtype)
+        kinds = set(getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None)
+        if "sliding_attention" not in kinds or not window:
+            return mask
+        distance = self.position_ids.unsqueeze(2) - self.position_ids.unsqueeze(1)
+        near = self._additive(self.allowed & (distance < window), dtype)
+        return {"full_attention": mask, "sliding_attention": near}
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min).unsqueeze(1)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """[N] per scored token -> [B, T], 0 on padding (differentiable)."""
@@ -168,7 +184,7 @@ def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) ->
         kwargs["logits_to_keep"] = keep
     out = model(
         input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask(dtype),
+        attention_mask=packed.attention_mask(dtype, getattr(model, "config", None)),
         position_ids=packed.position_ids,
         use_cache=False,
         **kwargs,

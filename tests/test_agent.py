@@ -33,16 +33,16 @@ def agent_data(tmp_path_factory):
     """A tiny Llama and a char tokenizer with TEMPLATE (saved as HF would), and a
     dataset of digit strings whose demonstrations think first."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from meshrl.models import build_char_tokenizer, tiny_llama_config
+    from meshrl.models import build_char_tokenizer, embedded_config
 
     root = tmp_path_factory.mktemp("agent")
     tok = build_char_tokenizer()
     tok.chat_template = TEMPLATE
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256)
-    LlamaForCausalLM(tiny_llama_config(cfg, len(tok))).save_pretrained(root / "model")
+    AutoModelForCausalLM.from_config(embedded_config(cfg, len(tok))).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     rng = random.Random(0)
     rows = []

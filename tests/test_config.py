@@ -213,14 +213,14 @@ def test_ppo_keys_are_checked():
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from meshrl.config import ModelConfig
-    from meshrl.models import build_char_tokenizer, tiny_llama_config
+    from meshrl.models import build_char_tokenizer, embedded_config
 
     tokenizer = build_char_tokenizer()
-    small = tiny_llama_config(ModelConfig(), vocab_size=len(tokenizer) - 10)
-    LlamaForCausalLM(small).save_pretrained(tmp_path)
+    small = embedded_config(ModelConfig(), vocab_size=len(tokenizer) - 10)
+    AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"'model.path': the tokenizer in .* has 98 tokens but"):
         load_config(GRPOConfig, None, [f"model.path={tmp_path}"])

@@ -33,11 +33,17 @@ def grouped_batch(groups=(3, 5, 2), group_size=4, T=6, seed=0):
     return ids, mask, T
 
 
-def test_packed_and_tree_layouts_score_what_the_padded_batch_scores():
-    ids, mask, T = grouped_batch()
+@pytest.mark.parametrize(
+    "arch, groups, T",
+    [("llama", (3, 5, 2), 6), ("gemma2", (12, 20, 9), 10), ("gpt2", (3, 5, 2), 6)],
+    ids=["llama", "gemma2_rows_past_its_sliding_window", "gpt2_absolute_positions"],
+)
+def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups, T):
+    ids, mask, T = grouped_batch(groups, T=T)
     scored = mask[:, -T:]
-    model = load_model(MODEL, seed=1)
-    values_model = load_value_model(MODEL, seed=1)
+    cfg = ModelConfig(arch=arch)
+    model = load_model(cfg, seed=1)
+    values_model = load_value_model(cfg, seed=1)
     torch.nn.init.normal_(
         values_model.value_head.weight, generator=torch.Generator().manual_seed(2)
     )
