@@ -53,6 +53,7 @@ class Policy(Drillable, Actor):
         # takes its requests' seeds from it.)
         device = self.device if policy_cfg.engine == "hf" else "cpu"
         self.rank = current_rank().rank  # read here: endpoints see no rank
+        self.weights.owner = f"{self.role}[{self.rank}]"
         self.generator = torch.Generator(device).manual_seed(seed * 1009 + self.rank)
 
     @endpoint
@@ -97,7 +98,8 @@ class Policy(Drillable, Actor):
         """Pull a published version into this replica: the version now served, how
         it came ('shm' or 'rdma'), and with `serve` the handle from which other
         replicas can pull it from this one (a relay)."""
-        pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s)
+        skip = self.armed("skip_pull")
+        pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
         self.engine.weights_changed()
         return pulled
 

@@ -254,14 +254,18 @@ class Trainer(Drillable, Actor):
 
     @endpoint
     @observed
-    def publish(self) -> WeightHandle | None:
+    def publish(self, verify: bool = True) -> WeightHandle | None:
         """Write the current weights, tagged with the version, where replicas pull
-        them (`meshrl.weights`); returns this rank's handle, or None on a rank
-        that owns no weights (ranks > 0 of a replicated trainer). Merge the
-        ranks' handles with `WeightHandle.merge`."""
+        them (`meshrl.weights`), with their checksums when `verify`; returns
+        this rank's handle, or None on a rank that owns no weights (ranks > 0
+        of a replicated trainer). Merge the ranks' handles with
+        `WeightHandle.merge`."""
         if self.publisher is None:
             return None
-        return self.publisher.publish(self.version)
+        handle = self.publisher.publish(self.version, verify)
+        if self.armed("corrupt"):
+            self.publisher.corrupt(self.version)
+        return handle
 
     @endpoint
     @observed

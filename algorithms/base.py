@@ -346,9 +346,7 @@ class Algorithm:
         every replica, the warm-start and the reference's copy of the result."""
         cfg, state, policy, trainer = self.cfg, self.state, self.policy, self.trainer
         self.sup = sup = Supervisor(run, cfg.faults, state)
-        self.sync = sync = WeightSync(
-            sup, not cfg.max_staleness, cfg.weights.fanout, cfg.weights.relay_timeout_s
-        )
+        self.sync = sync = WeightSync.from_config(sup, cfg.weights, wait=not cfg.max_staleness)
         self.collector = Collector(
             cfg, state, sup, sync, self.tokenizer, self.task, self.context,
             policy, self.environment, self.reward_model,
@@ -396,7 +394,7 @@ class Algorithm:
         mesh = run.spawn(
             "eval", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
         )
-        sync = WeightSync(self.sup)
+        sync = WeightSync.from_config(self.sup, cfg.weights)
         self.sup.on_respawn("eval", lambda: sync.catch_up(mesh))
         return Evaluator(cfg.eval, self.collector, cfg.run.seed, mesh, sync)
 

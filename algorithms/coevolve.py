@@ -222,7 +222,7 @@ class Coevolve(Algorithm):
                 f"policy_{name}", Policy, cfg.model, seed, cfg.policy, self.context,
                 f"{run.shm_prefix}-{name}",
             )  # fmt: skip
-            sync = WeightSync(sup, True, cfg.weights.fanout, cfg.weights.relay_timeout_s)
+            sync = WeightSync.from_config(sup, cfg.weights)
             self.players[name] = player = Player(name, policy, trainer, sync)
             sup.on_respawn(f"policy_{name}", lambda p=player: p.sync.catch_up(p.policy))
         roles = [r for p in self.players.values() for r in (p.trainer, p.policy)]

@@ -68,12 +68,12 @@ class Trainer(Actor):
         self.version = -1
 
     @endpoint
-    def publish(self) -> WeightHandle:
+    def publish(self, verify: bool = True) -> WeightHandle:
         self.version += 1
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float(self.version + 1))
-        return self.publisher.publish(self.version)
+        return self.publisher.publish(self.version, verify)
 
     @endpoint
     def close(self) -> None:

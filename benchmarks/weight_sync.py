@@ -12,6 +12,9 @@ For each size, best of `--repeats`:
                (`meshrl.weights`: shared memory on one host), timed from the
                controller: both calls, end to end;
 - meshrl_rdma: the same with the replica made to pull over RDMA (as from another host).
+Both meshrl syncs run as a run does, checksummed (`weights.verify`, the
+default), and again without checksums: `verify_overhead` and
+`rdma_verify_overhead` are their ratios less one.
 Prints a table, then one JSON object whose keys are the sizes, each with
 `sync_s`, `sync_over_memcpy` and `sync_over_gloo` (and the other timings).
 """
@@ -116,12 +119,12 @@ class Holder(Actor):
         return self.buffers
 
     @endpoint
-    def publish(self) -> WeightHandle:
+    def publish(self, verify: bool) -> WeightHandle:
         if self.publisher is None:
             self.publisher = WeightPublisher(self.model)
         self.version += 1
         started = time.perf_counter()
-        handle = self.publisher.publish(self.version)
+        handle = self.publisher.publish(self.version, verify)
         self.publish_s = time.perf_counter() - started
         return handle
 
@@ -175,11 +178,11 @@ def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
         buffers = wait(holder.tensor_buffers.call_one(), "buffers", 300)
         rdma = min(wait(reader.read_each.call_one(buffers), "read", 300) for _ in range(repeats))
 
-        def sync(shared_memory: bool) -> tuple[str, float, float, float]:
+        def sync(shared_memory: bool, verify: bool = True) -> tuple[str, float, float, float]:
             """One publish and pull timed from the controller (the data checked after):
             path, total, publish inside the trainer, pull inside the replica."""
             started = time.perf_counter()
-            handle = wait(holder.publish.call_one(), "publish", 300)
+            handle = wait(holder.publish.call_one(verify), "publish", 300)
             path, pull_s = wait(reader.pull.call_one(handle, shared_memory), "pull", 300)
             total = time.perf_counter() - started
             wait(reader.check_and_clear.call_one(), "check", 300)
@@ -188,7 +191,9 @@ def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
         # Warm-up: files mapped, buffers registered, both slots written.
         assert [sync(True)[0], sync(False)[0]] == ["shm", "rdma"]
         shm = min((sync(True) for _ in range(repeats)), key=lambda t: t[1])
+        unverified = min(sync(True, verify=False)[1] for _ in range(repeats))
         over_rdma = min((sync(False) for _ in range(repeats)), key=lambda t: t[1])
+        rdma_unverified = min(sync(False, verify=False)[1] for _ in range(repeats))
         wait(holder.close.call_one(), "close", 60)
     return {
         "rdma_s": rdma,
@@ -196,6 +201,8 @@ def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
         "meshrl_publish_s": shm[2],
         "meshrl_pull_s": shm[3],
         "meshrl_rdma_s": over_rdma[1],
+        "meshrl_unverified_s": unverified,
+        "meshrl_rdma_unverified_s": rdma_unverified,
     }
 
 
@@ -221,6 +228,11 @@ def main() -> int:
             "sync_over_rdma_s": round(timings["meshrl_rdma_s"], 5),
             "publish_s": round(timings["meshrl_publish_s"], 5),
             "pull_s": round(timings["meshrl_pull_s"], 5),
+            "sync_unverified_s": round(timings["meshrl_unverified_s"], 5),
+            "verify_overhead": round(sync / timings["meshrl_unverified_s"] - 1, 3),
+            "rdma_verify_overhead": round(
+                timings["meshrl_rdma_s"] / timings["meshrl_rdma_unverified_s"] - 1, 3
+            ),
         }
     print(
         f"{'size':>6} {'memcpy':>9} {'gloo':>9} {'rdma':>9} {'meshrl':>9} {'meshrl/rdma':>12}"

@@ -10,7 +10,7 @@ on the real one meets:
 - qwen3_moe: a mixture of experts in every layer (`MOE_EXPERTS`, top
   `MOE_TOP_K`), routers that `meshrl.routing` can record and replay;
 - gemma2, gemma3: sliding-window layers alternating with full ones (a window
-  of `GEMMA_WINDOW` tokens, short enough that episodes cross it), embedding
+  of `GEMMA_WINDOW` tokens: the default task's episodes, 10 tokens, cross it), embedding
   scaling, tied embeddings; Gemma 2 also soft-caps attention and final logits;
 - phi3: fused qkv and gate/up projections;
 - gpt2: learned absolute positions, LayerNorm, tied embeddings.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
 MOE_EXPERTS, MOE_TOP_K = 4, 2
-GEMMA_WINDOW = 16
+GEMMA_WINDOW = 8
 
 
 def tiny_config(
@@ -98,3 +98,27 @@ def tiny_config(
     if arch == "phi3":
         return transformers.Phi3Config(**common, tie_word_embeddings=False)
     raise ValueError(f"model.arch '{arch}' is not one of {', '.join(ARCHITECTURES)}")
+
+
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def saved_tokenizer(path: str):
+    """The tokenizer saved in `path`, of the class it was saved as. transformers
+    5's `AutoTokenizer` picks the class from the model's type instead, and a
+    family's class adds tokens of its own (Qwen2's adds `<|endoftext|>`), so a
+    generic tokenizer saved beside a Qwen model (meshrl's character tokenizer)
+    would come back one token longer than the model's vocabulary."""
+    import json
+    import os
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = os.path.join(path, "tokenizer_config.json")
+    saved_as = None
+    if os.path.isfile(config):
+        with open(config) as f:
+            saved_as = json.load(f).get("tokenizer_class")
+    if saved_as in GENERIC_TOKENIZERS:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)

@@ -151,11 +151,13 @@ class ModelConfig:
 def _check_tokenizer_fits(path: str, key: str) -> None:
     """The tokenizer saved with a model must not have ids past the model's
     embedding table (every id it can emit must index a row)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
+
+    from meshrl.architectures import saved_tokenizer
 
     try:
         vocab = AutoConfig.from_pretrained(path).vocab_size
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = saved_tokenizer(path)
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"config key '{key}': cannot load {path}: {first}") from None

@@ -6,6 +6,10 @@ proc to exit at once (`os._exit`), as a crash or an OOM kill would.
 `faults.raise_in` lists endpoints to fail as `role.endpoint@step` (e.g.
 `environment.score@7`): in that step the endpoint raises `InjectedError` on
 every proc of the role, as a bug or a transient error would.
+`faults.weights` breaks a weight sync: `corrupt@STEP` flips a byte of the
+version the trainer publishes after that step, `skip_pull:RANK@STEP` makes
+policy replica RANK answer that version's pull without moving a byte. The
+checksums (`meshrl.weights`) stop the run with the replica and the version.
 
 What the run does about it is the `Supervisor`'s and the loop's
 (`meshrl/supervisor.py`, `Checkpointer.rewind`): a
@@ -29,6 +33,7 @@ from meshrl.telemetry import Observed
 
 _KILL = re.compile(r"^([a-z_]+):(\d+)@(\d+)$")
 _RAISE = re.compile(r"^([a-z_]+)\.([a-z_]+)@(\d+)$")
+_WEIGHTS = re.compile(r"^(corrupt|skip_pull:(\d+))@(\d+)$")
 
 ROLES = ("policy", "environment", "reference", "trainer", "critic")
 DRILLED_ENDPOINTS = {
@@ -56,6 +61,10 @@ class FaultsConfig:
     """Procs to kill, as role:rank@step, e.g. ["environment:0@5", "policy:1@9"]."""
     raise_in: list[str] = field(default_factory=list)
     """Endpoints to fail, as role.endpoint@step, e.g. ["environment.score@7"]."""
+    weights: list[str] = field(default_factory=list)
+    """Weight syncs to break: "corrupt@STEP" (a byte of the version published
+    after STEP flipped in the trainer's slot) or "skip_pull:RANK@STEP" (policy
+    replica RANK does not copy that version but claims it)."""
     max_recoveries: int = 10
     """Recoveries of lost procs allowed in a run before it gives up with the error."""
     retry_errors: int = 0
@@ -87,6 +96,12 @@ class FaultsConfig:
                 raise ConfigError(
                     f"config key 'faults.raise_in': '{item}': the endpoints are {known}"
                 )
+        for item in self.weights:
+            if not _WEIGHTS.match(item):
+                raise ConfigError(
+                    f"config key 'faults.weights': '{item}' is not corrupt@step "
+                    "or skip_pull:rank@step"
+                )
         for key in ("max_recoveries", "retry_errors"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key 'faults.{key}': must be >= 0")
@@ -100,6 +115,19 @@ class FaultsConfig:
             role, rank, at = _KILL.match(item).groups()
             if int(at) == step:
                 found.append((role, int(rank)))
+        return found
+
+    def weight_drills_at(self, step: int) -> list[tuple[str, str, int]]:
+        """(role, drill, rank) of the weight syncs to break after `step`."""
+        found = []
+        for item in self.weights:
+            kind, rank, at = _WEIGHTS.match(item).groups()
+            if int(at) == step:
+                found.append(
+                    ("trainer", "corrupt", 0)
+                    if rank is None
+                    else ("policy", "skip_pull", int(rank))
+                )
         return found
 
     def raises_at(self, step: int) -> list[tuple[str, str]]:
@@ -126,6 +154,18 @@ class Drillable(Observed):
     def arm_error(self, endpoint_name: str) -> None:
         """The next call of `endpoint_name` raises `InjectedError`."""
         self._armed = self._armed | {endpoint_name}
+
+    @endpoint
+    def arm(self, name: str) -> None:
+        """This proc's next `armed(name)` is true (a `faults.weights` drill)."""
+        self._armed = self._armed | {f"drill:{name}"}
+
+    def armed(self, name: str) -> bool:
+        """Whether a drill armed `name` (once)."""
+        if f"drill:{name}" not in self._armed:
+            return False
+        self._armed = self._armed - {f"drill:{name}"}
+        return True
 
     def drill(self, endpoint_name: str) -> None:
         """First line of a drillable endpoint: raise if a drill armed it."""

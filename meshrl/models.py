@@ -20,7 +20,6 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -33,7 +32,7 @@ from transformers import (
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
-from meshrl.architectures import tiny_config
+from meshrl.architectures import saved_tokenizer, tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
 from meshrl.packing import model_dtype, pack, packed_logits, takes_logits_to_keep
@@ -87,7 +86,7 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if cfg.path is None:
         return build_char_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    tokenizer = saved_tokenizer(cfg.path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -117,6 +117,7 @@ def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
         "weights/rdma_replicas": sync.paths.count("rdma"),
         "weights/trainer_egress_bytes": sync.egress_bytes,
         "weights/max_hop_depth": sync.depth,
+        "weights/verified_replicas": sync.verified,
         "weights/generated_with": completions.weight_version,
     }
 

@@ -162,6 +162,7 @@ class Supervisor:
         next call in every proc of the role."""
         drills = [("kill", role, rank) for role, rank in self.faults.kills_at(step)]
         drills += [("raise", role, name) for role, name in self.faults.raises_at(step)]
+        drills += [(kind, role, rank) for role, kind, rank in self.faults.weight_drills_at(step)]
         for kind, name, target in drills:
             if (kind, name, target, step) in self.drilled:
                 continue
@@ -172,6 +173,9 @@ class Supervisor:
             if kind == "kill":
                 role.slice(procs=target).exit_now.call_one()  # never answers
                 print(f"faults: killed {name}[{target}] at step {step}", flush=True)
+            elif kind in ("corrupt", "skip_pull"):
+                self.wait(role.slice(procs=target).arm.call_one(kind), f"{name}.arm")
+                print(f"faults: {kind} drill armed on {name}[{target}] at step {step}", flush=True)
             else:
                 self.call_all(role, "arm_error", target)
                 print(f"faults: {name}.{target} will raise at step {step}", flush=True)

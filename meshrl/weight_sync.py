@@ -49,6 +49,12 @@ class WeightsConfig:
     relay_timeout_s: int = 30
     """Seconds a replica's RDMA reads from a relay may take before that relay
     counts as lost and the replica pulls from the relay's own source instead."""
+    verify: bool = True
+    """Each published version carries a checksum per parameter (shard), taken by
+    the trainer; every replica checks its parameters against them after each
+    pull, and a mismatch, or a replica on another version, stops the run
+    naming the replica and the version. Costs a read of the model on each
+    side (benchmarks/weight_sync.py measures it)."""
 
     def validate(self) -> None:
         if self.fanout < 0:
@@ -57,6 +63,10 @@ class WeightsConfig:
             )
         if self.relay_timeout_s <= 0:
             raise ConfigError("config key 'weights.relay_timeout_s': must be > 0")
+
+
+class WeightSyncError(RuntimeError):
+    """A replica does not serve the version it pulled (one line, naming it)."""
 
 
 Level = list[tuple[int, int | None]]
@@ -105,12 +115,19 @@ def plan(hosts: list[str | None], source_hosts: set[str], fanout: int) -> list[L
 
 class WeightSync:
     def __init__(
-        self, supervisor: Any, wait: bool = True, fanout: int = 0, relay_timeout_s: int = 30
+        self,
+        supervisor: Any,
+        wait: bool = True,
+        fanout: int = 0,
+        relay_timeout_s: int = 30,
+        verify: bool = True,
     ):
         self.sup = supervisor
         self.wait_each = wait
         self.fanout = fanout
         self.relay_timeout_s = relay_timeout_s
+        self.verify = verify
+        self.verified = 0  # replicas whose parameters matched the checksums, last pull
         self.handle: WeightHandle | None = None
         self.published = 0  # versions published by this controller
         self.paths: list[str] = []  # 'shm' or 'rdma', per replica, of the last pull
@@ -129,7 +146,7 @@ class WeightSync:
         """Wait for the pulls in flight, then `trainer.publish` on every rank (the
         ranks that own weights write them); returns the merged handle."""
         self.wait()
-        handles = self.sup.call_all(trainer, "publish")
+        handles = self.sup.call_all(trainer, "publish", self.verify)
         self.handle = WeightHandle.merge(handles)
         self.published += 1
         return self.handle
@@ -151,6 +168,10 @@ class WeightSync:
         future = self._send(replicas, self.handle)
         if future is not None:
             self._collect(future, replicas)
+
+    @classmethod
+    def from_config(cls, supervisor: Any, cfg: WeightsConfig, wait: bool = True) -> WeightSync:
+        return cls(supervisor, wait, cfg.fanout, cfg.relay_timeout_s, cfg.verify)
 
     def _send(self, replicas: Role, handle: WeightHandle) -> Any | None:
         """A relay tree is pulled now, level by level (None); one level is one call
@@ -198,7 +219,7 @@ class WeightSync:
     def _collect(self, future: Any, replicas: Role) -> None:
         answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
         pulled = dict(enumerate(value for _, value in answers))  # in rank order
-        self._account(pulled, {rank: 1 for rank in pulled}, set(pulled))
+        self._account(pulled, {rank: 1 for rank in pulled}, set(pulled), replicas.name)
 
     def _pull_tree(self, replicas: Role, handle: WeightHandle, levels: list[Level]) -> None:
         """Pull level by level, each replica from its parent's relay handle. A
@@ -240,7 +261,7 @@ class WeightSync:
                     if pulled[rank].relay is not None:
                         served[rank] = pulled[rank].relay
             self.after_level(number, replicas)
-        self._account(pulled, depth, {r for r, s in source_of.items() if s is None})
+        self._account(pulled, depth, {r for r, s in source_of.items() if s is None}, replicas.name)
         if lost is not None:
             self.sup.recover(replicas, lost)
 
@@ -267,9 +288,21 @@ class WeightSync:
     def after_level(self, number: int, replicas: Role) -> None:
         """Called after each level of a relay tree has pulled (for drills and tests)."""
 
-    def _account(self, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int]) -> None:
-        versions = {p.version for p in pulled.values()}
-        assert versions <= {self.handle.version}, f"replicas at {versions}"
+    def _account(
+        self, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int], name: str
+    ) -> None:
+        for rank, p in sorted(pulled.items()):
+            if p.version != self.handle.version:
+                raise WeightSyncError(
+                    f"{name}[{rank}] serves version {p.version} after pulling "
+                    f"version {self.handle.version}"
+                )
+            if self.verify and not p.verified:
+                raise WeightSyncError(
+                    f"{name}[{rank}] did not verify version {self.handle.version} "
+                    "against the trainer's checksums"
+                )
+        self.verified = sum(p.verified for p in pulled.values())
         self.paths = [pulled[rank].path for rank in sorted(pulled)]
         self.egress_bytes = sum(pulled[rank].rdma_bytes for rank in from_trainer if rank in pulled)
         self.depth = max((depth[rank] for rank in pulled), default=0)

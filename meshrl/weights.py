@@ -21,6 +21,13 @@ replicas take each shard straight from the proc that owns it; nothing is
 gathered on one proc first. `WeightReceiver.path` says which way the last
 pull went.
 
+Each version carries a checksum per piece (one parameter, or its shard), taken
+by the trainer from the tensors it publishes (`checksum`). A replica checks
+what it then serves, its parameters, against them (`WeightMismatch` names
+what differs): a corrupted or missing slot, a pull that did not land, a
+version other than the one asked for all fail the pull instead of being
+served.
+
 A replica can relay: `pull(handle, serve=True)` also publishes the version it
 now holds from slots of its own (the same layout, seqlock and double
 buffering as the trainer's), and returns that handle, so other replicas pull
@@ -45,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrl.checksum import checksum, copy_summed
 from meshrl.mesh import HOST_TAG_ENV, debugging
 
 HEADER_BYTES = 64
@@ -66,6 +74,10 @@ def host_id() -> str:
 
 class TornWeights(RuntimeError):
     """A version was overwritten while a replica read it."""
+
+
+class WeightMismatch(RuntimeError):
+    """A replica's parameters after a pull differ from the trainer's checksums."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,7 @@ class WeightSource:
     headers: list  # one RDMABuffer per slot's header, to read it again after the data
     pieces: list[ParamPiece]
     data_bytes: int
+    checksums: list[int] | None = None  # per piece, of the published version; None: unchecked
 
 
 @dataclass
@@ -204,7 +217,7 @@ class WeightPublisher:
                 name, offset, tuple(local.shape), local.dtype, row, tuple(param.shape)
             )
             self.pieces.append(piece)
-            offset += piece.num_bytes
+            offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
         self.data_bytes = offset
         prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.paths = [f"{SHM_DIR}/{prefix}-{uuid.uuid4().hex[:6]}-slot{i}" for i in range(SLOTS)]
@@ -223,14 +236,18 @@ class WeightPublisher:
         return self.slots[slot][:8].view(torch.int64)
 
     @torch.no_grad()
-    def publish(self, version: int) -> WeightHandle:
-        """Write `version` into slot version % 2 and return its handle."""
+    def publish(self, version: int, verify: bool = True) -> WeightHandle:
+        """Write `version` into slot version % 2 and return its handle. `verify`:
+        the handle carries each piece's checksum, taken from the tensors
+        published."""
         slot = version % SLOTS
         data = self.slots[slot][HEADER_BYTES:]
         self.header(slot).fill_(2 * version + 1)  # writing
+        sums = []
         for piece, (_, param) in zip(self.pieces, self.parameters(), strict=True):
             local, _ = _local_piece(piece.name, param)
-            data[piece.offset : piece.offset + piece.num_bytes].copy_(_as_bytes(local))
+            target = data[piece.offset : piece.offset + piece.num_bytes]
+            sums.append(copy_summed(target, _as_bytes(local), verify))
         self.header(slot).fill_(2 * version + 2)  # complete
         if self._buffers is None:
             from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
@@ -241,9 +258,19 @@ class WeightPublisher:
                 self._buffers = [RDMABuffer(s) for s in self.slots]
                 self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
         source = WeightSource(
-            self.host, self.paths, self._buffers, self._headers, self.pieces, self.data_bytes
+            self.host,
+            self.paths,
+            self._buffers,
+            self._headers,
+            self.pieces,
+            self.data_bytes,
+            [int(s) % 2**64 for s in sums] if verify else None,
         )
         return WeightHandle(version, [source])
+
+    def corrupt(self, version: int) -> None:
+        """Flip one byte of `version`'s slot (the `faults.weights` corrupt drill)."""
+        self.slots[version % SLOTS][HEADER_BYTES + self.data_bytes // 2] ^= 0xFF
 
     def close(self) -> None:
         for path in self.paths:
@@ -259,6 +286,7 @@ class Pulled:
     path: str  # 'shm' (every source on its host) or 'rdma'
     rdma_bytes: int  # bytes it read over RDMA (0 on the shared-memory path)
     relay: WeightHandle | None = None  # where others can pull this version from it
+    verified: bool = False  # its parameters matched the trainer's checksums
 
 
 class WeightReceiver:
@@ -277,6 +305,7 @@ class WeightReceiver:
         self.shared_memory = shared_memory
         self.partial = prefix is not None
         self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
+        self.owner = "replica"  # named in errors; actors set their role and rank
         self.version = -1
         self.torn = False
         """True while a pull is under way or after one failed: the model may be
@@ -288,6 +317,7 @@ class WeightReceiver:
         self._mapped: dict[str, torch.Tensor] = {}
         self._staging: dict[int, torch.Tensor] = {}
         self._relay: WeightPublisher | None = None  # made at the first `serve`
+        self._summed, self._held = False, {}  # this pull's: checked, and the sums taken
 
     def _check_layout(self, handle: WeightHandle) -> None:
         published = {p.name for s in handle.sources for p in s.pieces}
@@ -304,32 +334,75 @@ class WeightReceiver:
         serve: bool = False,
         shm_prefix: str | None = None,
         timeout_s: float | None = None,
+        skip_copy: bool = False,
     ) -> Pulled:
-        """Make the parameters equal to `handle`'s version. `serve`: then publish
-        it from this replica's own slots (files named `shm_prefix`-...) for
-        others to pull (`Pulled.relay`). `timeout_s` bounds the RDMA reads
-        (default: the receiver's), so a source that died fails the pull soon."""
+        """Make the parameters equal to `handle`'s version, and check them against
+        its checksums when it has them. `serve`: then publish it from this
+        replica's own slots (files named `shm_prefix`-...) for others to pull
+        (`Pulled.relay`). `timeout_s` bounds the RDMA reads (default: the
+        receiver's), so a source that died fails the pull soon. `skip_copy`
+        (the `faults.weights` skip_pull drill) moves no bytes, as a pull that
+        silently did not apply."""
         self._check_layout(handle)
         self.version, self.torn = -1, True  # until every byte of the new version is in
+        self._summed = all(s.checksums is not None for s in handle.sources)
+        self._held = {}
         local = [
             s
             for s in handle.sources
             if self.shared_memory and s.host == self.host and os.path.exists(s.paths[0])
         ]
         remote = [s for s in handle.sources if s not in local]
-        for source in local:
+        for source in [] if skip_copy else local:
             self._copy(source, self._shared(source, handle.slot), handle.version, torn_check=True)
-        if remote:
+        if remote and not skip_copy:
             # Monarch's RDMA timeouts are whole seconds.
             self._pull_rdma(remote, handle, max(1, math.ceil(timeout_s or self.timeout_s)))
+        verified = self._verify(handle) if self._summed else False
         self.path = "rdma" if remote else "shm"
         self.version, self.torn = handle.version, False
         rdma_bytes = sum(HEADER_BYTES * 2 + s.data_bytes for s in remote)
-        relay = self.serve(shm_prefix) if serve else None
-        return Pulled(self.version, self.path, rdma_bytes, relay)
+        relay = self.serve(shm_prefix, verify=verified) if serve else None
+        return Pulled(self.version, self.path, rdma_bytes, relay, verified)
 
-    def serve(self, shm_prefix: str | None = None) -> WeightHandle:
-        """Publish the version this replica holds from its own slots (a relay)."""
+    def _target(self, piece: ParamPiece) -> torch.Tensor | None:
+        """The part of this receiver's parameter that `piece` fills (None: not held)."""
+        param = self.params.get(piece.name)
+        if param is None:  # partial receiver: not part of this model
+            return None
+        if tuple(param.shape) != piece.full_shape or param.dtype != piece.dtype:
+            raise ValueError(
+                f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
+                f"published {piece.full_shape} {piece.dtype}"
+            )
+        return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+
+    @torch.no_grad()
+    def _verify(self, handle: WeightHandle) -> bool:
+        """Check every piece this receiver holds against `handle`'s checksums (sums
+        taken as the pieces were copied in, else read now). Raises
+        `WeightMismatch` naming the pieces that differ."""
+        wrong = []
+        for source in handle.sources:
+            for piece, expected in zip(source.pieces, source.checksums, strict=True):
+                target = self._target(piece)
+                if target is None:
+                    continue
+                held = self._held.get((piece.name, piece.row))
+                held = checksum(target) if held is None else int(held) % 2**64
+                if held != expected:
+                    wrong.append(piece.name)
+        if wrong:
+            raise WeightMismatch(
+                f"{self.owner}, version {handle.version}: {len(wrong)} parameter(s) differ from the "
+                f"trainer's checksums after the pull ({', '.join(wrong[:3])}"
+                f"{', ...' if len(wrong) > 3 else ''}); not served"
+            )
+        return True
+
+    def serve(self, shm_prefix: str | None = None, verify: bool = True) -> WeightHandle:
+        """Publish the version this replica holds from its own slots (a relay),
+        with checksums of what it holds when `verify`."""
         if self.partial:
             raise ValueError("a receiver of part of the model cannot relay the whole")
         if self.torn:
@@ -338,7 +411,7 @@ class WeightReceiver:
             self._relay = WeightPublisher(
                 None, prefix=shm_prefix, parameters=lambda: iter(self.params.items())
             )
-        return self._relay.publish(self.version)
+        return self._relay.publish(self.version, verify)
 
     def close(self) -> None:
         if self._relay is not None:
@@ -359,16 +432,12 @@ class WeightReceiver:
             raise TornWeights(f"version {version} is not complete in its slot")
         data = slot[HEADER_BYTES:]
         for piece in source.pieces:
-            param = self.params.get(piece.name)
-            if param is None:  # partial receiver: not part of this model
+            target = self._target(piece)
+            if target is None:
                 continue
-            if tuple(param.shape) != piece.full_shape or param.dtype != piece.dtype:
-                raise ValueError(
-                    f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
-                    f"published {piece.full_shape} {piece.dtype}"
-                )
-            target = param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param
-            _as_bytes(target).copy_(data[piece.offset : piece.offset + piece.num_bytes])
+            published = data[piece.offset : piece.offset + piece.num_bytes]
+            summed = copy_summed(_as_bytes(target), published, self._summed)
+            self._held[(piece.name, piece.row)] = summed
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")
 
