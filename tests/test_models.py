@@ -220,3 +220,20 @@ def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_vers
         thread.join()
         publisher.close()
     assert outcomes["whole"] > 0, outcomes
+
+
+def test_checksum_is_the_same_taken_whole_in_chunks_or_unaligned_and_sees_one_byte():
+    from meshrl import checksum as sums
+
+    data = torch.randn(3 * sums._CHUNK // 4 + 3)  # chunks, and a tail short of a word
+    whole = sums.checksum(data)
+    copied = torch.empty_like(data)
+    as_bytes = data.view(torch.uint8)
+    assert int(sums.copy_summed(copied.view(torch.uint8), as_bytes, True)) % 2**64 == whole
+    assert torch.equal(copied, data)
+    # A view that starts mid-word (a shard's rows) is summed the same as its copy.
+    assert sums.checksum(as_bytes[4:]) == sums.checksum(as_bytes[4:].clone())
+    flipped = as_bytes.clone()
+    flipped[12345] ^= 1
+    assert sums.checksum(flipped) != whole
+    assert sums.checksum(torch.zeros(5)) != sums.checksum(torch.ones(5))

@@ -98,6 +98,8 @@ def test_fault_drill_keys_are_checked():
         load_config(GRPOConfig, None, ["faults.raise_in=[environment.reward@3]"])
     with pytest.raises(ConfigError, match="faults.max_nonfinite_steps"):
         load_config(GRPOConfig, None, ["faults.max_nonfinite_steps=0"])
+    with pytest.raises(ConfigError, match="'faults.weights': 'skip_pull@3' is not corrupt@step"):
+        load_config(GRPOConfig, None, ["faults.weights=[skip_pull@3]"])
 
 
 @pytest.mark.e2e
@@ -289,3 +291,28 @@ def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intac
         GRPO(cfg).run()
     assert checkpoint.latest(str(tmp_path / "full")).endswith("step_00000002")
     assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "drill, differ",
+    [("corrupt@1", "1 parameter(s)"), ("skip_pull:0@1", "21 parameter(s)")],
+    ids=["a_byte_flipped_in_the_trainers_slot", "a_pull_that_moved_nothing"],
+)
+def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_version(
+    drill, differ, tmp_path
+):
+    cfg = configure(
+        tmp_path, "drill", "steps=3", "warm_start.steps=0", "eval.every=0",
+        f"faults.weights=[{drill}]",
+    )  # fmt: skip
+    with pytest.raises(RemoteCallError) as info:
+        GRPO(cfg).run()
+    message = str(info.value)
+    assert "\n" not in message
+    # Version 2 is the one published after step 1; the replica is never served it.
+    assert f"policy[0], version 2: {differ} differ from the trainer's checksums" in message
+    rows = (tmp_path / "drill" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in rows]
+    assert [r["weights/verified_replicas"] for r in rows] == [1]  # step 0's sync verified
