@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 from meshrl.architectures import saved_tokenizer, tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
-from meshrl.packing import model_dtype, pack, packed_logits, takes_logits_to_keep
+from meshrl.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
@@ -271,6 +271,6 @@ def completion_values(
     if layout == "padded" or not len(input_ids):
         return model(input_ids, attention_mask)[:, -T - 1 : -1]
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
-    mask = packed.attention_mask(model_dtype(model), model.backbone.config)
+    mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)
     return packed.scatter(values.flatten()[packed.at])

@@ -165,6 +165,15 @@ def _takes_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def hf_config(model: torch.nn.Module) -> object:
+    """The HF config of `model`, through a DDP wrapper (`module`) and a value
+    model (its `backbone`); peft and FSDP2 pass `config` through."""
+    model = getattr(model, "module", model)
+    return getattr(model, "config", None) or getattr(
+        getattr(model, "backbone", None), "config", None
+    )
+
+
 def takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the HF model computes logits at chosen positions only
     (`logits_to_keep`). DDP wraps it (`module`); peft passes keyword arguments
@@ -184,7 +193,7 @@ def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) ->
         kwargs["logits_to_keep"] = keep
     out = model(
         input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask(dtype, getattr(model, "config", None)),
+        attention_mask=packed.attention_mask(dtype, hf_config(model)),
         position_ids=packed.position_ids,
         use_cache=False,
         **kwargs,
