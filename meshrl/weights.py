@@ -22,7 +22,8 @@ gathered on one proc first. `WeightReceiver.path` says which way the last
 pull went.
 
 Each version carries a checksum per piece (one parameter, or its shard), taken
-by the trainer from the tensors it publishes (`checksum`). A replica checks
+by the trainer over the bytes it writes into the slot, as it writes them
+(`meshrl.checksum`). A replica checks
 what it then serves, its parameters, against them (`WeightMismatch` names
 what differs): a corrupted or missing slot, a pull that did not land, a
 version other than the one asked for all fail the pull instead of being
@@ -238,8 +239,8 @@ class WeightPublisher:
     @torch.no_grad()
     def publish(self, version: int, verify: bool = True) -> WeightHandle:
         """Write `version` into slot version % 2 and return its handle. `verify`:
-        the handle carries each piece's checksum, taken from the tensors
-        published."""
+        the handle carries each piece's checksum, taken over the slot's bytes
+        chunk by chunk as they are written."""
         slot = version % SLOTS
         data = self.slots[slot][HEADER_BYTES:]
         self.header(slot).fill_(2 * version + 1)  # writing
