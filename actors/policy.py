@@ -17,6 +17,7 @@ from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.engines import make_engine
 from meshrl.faults import Drillable
 from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
+from meshrl.routing import moe_problem, routers
 from meshrl.telemetry import observed, record
 from meshrl.types import Completions
 from meshrl.weights import Pulled, WeightHandle, WeightReceiver
@@ -39,6 +40,8 @@ class Policy(Drillable, Actor):
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
+        if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: meshrl.weights)
+            self.model.to(getattr(torch, policy_cfg.dtype))
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id = tokenizer.pad_token_id
         # One stop set for every engine: the tokenizer's EOS and the model's own.
@@ -46,6 +49,10 @@ class Policy(Drillable, Actor):
         # Every engine's weights come through this model: pulled in place by version.
         self.weights = WeightReceiver(self.model)
         self.shm_prefix = shm_prefix
+        if policy_cfg.record_routes and not routers(self.model):
+            raise ValueError(
+                f"config key 'policy.record_routes': {moe_problem(self.model.config.model_type)}"
+            )
         self.engine = make_engine(
             policy_cfg, self.model, model_cfg, self.pad_id, self.stop_ids, seed, context
         )
@@ -88,6 +95,7 @@ class Policy(Drillable, Actor):
             completion_mask=completion_mask.cpu(),
             logprobs=logprobs.cpu(),
             weight_version=self.weights.version,
+            routes=stats.get("routes"),
         )
 
     @endpoint

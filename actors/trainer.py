@@ -42,6 +42,7 @@ from meshrl.parallel import (
     save_sharded,
     shutdown,
 )
+from meshrl.routing import Replay, routers
 from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
 from meshrl.weights import WeightHandle, WeightPublisher
@@ -65,9 +66,11 @@ class Trainer(Drillable, Actor):
         shm_prefix: str | None = None,
         micro_batches: int = 1,
         layout: str = "padded",
+        routing_replay: bool = False,
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
-        meshrl.packing)."""
+        meshrl.packing). `routing_replay` (MoE models): a batch's recorded routes
+        are replayed in its forwards, not only measured (meshrl.routing)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
@@ -76,6 +79,8 @@ class Trainer(Drillable, Actor):
         self.model = load_model(model_cfg, seed).to(self.device).train()
         if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
             self.model = lora.wrap(self.model, model_cfg.lora, seed)
+        # MoE routers: measured against a batch's recorded routes, replayed if asked.
+        self.routing = Replay(self.model, routing_replay) if routers(self.model) else None
         self.module = data_parallel(
             self.model,
             self.device,
@@ -115,6 +120,8 @@ class Trainer(Drillable, Actor):
             batch.num_completion_tokens,
             self.temperature,
             self.layout,
+            self.routing,
+            batch.routes,
         )
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -154,6 +161,8 @@ class Trainer(Drillable, Actor):
         self.drill("train_step")
         metrics = self._step(batch, self.loss_fn, self.optimizer)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        if self.routing is not None:  # this step's forwards and the old log-probs' before it
+            metrics.update(self.routing.take())
         self.scheduler.step()
         self.version += 1
         return metrics

@@ -116,6 +116,7 @@ class RLConfig:
         ):
             section.validate()
         self.sandbox.check_task(self.task.name)
+        self.check_routing()
         recompute = self.recompute_old_logprobs
         if not recompute and self.trainer.correction != "none":
             raise ConfigError(
@@ -171,6 +172,25 @@ class RLConfig:
                 f"than the {per_rank} rows each trainer proc gets per optimizer step"
             )
 
+    def check_routing(self) -> None:
+        """`trainer.routing_replay` records the routes it replays; both need an
+        MoE model the routers of which `meshrl.routing` knows, and one-turn tasks."""
+        from meshrl.routing import moe_problem
+
+        if self.trainer.routing_replay:
+            self.policy.record_routes = True
+        if not self.policy.record_routes:
+            return
+        key = "trainer.routing_replay" if self.trainer.routing_replay else "policy.record_routes"
+        if self.policy.engine != "hf":
+            raise ConfigError(f"config key '{key}': routes are recorded by policy.engine=hf only")
+        if self.model.path is None and moe_problem(self.model.arch):
+            raise ConfigError(f"config key '{key}': model.arch {moe_problem(self.model.arch)}")
+        if make_task(self.task).multi_turn:
+            raise ConfigError(
+                f"config key '{key}': multi-turn episodes ({self.task.name}) carry no routes yet"
+            )
+
     @property
     def env_args(self) -> tuple:
         """The environment actor's arguments: the task, the tokenizer's model, the sandbox."""
@@ -179,7 +199,7 @@ class RLConfig:
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""
-        return self.trainer.recompute(self.model, self.generation, self.policy.engine)
+        return self.trainer.recompute(self.model, self.generation, self.policy)
 
     def ranks(self, role: str) -> int:
         """Procs of a role over all its hosts."""

@@ -216,7 +216,7 @@ class Coevolve(Algorithm):
                 total_steps=cfg.steps, temperature=cfg.generation.temperature, seed=seed,
                 sharding=cfg.placement.sharding, shm_prefix=f"{run.shm_prefix}-{name}",
                 micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout,
-                rendezvous=True,
+                routing_replay=cfg.trainer.routing_replay, rendezvous=True,
             )  # fmt: skip
             policy = run.spawn(
                 f"policy_{name}", Policy, cfg.model, seed, cfg.policy, self.context,

@@ -101,6 +101,7 @@ class GRPO(Algorithm):
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
                     seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
                     micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
+                    routing_replay=cfg.trainer.routing_replay,
                 )  # fmt: skip
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix

@@ -119,6 +119,7 @@ class PPO(Algorithm):
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
                     seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
                     micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
+                    routing_replay=cfg.trainer.routing_replay,
                 )  # fmt: skip
                 self.critic = run.spawn(
                     "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,

@@ -223,6 +223,15 @@ class PolicyConfig:
     drop_finished: bool = True
     """hf: rows leave the decode batch when they end, so decoding costs what the
     live rows need; the same tokens either way."""
+    dtype: str | None = None
+    """hf: the replicas' parameter dtype when it is not `model.dtype` (e.g. a
+    bfloat16 sampler for a float32 trainer): each pull casts the published
+    weights, checked against the trainer's checksums as they arrive."""
+    record_routes: bool = False
+    """hf, mixture-of-experts models: return the experts each prompt and
+    completion token was computed with (`meshrl.routing`), so the trainer can
+    measure its routing against the sampler's (`routing/` metrics) and replay
+    it. On whenever `trainer.routing_replay` is."""
 
     def validate(self) -> None:
         _check(
@@ -236,6 +245,21 @@ class PolicyConfig:
             "must be in (0, 1]",
         )
         _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
+        _check(
+            self.dtype in (None, "float32", "bfloat16"),
+            "policy.dtype",
+            f"'{self.dtype}' is not one of float32, bfloat16 (or unset: model.dtype)",
+        )
+        _check(
+            self.dtype is None or self.engine == "hf",
+            "policy.dtype",
+            "the replicas' own dtype needs policy.engine=hf",
+        )
+        _check(
+            not (self.record_routes and self.engine != "hf"),
+            "policy.record_routes",
+            "routes are recorded by the hf engine only (policy.engine=hf)",
+        )
 
 
 @dataclass

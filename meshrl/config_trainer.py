@@ -23,7 +23,7 @@ class TrainerConfig:
     pass before its first optimizer step, so the PPO ratio compares the trainer
     with itself; the sampler's stay for `correction` and the `sampling/`
     metrics. false: the sampler's log-probs are the old ones. auto: true when
-    the engine is vllm, model.dtype is not float32, top_p < 1,
+    the engine is vllm, model.dtype or policy.dtype is not float32, top_p < 1,
     min_new_tokens > 0, or a correction is set."""
     correction: str = "none"
     """Train-inference mismatch correction (needs the recomputed old log-probs):
@@ -39,6 +39,13 @@ class TrainerConfig:
     pass (meshrl.packing): tree (no padding, and the completions of one prompt
     share one forward of it), packed (no padding), padded (the rectangular
     batch). The same math; padded for sliding-window attention models."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: the trainer's forward sends each token to the
+    experts the sampler chose for it (routing replay, "R3"; meshrl.routing),
+    with the gate weights still its own router's, so that a token near a
+    routing tie runs the same experts on both sides. Turns on
+    `policy.record_routes`. The `routing/` metrics count the tokens whose
+    routing differs either way."""
 
     def validate(self) -> None:
         from meshrl.losses import CORRECTIONS
@@ -67,14 +74,15 @@ class TrainerConfig:
             f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
         )
 
-    def recompute(self, model, generation, engine: str) -> bool:
+    def recompute(self, model, generation, policy) -> bool:
         """Whether old log-probs come from the trainer (resolving `auto`), given the
-        run's `model` and `generation` sections and `policy.engine`."""
+        run's `model`, `generation` and `policy` sections."""
         if self.recompute_old_logprobs != "auto":
             return self.recompute_old_logprobs == "true"
         return (
-            engine == "vllm"
+            policy.engine == "vllm"
             or model.dtype != "float32"
+            or (policy.dtype or model.dtype) != model.dtype
             or generation.top_p < 1
             or generation.min_new_tokens > 0  # the sampler's distribution is truncated
             or self.correction != "none"

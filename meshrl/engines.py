@@ -49,6 +49,7 @@ class HFEngine:
     ):
         self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
         self.share_prefix, self.drop_finished = policy_cfg.share_prefix, policy_cfg.drop_finished
+        self.record_routes = policy_cfg.record_routes
 
     def generate(
         self,
@@ -73,6 +74,7 @@ class HFEngine:
             min_new_tokens=generation.min_new_tokens,
             share_prefix=self.share_prefix,
             drop_finished=self.drop_finished,
+            record_routes=self.record_routes,
         )
 
     def weights_changed(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from meshrl.models import Cache, DynamicLayer, sequence_positions
 from meshrl.packing import takes_logits_to_keep
+from meshrl.routing import Recorder
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -140,9 +141,10 @@ def _growing_cache(model) -> dict:
     return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
 
 
-def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object]:
-    """The last logits [B, V] and the KV cache of the prompts; with `share`, each
-    distinct prompt is computed once and its cache copied to its rows."""
+def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object, object]:
+    """The last logits [B, V] and the KV cache of the prompts, and with `share`
+    (each distinct prompt computed once, its cache copied to its rows) each
+    row's distinct prompt (else None)."""
     first, inverse = distinct_prompts(ids, mask) if share else (None, None)
     rows = first if share else slice(None)
     out = model(
@@ -154,7 +156,7 @@ def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, ob
     if share:
         logits = logits[inverse]
         cache.reorder_cache(inverse)
-    return logits, cache
+    return logits, cache, inverse
 
 
 @torch.no_grad()
@@ -174,6 +176,7 @@ def sample(
     seeds: torch.Tensor | None = None,
     share_prefix: bool = True,
     drop_finished: bool = True,
+    record_routes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts.
 
@@ -193,6 +196,10 @@ def sample(
     tokens (unless a draw falls within rounding of a boundary between two
     tokens' probability mass), and log-probs equal up to float rounding
     (other batch shapes run other matmul blockings): tests/test_packing.py.
+
+    `record_routes` (MoE models): `stats["routes"]` [B, P + T, layers, top_k]
+    receives the experts each prompt and completion position was computed
+    with (`meshrl.routing`); -1 on padding and on the last token, never fed.
     """
     B = prompt_ids.size(0)
     device = prompt_ids.device
@@ -207,53 +214,69 @@ def sample(
     seeds = seeds.to(device)
     attention_mask = prompt_mask.long()
     positions = sequence_positions(attention_mask)
-    logits, cache = _prefill(model, prompt_ids, attention_mask, positions, share_prefix)
-    next_position = positions[:, -1:] + 1
-    live = torch.arange(B, device=device)  # the original row of each decode row
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    stop = torch.tensor(eos_token_id, device=device).reshape(-1)
-    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(B, max_new_tokens, device=device)
-    masks = torch.zeros(B, max_new_tokens, device=device)
-    entropy_sum = torch.zeros((), device=device)
-    steps = 0
-    for step in range(max_new_tokens):
-        steps = step + 1
-        logits = logits.float() / temperature
-        if step < min_new_tokens:
-            logits[:, stop] = -float("inf")
-        logp = torch.log_softmax(logits, dim=-1)
-        probs = logp.exp()
-        token = draw(top_p_filter(probs, top_p), row_uniforms(seeds[live], step))
-        if stats is not None:
-            entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
-            entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
-        running = ~finished[live]
-        tokens[live, step] = torch.where(running, token, pad_token_id)
-        logprobs[live, step] = torch.where(running, logp.gather(-1, token[:, None])[:, 0], 0.0)
-        masks[live, step] = running.float()
-        finished[live] |= torch.isin(token, stop)
-        if step == max_new_tokens - 1 or bool(finished.all()):
-            break  # (the last token's forward would feed nothing)
-        if drop_finished and bool(finished[live].any()):
-            keep = (~finished[live]).nonzero().squeeze(-1)
-            live, attention_mask, next_position = (
-                live[keep],
-                attention_mask[keep],
-                next_position[keep],
-            )
-            cache.reorder_cache(keep)
-            token = token[keep]
-        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        out = model(
-            input_ids=torch.where(finished[live], pad_token_id, token).unsqueeze(-1),
-            attention_mask=attention_mask,
-            position_ids=next_position,
-            use_cache=True,
-            **{_cache_keyword(model): cache},
+    P = prompt_ids.size(1)
+    recorder = Recorder(model, B, P + max_new_tokens) if record_routes else None
+    try:
+        logits, cache, inverse = _prefill(
+            model, prompt_ids, attention_mask, positions, share_prefix
         )
-        logits, cache = out.logits[:, -1], _cache_of(out)
-        next_position = next_position + 1
+        if recorder is not None:
+            recorder.put(torch.arange(B), 0, attention_mask, inverse)
+        next_position = positions[:, -1:] + 1
+        live = torch.arange(B, device=device)  # the original row of each decode row
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        stop = torch.tensor(eos_token_id, device=device).reshape(-1)
+        tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros(B, max_new_tokens, device=device)
+        masks = torch.zeros(B, max_new_tokens, device=device)
+        entropy_sum = torch.zeros((), device=device)
+        steps = 0
+        for step in range(max_new_tokens):
+            steps = step + 1
+            logits = logits.float() / temperature
+            if step < min_new_tokens:
+                logits[:, stop] = -float("inf")
+            logp = torch.log_softmax(logits, dim=-1)
+            probs = logp.exp()
+            token = draw(top_p_filter(probs, top_p), row_uniforms(seeds[live], step))
+            if stats is not None:
+                entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
+                entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
+            running = ~finished[live]
+            tokens[live, step] = torch.where(running, token, pad_token_id)
+            logprobs[live, step] = torch.where(running, logp.gather(-1, token[:, None])[:, 0], 0.0)
+            masks[live, step] = running.float()
+            finished[live] |= torch.isin(token, stop)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break  # (the last token's forward would feed nothing)
+            if drop_finished and bool(finished[live].any()):
+                keep = (~finished[live]).nonzero().squeeze(-1)
+                live, attention_mask, next_position = (
+                    live[keep],
+                    attention_mask[keep],
+                    next_position[keep],
+                )
+                cache.reorder_cache(keep)
+                token = token[keep]
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1
+            )
+            out = model(
+                input_ids=torch.where(finished[live], pad_token_id, token).unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                use_cache=True,
+                **{_cache_keyword(model): cache},
+            )
+            logits, cache = out.logits[:, -1], _cache_of(out)
+            next_position = next_position + 1
+            if recorder is not None:  # the token sampled at `step` sits in column P + step
+                recorder.put(live, P + step, ~finished[live, None])
+    finally:
+        if recorder is not None:
+            recorder.close()
     if stats is not None:
         stats["entropy_sum"] = entropy_sum.item()
+        if recorder is not None:
+            stats["routes"] = recorder.routes[:, : P + steps]
     return tokens[:, :steps], logprobs[:, :steps], masks[:, :steps]

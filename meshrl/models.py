@@ -13,6 +13,7 @@ import contextlib
 import os
 import string
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from meshrl.architectures import saved_tokenizer, tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
 from meshrl.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
+
+if TYPE_CHECKING:
+    from meshrl.routing import Replay
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
@@ -187,30 +191,45 @@ def completion_logprobs(
     num_completion_tokens: int,
     temperature: float = 1.0,
     layout: str = "padded",
+    replay: Replay | None = None,
+    routes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs of the last `num_completion_tokens` tokens of each sequence.
 
     input_ids, attention_mask [B, P + T] (prompt left-padded, completion
     right-padded) -> [B, T]. Logits at position i predict token i + 1.
     `layout` (`meshrl.packing`): padded, packed or tree; the same values (0 on
-    padding unless padded).
+    padding unless padded). With `replay` and the sampler's `routes` [B, P + T,
+    layers, top_k] (MoE models), the forward's routers are measured against
+    them and, if the replay is on, made to use them (`meshrl.routing`).
     """
     T = num_completion_tokens
     if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
         packed = pack(input_ids, attention_mask, T, share=layout == "tree")
-        logits = packed_logits(model, packed, model_dtype(model))
+        with _routed(replay, routes, packed.gather):
+            logits = packed_logits(model, packed, model_dtype(model))
         targets = input_ids[:, -T:][packed.rows, packed.cols]
         picked = token_logprobs(logits.unsqueeze(0), targets.unsqueeze(0), temperature)
         return packed.scatter(picked.squeeze(0))
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=sequence_positions(attention_mask),
-        use_cache=False,
-        **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
-    )
+    with _routed(replay, routes, lambda r: r.reshape(-1, *r.shape[2:])):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=sequence_positions(attention_mask),
+            use_cache=False,
+            **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
+        )
     logits = out.logits[:, -T - 1 : -1]
     return token_logprobs(logits, input_ids[:, -T:], temperature)
+
+
+def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):
+    """The forward's routing measured (and replayed) when there are routes: `layout`
+    turns [B, P + T, L, k] into the forward's token order [N, L, k]."""
+    if replay is None or routes is None:
+        return contextlib.nullcontext()
+    flat = layout(routes)
+    return replay.forward(flat, torch.ones(len(flat), dtype=torch.bool, device=flat.device))
 
 
 # --- value model (PPO's critic) -----------------------------------------------------

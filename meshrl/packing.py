@@ -48,6 +48,15 @@ class Packed:
     cols: torch.Tensor  # [N] its completion column (0..T-1)
     at: torch.Tensor  # [N] flat packed index (r * L + c) of the position predicting it
     shape: tuple[int, int]  # (B, T) of the batch
+    source: torch.Tensor  # [R, L] flat index (b * (P + T) + column) of each token, -1: padding
+
+    def gather(self, per_token: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """[B, P + T, ...] values of the batch's tokens (e.g. MoE routes) laid out as
+        the packed rows: [R * L, ...], `fill` on padding."""
+        flat = per_token.reshape(-1, *per_token.shape[2:])
+        index = self.source.reshape(-1)
+        out = flat[index.clamp(min=0)]
+        return out.masked_fill((index < 0).view(-1, *[1] * (out.dim() - 1)), fill)
 
     def attention_mask(
         self, dtype: torch.dtype, config: object = None
@@ -124,6 +133,7 @@ def pack(
     positions = torch.zeros(R, capacity, dtype=torch.long)
     tree = torch.arange(-1, -R * capacity - 1, -1).view(R, capacity)  # padding: its own
     member = torch.full((R, capacity), -2)  # -1: a prompt token; b: row b's completion
+    source = torch.full((R, capacity), -1, dtype=torch.long)
     rows, cols, at = [], [], []
     tree_id = 0
     for r, (_, content) in enumerate(bins):
@@ -133,6 +143,7 @@ def pack(
             tokens[r, c : c + p] = torch.tensor(prompt)
             positions[r, c : c + p] = torch.arange(p)
             tree[r, c : c + p], member[r, c : c + p] = tree_id, -1
+            source[r, c : c + p] = members[0] * width + torch.arange(P - p, P)
             last_prompt = r * capacity + c + p - 1
             c += p
             for b in members:  # its tokens but the last, which predicts nothing
@@ -140,6 +151,7 @@ def pack(
                 tokens[r, c : c + t - 1] = torch.tensor(ids[b][P : P + t - 1])
                 positions[r, c : c + t - 1] = torch.arange(p, p + t - 1)
                 tree[r, c : c + t - 1], member[r, c : c + t - 1] = tree_id, b
+                source[r, c : c + t - 1] = b * width + torch.arange(P, P + t - 1)
                 rows += [b] * t
                 cols += range(t)
                 at += [last_prompt, *range(r * capacity + c, r * capacity + c + t - 1)][:t]
@@ -157,6 +169,7 @@ def pack(
         cols=torch.tensor(cols, dtype=torch.long, device=device),
         at=torch.tensor(at, dtype=torch.long, device=device),
         shape=(B, T),
+        source=source.to(device),
     )
 
 

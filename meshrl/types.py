@@ -39,6 +39,9 @@ class Completions:
     # only (the loss), completion_attention on every token of the episode.
     completion_attention: torch.Tensor | None = None  # [B, T]
     token_versions: torch.Tensor | None = None  # [B, T] version of each model token, else -1
+    routes: torch.Tensor | None = None
+    """[B, P + T, layers, top_k] int16: the experts each token was computed with
+    (`policy.record_routes`, MoE models; -1 where none), else None."""
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
@@ -82,7 +85,12 @@ class Completions:
             extra = width - t.size(1)
             return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
+        routes = None
+        if any(p.routes is not None for p in parts):
+            assert all(p.routes is not None for p in parts), "routes from some replicas only"
+            routes = torch.cat([_pad_routes(p, P, T) for p in parts])
         return Completions(
+            routes=routes,
             completion_attention=torch.cat([pad(p.attention, T, 0, False) for p in parts])
             if multi_turn
             else None,
@@ -98,6 +106,18 @@ class Completions:
             logprobs=torch.cat([pad(p.logprobs, T, 0, False) for p in parts]),
             weight_version=min(versions),
         )
+
+
+def _pad_routes(part: Completions, P: int, T: int) -> torch.Tensor:
+    """`part.routes` [B, p + t, L, k] padded with -1 to [B, P + T, L, k]: the prompt
+    part on the left, the completion part on the right (as the ids)."""
+    p = part.prompt_ids.size(1)
+    routes = part.routes
+    left = torch.full((len(part), P - p, *routes.shape[2:]), -1, dtype=routes.dtype)
+    right = torch.full(
+        (len(part), P + T - routes.size(1) - (P - p), *routes.shape[2:]), -1, dtype=routes.dtype
+    )
+    return torch.cat([left, routes, right], 1)
 
 
 @dataclass
@@ -120,6 +140,9 @@ class TrainBatch:
     scale: LossScale | None = None
     """The whole optimizer step's counts, set when the batch is cut into
     data-parallel shards (`shard`); None on a whole batch."""
+    routes: torch.Tensor | None = None
+    """[B, P + T, layers, top_k] the sampler's experts per token (MoE models,
+    `policy.record_routes`), which the trainer measures and may replay."""
     paired: bool = False
     """Rows are [first; second] of the same items (DPO's chosen; rejected): a
     split keeps each item's two rows together."""
@@ -141,6 +164,7 @@ class TrainBatch:
             old_logprobs=completions.logprobs,
             advantages=advantages,
             ref_logprobs=ref_logprobs,
+            routes=completions.routes,
         )
 
     def apply(self, fn) -> TrainBatch:

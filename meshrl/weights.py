@@ -371,7 +371,8 @@ class WeightReceiver:
         param = self.params.get(piece.name)
         if param is None:  # partial receiver: not part of this model
             return None
-        if tuple(param.shape) != piece.full_shape or param.dtype != piece.dtype:
+        cast = param.dtype.is_floating_point and piece.dtype.is_floating_point
+        if tuple(param.shape) != piece.full_shape or (param.dtype != piece.dtype and not cast):
             raise ValueError(
                 f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
                 f"published {piece.full_shape} {piece.dtype}"
@@ -437,7 +438,11 @@ class WeightReceiver:
             if target is None:
                 continue
             published = data[piece.offset : piece.offset + piece.num_bytes]
-            summed = copy_summed(_as_bytes(target), published, self._summed)
+            if target.dtype == piece.dtype:
+                summed = copy_summed(_as_bytes(target), published, self._summed)
+            else:  # a replica in its own dtype: the bytes checked as they came, then cast
+                summed = copy_summed(published, None, self._summed)
+                target.copy_(published.view(piece.dtype).view(piece.shape))
             self._held[(piece.name, piece.row)] = summed
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")

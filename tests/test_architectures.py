@@ -64,12 +64,17 @@ def test_every_listed_architecture_is_in_the_matrix():
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_grpo_on_each_architecture_syncs_exports_and_resumes_exactly(arch, tmp_path):
-    rows = run(tmp_path, "straight", f"model.arch={arch}")
+    # MoE: the sampler's routes ride in every batch and the trainer replays them
+    # (tests/test_routing.py measures the mismatch replay removes).
+    moe = ["trainer.routing_replay=true"] if arch == "qwen3_moe" else []
+    rows = run(tmp_path, "straight", f"model.arch={arch}", *moe)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
         # Every replica's parameters matched the trainer's checksums: bitwise equal.
         assert row["weights/verified_replicas"] == 1, row
         assert row["sampling/sampler_logprob_max_abs_diff"] < 1e-4, row
+        if moe:
+            assert row["routing/tokens"] > 0 and row["routing/ran_mismatch"] == 0, row
 
     # final/ is an HF directory of the family's own class, equal to the trainer's
     # last state, key for key, and giving the same logits.
@@ -97,7 +102,7 @@ def test_grpo_on_each_architecture_syncs_exports_and_resumes_exactly(arch, tmp_p
     shutil.copytree(
         tmp_path / "straight" / "checkpoints" / name, tmp_path / "resumed" / "checkpoints" / name
     )
-    resumed = run(tmp_path, "resumed", f"model.arch={arch}", "checkpoint.resume=auto")
+    resumed = run(tmp_path, "resumed", f"model.arch={arch}", "checkpoint.resume=auto", *moe)
     assert without_times(resumed[-1]) == without_times(rows[-1])
     again = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
     assert again.keys() == saved.keys()

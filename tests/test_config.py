@@ -84,6 +84,14 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["trainer.micro_batches=200"], "trainer.micro_batches"),
         (["generation.min_new_tokens=9"], "generation.min_new_tokens"),
         (["steps"], "key=value"),
+        (["trainer.routing_replay=true"], "trainer.routing_replay"),  # llama: no routers
+        (["policy.record_routes=true", "model.arch=qwen2"], "policy.record_routes"),
+        (
+            ["trainer.routing_replay=true", "model.arch=qwen3_moe", "task.name=calculator"],
+            "trainer.routing_replay",
+        ),
+        (["policy.dtype=float16"], "policy.dtype"),
+        (["policy.dtype=bfloat16", "policy.engine=vllm"], "policy.dtype"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
