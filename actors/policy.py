@@ -20,7 +20,7 @@ from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop
 from meshrl.routing import moe_problem, routers
 from meshrl.telemetry import observed, record
 from meshrl.types import Completions
-from meshrl.weights import Pulled, WeightHandle, WeightReceiver
+from meshrl.weights import Pulled, TornWeights, WeightHandle, WeightReceiver
 
 
 class Policy(Drillable, Actor):
@@ -47,7 +47,8 @@ class Policy(Drillable, Actor):
         # One stop set for every engine: the tokenizer's EOS and the model's own.
         self.stop_ids = stop_token_ids(self.model, tokenizer)
         # Every engine's weights come through this model: pulled in place by version.
-        self.weights = WeightReceiver(self.model)
+        # hf on the trainer's host: served straight from the published slot (no copy).
+        self.weights = WeightReceiver(self.model, zero_copy=policy_cfg.engine == "hf")
         self.shm_prefix = shm_prefix
         if policy_cfg.record_routes and not routers(self.model):
             raise ValueError(
@@ -70,6 +71,7 @@ class Policy(Drillable, Actor):
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
+        self.check_intact()
         started = time.perf_counter()
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
@@ -88,6 +90,7 @@ class Policy(Drillable, Actor):
         record("time/policy/tokens_per_s", tokens_out / (time.perf_counter() - started), "mean")
         record("policy/longest_completion", completion_mask.sum(1).max().item(), "max")
         record("policy/shortest_completion", completion_mask.sum(1).min().item(), "min")
+        self.check_intact()  # nothing sampled from a slot rewritten meanwhile leaves
         return Completions(
             prompt_ids=ids,
             prompt_mask=mask,
@@ -97,6 +100,17 @@ class Policy(Drillable, Actor):
             weight_version=self.weights.version,
             routes=stats.get("routes"),
         )
+
+    def check_intact(self) -> None:
+        """Served in place from the trainer's slots: they must still hold this
+        replica's version (a replica that missed a pull would otherwise serve
+        whatever the trainer writes there next)."""
+        if not self.weights.intact():
+            raise TornWeights(
+                f"{self.weights.owner}: version {self.weights.version} was overwritten in "
+                "the trainer's shared memory before this replica pulled a newer one; "
+                "every publish must be pulled before the next"
+            )
 
     @endpoint
     @observed

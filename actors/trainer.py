@@ -263,15 +263,16 @@ class Trainer(Drillable, Actor):
 
     @endpoint
     @observed
-    def publish(self, verify: bool = True) -> WeightHandle | None:
+    def publish(self, verify: bool = True, delta: bool = False) -> WeightHandle | None:
         """Write the current weights, tagged with the version, where replicas pull
-        them (`meshrl.weights`), with their checksums when `verify`; returns
+        them (`meshrl.weights`), with their checksums when `verify` (and with
+        `delta`, which pieces changed since which version); returns
         this rank's handle, or None on a rank that owns no weights (ranks > 0
         of a replicated trainer). Merge the ranks' handles with
         `WeightHandle.merge`."""
         if self.publisher is None:
             return None
-        handle = self.publisher.publish(self.version, verify)
+        handle = self.publisher.publish(self.version, verify, delta)
         if self.armed("corrupt"):
             self.publisher.corrupt(self.version)
         return handle

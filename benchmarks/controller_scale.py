@@ -132,7 +132,7 @@ class StandInTrainer(Drillable, Actor):
 
     @endpoint
     @observed
-    def publish(self) -> WeightHandle:
+    def publish(self, verify: bool = True, delta: bool = False) -> WeightHandle:
         return WeightHandle(self.version, [standin_source(f"{host_id()}/trainer")])
 
     @endpoint

@@ -68,12 +68,12 @@ class Trainer(Actor):
         self.version = -1
 
     @endpoint
-    def publish(self, verify: bool = True) -> WeightHandle:
+    def publish(self, verify: bool = True, delta: bool = False) -> WeightHandle:
         self.version += 1
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float(self.version + 1))
-        return self.publisher.publish(self.version, verify)
+        return self.publisher.publish(self.version, verify, delta)
 
     @endpoint
     def close(self) -> None:

@@ -118,6 +118,7 @@ def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
         "weights/trainer_egress_bytes": sync.egress_bytes,
         "weights/max_hop_depth": sync.depth,
         "weights/verified_replicas": sync.verified,
+        "weights/bytes_moved": sync.bytes_moved,
         "weights/generated_with": completions.weight_version,
     }
 

@@ -55,6 +55,15 @@ class WeightsConfig:
     pull, and a mismatch, or a replica on another version, stops the run
     naming the replica and the version. Costs a read of the model on each
     side (benchmarks/weight_sync.py measures it)."""
+    delta: bool = False
+    """Delta sync: the trainer compares each parameter (shard) byte for byte with
+    the version it published last and writes only what changed; a replica that
+    holds an earlier version of it reads only the pieces changed since (RDMA) or
+    copies only those (shared memory), and a new replica, or one whose last pull
+    failed, takes all. Lossless: every piece is checked against the trainer's
+    checksums as before. Pays off when few parameters change (LoRA, frozen
+    parts); with full fine-tuning the comparison costs a read of the model on
+    the trainer. `weights/bytes_moved` is logged either way."""
 
     def validate(self) -> None:
         if self.fanout < 0:
@@ -121,12 +130,15 @@ class WeightSync:
         fanout: int = 0,
         relay_timeout_s: int = 30,
         verify: bool = True,
+        delta: bool = False,
     ):
         self.sup = supervisor
         self.wait_each = wait
         self.fanout = fanout
         self.relay_timeout_s = relay_timeout_s
         self.verify = verify
+        self.delta = delta
+        self.bytes_moved = 0  # bytes copied or read into the replicas, last pull
         self.verified = 0  # replicas whose parameters matched the checksums, last pull
         self.handle: WeightHandle | None = None
         self.published = 0  # versions published by this controller
@@ -146,7 +158,7 @@ class WeightSync:
         """Wait for the pulls in flight, then `trainer.publish` on every rank (the
         ranks that own weights write them); returns the merged handle."""
         self.wait()
-        handles = self.sup.call_all(trainer, "publish", self.verify)
+        handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
         self.handle = WeightHandle.merge(handles)
         self.published += 1
         return self.handle
@@ -171,7 +183,7 @@ class WeightSync:
 
     @classmethod
     def from_config(cls, supervisor: Any, cfg: WeightsConfig, wait: bool = True) -> WeightSync:
-        return cls(supervisor, wait, cfg.fanout, cfg.relay_timeout_s, cfg.verify)
+        return cls(supervisor, wait, cfg.fanout, cfg.relay_timeout_s, cfg.verify, cfg.delta)
 
     def _send(self, replicas: Role, handle: WeightHandle) -> Any | None:
         """A relay tree is pulled now, level by level (None); one level is one call
@@ -303,6 +315,7 @@ class WeightSync:
                     "against the trainer's checksums"
                 )
         self.verified = sum(p.verified for p in pulled.values())
+        self.bytes_moved = sum(p.bytes_moved for p in pulled.values())
         self.paths = [pulled[rank].path for rank in sorted(pulled)]
         self.egress_bytes = sum(pulled[rank].rdma_bytes for rank in from_trainer if rank in pulled)
         self.depth = max((depth[rank] for rank in pulled), default=0)

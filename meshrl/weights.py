@@ -109,6 +109,18 @@ class WeightSource:
     pieces: list[ParamPiece]
     data_bytes: int
     checksums: list[int] | None = None  # per piece, of the published version; None: unchecked
+    slot: int = 0  # the slot this version is in
+    sequence: int = 0  # this publisher's publish count (versions can go back on a rewind)
+    changed: list[int] | None = None
+    """Delta sync: per piece, the publish (`sequence`) in which its bytes last
+    changed, so a replica that holds publish r of this source needs the pieces
+    changed after r only; None: pull every piece."""
+    piece_buffers: list | None = None  # delta over RDMA: per slot, one RDMABuffer per piece
+
+    @property
+    def lineage(self) -> str:
+        """Names the publisher: versions of one lineage can be pulled as deltas."""
+        return self.paths[0]
 
 
 @dataclass
@@ -117,10 +129,6 @@ class WeightHandle:
 
     version: int
     sources: list[WeightSource]
-
-    @property
-    def slot(self) -> int:
-        return self.version % SLOTS
 
     @staticmethod
     def merge(handles: list[WeightHandle | None]) -> WeightHandle:
@@ -229,35 +237,69 @@ class WeightPublisher:
             self.slots.append(_map_file(path, HEADER_BYTES + self.data_bytes))
         atexit.register(self.close)
         # Registered lazily (needs a Monarch actor context); rdma=False: same host only.
+        self.rdma = rdma
         self._buffers: list | None = None if rdma else []
         self._headers: list = []
+        self._piece_buffers: list | None = None  # per slot, per piece (delta over RDMA)
         self.host = host_id()
+        # Each publish writes the slot the last one did not: a replica may read or
+        # serve the newest version while the next is written (double buffering).
+        self.next_slot = 0
+        self.held: list[int | None] = [None] * SLOTS  # the complete version in each slot
+        self.sequence = 0  # publishes so far
+        self.held_sequence: list[int | None] = [None] * SLOTS  # the publish in each slot
+        self.changed_at: list[int | None] = [None] * len(self.pieces)  # delta: see publish
+        self.sums: list[int | None] = [None] * len(self.pieces)  # of each piece's newest bytes
 
     def header(self, slot: int) -> torch.Tensor:
         return self.slots[slot][:8].view(torch.int64)
 
     @torch.no_grad()
-    def publish(self, version: int, verify: bool = True) -> WeightHandle:
-        """Write `version` into slot version % 2 and return its handle. `verify`:
-        the handle carries each piece's checksum, taken over the slot's bytes
-        chunk by chunk as they are written."""
-        slot = version % SLOTS
-        data = self.slots[slot][HEADER_BYTES:]
-        self.header(slot).fill_(2 * version + 1)  # writing
-        sums = []
-        for piece, (_, param) in zip(self.pieces, self.parameters(), strict=True):
-            local, _ = _local_piece(piece.name, param)
-            target = data[piece.offset : piece.offset + piece.num_bytes]
-            sums.append(copy_summed(target, _as_bytes(local), verify))
-        self.header(slot).fill_(2 * version + 2)  # complete
-        if self._buffers is None:
-            from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+    def publish(self, version: int, verify: bool = True, delta: bool = False) -> WeightHandle:
+        """Write `version` into the slot the last publish did not write, and return
+        its handle. `verify`: the handle carries each piece's checksum, taken over
+        the slot's bytes chunk by chunk as they are written.
 
-            with warnings.catch_warnings(), without_cuda_probe_line():
-                # Reported once through rdma_backend() in the run metrics instead.
-                warnings.simplefilter("ignore", RDMATcpFallbackWarning)
-                self._buffers = [RDMABuffer(s) for s in self.slots]
-                self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
+        `delta`: each piece is compared, byte for byte, with the version published
+        last (in the other slot); the handle says in which version each piece last
+        changed, and only pieces changed since the version this slot held are
+        written. A replica that holds an earlier version of this publisher then
+        reads only what changed since (`WeightReceiver.pull`). Changes are
+        counted in publishes (`sequence`), not versions, which go back when the
+        trainer rewinds to a checkpoint."""
+        slot = self.next_slot
+        self.sequence += 1
+        data = self.slots[slot][HEADER_BYTES:]
+        last = self.slots[1 - slot][HEADER_BYTES:]
+        last_sequence, in_slot = self.held_sequence[1 - slot], self.held_sequence[slot]
+        self.held[slot] = self.held_sequence[slot] = None
+        self.header(slot).fill_(2 * version + 1)  # writing
+        for i, (piece, (_, param)) in enumerate(zip(self.pieces, self.parameters(), strict=True)):
+            local, _ = _local_piece(piece.name, param)
+            source = _as_bytes(local)
+            span = slice(piece.offset, piece.offset + piece.num_bytes)
+            if not delta:
+                self.changed_at[i] = None
+            elif (
+                last_sequence is None
+                or self.changed_at[i] is None
+                or not torch.equal(source, last[span])
+            ):
+                self.changed_at[i] = self.sequence
+            current = (
+                delta
+                and in_slot is not None
+                and self.changed_at[i] <= in_slot
+                and (not verify or self.sums[i] is not None)
+            )
+            if current:  # this slot's bytes of it are this version's already
+                continue
+            summed = copy_summed(data[span], source, verify)
+            self.sums[i] = int(summed) % 2**64 if verify else None
+        self.header(slot).fill_(2 * version + 2)  # complete
+        self.held[slot], self.held_sequence[slot] = version, self.sequence
+        self.next_slot = 1 - slot
+        self._register(delta)
         source = WeightSource(
             self.host,
             self.paths,
@@ -265,13 +307,43 @@ class WeightPublisher:
             self._headers,
             self.pieces,
             self.data_bytes,
-            [int(s) % 2**64 for s in sums] if verify else None,
+            list(self.sums) if verify else None,
+            slot,
+            self.sequence,
+            list(self.changed_at) if delta else None,
+            self._piece_buffers if delta else None,
         )
         return WeightHandle(version, [source])
 
+    def _register(self, pieces: bool) -> None:
+        """The slots as RDMA buffers, once; with `pieces`, each piece of each too."""
+        if not self.rdma or (self._buffers is not None and (self._piece_buffers or not pieces)):
+            return
+        from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+
+        with warnings.catch_warnings(), without_cuda_probe_line():
+            # Reported once through rdma_backend() in the run metrics instead.
+            warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+            if self._buffers is None:
+                self._buffers = [RDMABuffer(s) for s in self.slots]
+                self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
+            if pieces:
+                self._piece_buffers = [
+                    [
+                        RDMABuffer(
+                            s[HEADER_BYTES + p.offset : HEADER_BYTES + p.offset + p.num_bytes]
+                        )
+                        if p.num_bytes
+                        else None
+                        for p in self.pieces
+                    ]
+                    for s in self.slots
+                ]
+
     def corrupt(self, version: int) -> None:
         """Flip one byte of `version`'s slot (the `faults.weights` corrupt drill)."""
-        self.slots[version % SLOTS][HEADER_BYTES + self.data_bytes // 2] ^= 0xFF
+        slot = self.held.index(version)
+        self.slots[slot][HEADER_BYTES + self.data_bytes // 2] ^= 0xFF
 
     def close(self) -> None:
         for path in self.paths:
@@ -288,10 +360,20 @@ class Pulled:
     rdma_bytes: int  # bytes it read over RDMA (0 on the shared-memory path)
     relay: WeightHandle | None = None  # where others can pull this version from it
     verified: bool = False  # its parameters matched the trainer's checksums
+    bytes_moved: int = 0  # bytes copied or read into it (0: every piece served in place)
 
 
 class WeightReceiver:
-    """Replica side. `pull(handle)` makes the local model equal to that version."""
+    """Replica side. `pull(handle)` makes the local model equal to that version.
+
+    With `zero_copy`, parameters whose piece lies whole in a shared-memory slot on
+    this host (a replicated trainer's, in the replica's dtype, on the CPU) are
+    not copied: they become views of the published slot, so a same-host sync is
+    the trainer's one copy into the slot. Only a receiver that pulls every
+    version before it serves again may do so (policy replicas): the trainer
+    writes that slot again two publishes later. `intact()` says whether the
+    slots it serves from still hold its version (the seqlock header), and a
+    replica checks it before and after it serves."""
 
     def __init__(
         self,
@@ -299,11 +381,13 @@ class WeightReceiver:
         timeout_s: int = 120,
         prefix: str | None = None,
         shared_memory: bool = True,
+        zero_copy: bool = False,
     ):
         # With `prefix`, `model` is a part of the published one (a critic's backbone
         # is the policy's `model.` submodule): only the names under it are taken.
         # shared_memory=False pulls over RDMA even on the trainer's host (to measure it).
         self.shared_memory = shared_memory
+        self.zero_copy = zero_copy
         self.partial = prefix is not None
         self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
         self.owner = "replica"  # named in errors; actors set their role and rank
@@ -319,6 +403,9 @@ class WeightReceiver:
         self._staging: dict[int, torch.Tensor] = {}
         self._relay: WeightPublisher | None = None  # made at the first `serve`
         self._summed, self._held = False, {}  # this pull's: checked, and the sums taken
+        self._sums: dict[tuple[str, int], int] = {}  # of the pieces held, last verified
+        self._lineage: dict[str, int] = {}  # source lineage -> its publish held (delta)
+        self._views: dict[str, str] = {}  # parameter -> the slot file it is a view of
 
     def _check_layout(self, handle: WeightHandle) -> None:
         published = {p.name for s in handle.sources for p in s.pieces}
@@ -327,6 +414,15 @@ class WeightReceiver:
             missing |= published - set(self.params)
         if missing:
             raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
+
+    def intact(self) -> bool:
+        """Whether every slot this replica serves parameters from still holds its
+        version, complete (always true for parameters of its own)."""
+        expected = 2 * self.version + 2
+        return all(
+            int(self._mapped[path][:8].view(torch.int64).item()) == expected
+            for path in set(self._views.values())
+        )
 
     @torch.no_grad()
     def pull(
@@ -343,8 +439,10 @@ class WeightReceiver:
         (`Pulled.relay`). `timeout_s` bounds the RDMA reads (default: the
         receiver's), so a source that died fails the pull soon. `skip_copy`
         (the `faults.weights` skip_pull drill) moves no bytes, as a pull that
-        silently did not apply."""
+        silently did not apply. A source published with `delta` is read only
+        where it changed since the version of it this replica holds."""
         self._check_layout(handle)
+        lineage, self._lineage = self._lineage, {}  # a failed pull leaves no delta base
         self.version, self.torn = -1, True  # until every byte of the new version is in
         self._summed = all(s.checksums is not None for s in handle.sources)
         self._held = {}
@@ -354,20 +452,28 @@ class WeightReceiver:
             if self.shared_memory and s.host == self.host and os.path.exists(s.paths[0])
         ]
         remote = [s for s in handle.sources if s not in local]
+        moved = rdma_bytes = 0
         for source in [] if skip_copy else local:
-            self._copy(source, self._shared(source, handle.slot), handle.version, torn_check=True)
+            slot = self._shared(source, source.slot)
+            moved += self._copy(
+                source, slot, handle.version, True, lineage, source.paths[source.slot]
+            )
         if remote and not skip_copy:
             # Monarch's RDMA timeouts are whole seconds.
-            self._pull_rdma(remote, handle, max(1, math.ceil(timeout_s or self.timeout_s)))
+            timeout = max(1, math.ceil(timeout_s or self.timeout_s))
+            rdma_bytes = self._pull_rdma(remote, handle, timeout, lineage)
+            moved += rdma_bytes
         verified = self._verify(handle) if self._summed else False
         self.path = "rdma" if remote else "shm"
         self.version, self.torn = handle.version, False
-        rdma_bytes = sum(HEADER_BYTES * 2 + s.data_bytes for s in remote)
-        relay = self.serve(shm_prefix, verify=verified) if serve else None
-        return Pulled(self.version, self.path, rdma_bytes, relay, verified)
+        self._lineage = {s.lineage: s.sequence for s in handle.sources}
+        delta = any(s.changed is not None for s in handle.sources)
+        relay = self.serve(shm_prefix, verify=verified, delta=delta) if serve else None
+        return Pulled(self.version, self.path, rdma_bytes, relay, verified, moved)
 
     def _target(self, piece: ParamPiece) -> torch.Tensor | None:
-        """The part of this receiver's parameter that `piece` fills (None: not held)."""
+        """The part of this receiver's parameter that `piece` fills (None: not held).
+        A parameter that was a view of a slot gets memory of its own first."""
         param = self.params.get(piece.name)
         if param is None:  # partial receiver: not part of this model
             return None
@@ -377,7 +483,22 @@ class WeightReceiver:
                 f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
                 f"published {piece.full_shape} {piece.dtype}"
             )
+        if self._views.pop(piece.name, None) is not None:
+            param.data = torch.empty_like(param.data)
         return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+
+    def _viewable(self, piece: ParamPiece) -> bool:
+        """Whether `piece` can be served in place from a slot: the whole parameter,
+        in this replica's dtype, on the CPU."""
+        param = self.params.get(piece.name)
+        return (
+            self.zero_copy
+            and param is not None
+            and piece.row == 0
+            and piece.shape == piece.full_shape == tuple(param.shape)
+            and param.dtype == piece.dtype
+            and param.device.type == "cpu"
+        )
 
     @torch.no_grad()
     def _verify(self, handle: WeightHandle) -> bool:
@@ -387,22 +508,35 @@ class WeightReceiver:
         wrong = []
         for source in handle.sources:
             for piece, expected in zip(source.pieces, source.checksums, strict=True):
-                target = self._target(piece)
+                target = self._target_now(piece)
                 if target is None:
                     continue
-                held = self._held.get((piece.name, piece.row))
+                key = (piece.name, piece.row)
+                held = self._held.get(key)
                 held = checksum(target) if held is None else int(held) % 2**64
+                self._held[key] = held
                 if held != expected:
                     wrong.append(piece.name)
         if wrong:
+            self._sums = {}
             raise WeightMismatch(
                 f"{self.owner}, version {handle.version}: {len(wrong)} parameter(s) differ from the "
                 f"trainer's checksums after the pull ({', '.join(wrong[:3])}"
                 f"{', ...' if len(wrong) > 3 else ''}); not served"
             )
+        self._sums = dict(self._held)
         return True
 
-    def serve(self, shm_prefix: str | None = None, verify: bool = True) -> WeightHandle:
+    def _target_now(self, piece: ParamPiece) -> torch.Tensor | None:
+        """What this receiver serves of `piece` now (a view or its own memory)."""
+        param = self.params.get(piece.name)
+        if param is None:
+            return None
+        return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+
+    def serve(
+        self, shm_prefix: str | None = None, verify: bool = True, delta: bool = False
+    ) -> WeightHandle:
         """Publish the version this replica holds from its own slots (a relay),
         with checksums of what it holds when `verify`."""
         if self.partial:
@@ -413,7 +547,7 @@ class WeightReceiver:
             self._relay = WeightPublisher(
                 None, prefix=shm_prefix, parameters=lambda: iter(self.params.items())
             )
-        return self._relay.publish(self.version, verify)
+        return self._relay.publish(self.version, verify, delta)
 
     def close(self) -> None:
         if self._relay is not None:
@@ -425,51 +559,107 @@ class WeightReceiver:
             self._mapped[path] = _map_file(path, HEADER_BYTES + source.data_bytes)
         return self._mapped[path]
 
+    def _unchanged(self, source: WeightSource, lineage: dict[str, int]) -> Callable[[int], bool]:
+        """Which of `source`'s pieces this replica holds as published: those that
+        last changed at or before the publish of it it holds."""
+        held = lineage.get(source.lineage)
+        if source.changed is None or held is None:
+            return lambda i: False
+        return lambda i: source.changed[i] <= held
+
     def _copy(
-        self, source: WeightSource, slot: torch.Tensor, version: int, torn_check: bool
-    ) -> None:
-        """Copy a source's pieces from `slot` (header + data) into the parameters."""
+        self,
+        source: WeightSource,
+        slot: torch.Tensor,
+        version: int,
+        torn_check: bool,
+        lineage: dict[str, int],
+        view_of: str | None = None,
+    ) -> int:
+        """Take a source's pieces from `slot` (header + data): as views of it when
+        `view_of` names its shared-memory file and the piece allows (`zero_copy`),
+        else copied into the parameters; pieces unchanged since the version held
+        (delta) are left as they are. Returns the bytes copied."""
         header = slot[:8].view(torch.int64)
         if int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} is not complete in its slot")
         data = slot[HEADER_BYTES:]
-        for piece in source.pieces:
+        unchanged = self._unchanged(source, lineage)
+        moved = 0
+        for i, piece in enumerate(source.pieces):
+            key = (piece.name, piece.row)
+            published = data[piece.offset : piece.offset + piece.num_bytes]
+            if view_of is not None and self._viewable(piece):
+                param = self.params[piece.name]
+                param.data = published.view(piece.dtype).view(piece.shape)
+                self._views[piece.name] = view_of
+                self._held[key] = copy_summed(published, None, self._summed)
+                continue
+            if unchanged(i) and piece.name not in self._views:
+                if key in self._sums:
+                    self._held[key] = self._sums[key]  # as verified at the version held
+                continue
             target = self._target(piece)
             if target is None:
                 continue
-            published = data[piece.offset : piece.offset + piece.num_bytes]
             if target.dtype == piece.dtype:
                 summed = copy_summed(_as_bytes(target), published, self._summed)
             else:  # a replica in its own dtype: the bytes checked as they came, then cast
                 summed = copy_summed(published, None, self._summed)
                 target.copy_(published.view(piece.dtype).view(piece.shape))
-            self._held[(piece.name, piece.row)] = summed
+            self._held[key] = summed
+            moved += piece.num_bytes
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")
+        return moved
 
-    def _pull_rdma(self, sources: list[WeightSource], handle: WeightHandle, timeout_s: int) -> None:
-        """Every remote source's slot in one RDMA action into staging, checked,
-        then into the parameters."""
+    def _pull_rdma(
+        self,
+        sources: list[WeightSource],
+        handle: WeightHandle,
+        timeout_s: int,
+        lineage: dict[str, int],
+    ) -> int:
+        """Every remote source's slot (its changed pieces only, for a delta) in one
+        RDMA action into staging, checked, then into the parameters. Returns the
+        bytes read."""
         from monarch.rdma import RDMAAction
 
         action = RDMAAction()
         device = next(iter(self.params.values())).device
-        staged = []
+        staged, read = [], 0
         for i, source in enumerate(sources):
             size = HEADER_BYTES + source.data_bytes
             if i not in self._staging or self._staging[i].numel() != size:
                 self._staging[i] = torch.empty(size, dtype=torch.uint8, device=device)
-            action.read_remote(self._staging[i], source.buffers[handle.slot])
-            staged.append((source, self._staging[i]))
+            staging = self._staging[i]
+            unchanged = self._unchanged(source, lineage)
+            partial = source.piece_buffers is not None and not self._views
+            if not partial or not any(unchanged(j) for j in range(len(source.pieces))):
+                action.read_remote(staging, source.buffers[source.slot])
+                read += size
+            else:  # the header, then each changed piece
+                action.read_remote(staging[:HEADER_BYTES], source.headers[source.slot])
+                read += HEADER_BYTES
+                for j, piece in enumerate(source.pieces):
+                    buffer = source.piece_buffers[source.slot][j]
+                    if unchanged(j) or buffer is None:
+                        continue
+                    start = HEADER_BYTES + piece.offset
+                    action.read_remote(staging[start : start + piece.num_bytes], buffer)
+                    read += piece.num_bytes
+            staged.append((source, staging))
         with without_cuda_probe_line():  # this process's first RDMA call, maybe
             action.submit(timeout=timeout_s).get()
         # The headers again, after the data: a version overwritten meanwhile shows.
         again = RDMAAction()
         headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device) for _ in staged]
         for (source, _), header in zip(staged, headers, strict=True):
-            again.read_remote(header, source.headers[handle.slot])
+            again.read_remote(header, source.headers[source.slot])
         again.submit(timeout=timeout_s).get()
+        read += HEADER_BYTES * len(staged)
         for (source, slot), header in zip(staged, headers, strict=True):
             if not torch.equal(header[:8], slot[:8]):
                 raise TornWeights(f"version {handle.version} was overwritten while it was read")
-            self._copy(source, slot, handle.version, torn_check=False)
+            self._copy(source, slot, handle.version, False, lineage)
+        return read

@@ -101,14 +101,20 @@ class Publisher(Actor):
         self.model = load_model(model_cfg, 0)
         self.publisher = WeightPublisher(self.model, prefix=shm_prefix)
         self.version = -1
+        self.moving: list[str] | None = None  # the parameters a new version moves: all
 
     @endpoint
-    def publish(self, verify: bool = True) -> WeightHandle:
+    def publish(self, verify: bool = True, delta: bool = False) -> WeightHandle:
         self.version += 1
-        with torch.no_grad():  # a new version: every parameter moves
-            for param in self.model.parameters():
-                param.add_(0.01 * (self.version + 1))
-        return self.publisher.publish(self.version, verify)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if self.moving is None or name in self.moving:
+                    param.add_(0.01 * (self.version + 1))
+        return self.publisher.publish(self.version, verify, delta)
+
+    @endpoint
+    def move_only(self, names: list[str] | None) -> None:
+        self.moving = names
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -182,3 +188,40 @@ def test_a_relay_chain_across_hosts(tmp_path, no_stray_procs):
                 "gen",
                 60,
             )
+
+
+@pytest.mark.actors
+@pytest.mark.timeout(300)
+def test_delta_sync_over_rdma_and_through_a_relay(tmp_path, no_stray_procs):
+    """Two `process` hosts, fanout 1 (trainer -> 0 -> 1), `weights.delta`: after a
+    full first pull, each replica reads only the pieces that changed, from the
+    trainer and from the relay, and holds the trainer's weights bitwise."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["job.kind=process", "job.hosts.policy=2", "prompts_per_step=2"]
+        + [f"run.dir={tmp_path}", "run.name=delta"],
+    )
+    with Run(cfg, "delta", {"trainer": 1, "policy": 1}) as run:
+        trainer = run.spawn("trainer", Publisher, cfg.model, run.shm_prefix)
+        policy = run.spawn("policy", Policy, cfg.model, 7, shm_prefix=run.shm_prefix)
+        sync = WeightSync(Supervisor(run, FaultsConfig(), LoopState()), fanout=1, delta=True)
+        want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
+        sizes = {n: p.numel() * p.element_size() for n, p in want.items()}
+
+        def pull_and_check() -> int:
+            sync.pull(policy, sync.publish(trainer))
+            want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
+            replicas = call_all(policy, "parameters", what="params", timeout_s=60)
+            assert all(same(want, got) for got in replicas)
+            assert sync.paths == ["rdma"] * 2 and sync.depth == 2 and sync.verified == 2
+            return sync.bytes_moved
+
+        assert pull_and_check() >= 2 * sum(sizes.values())  # new replicas: everything
+        moving = ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+        wait(trainer.move_only.call_one(moving), "move", 60)
+        headers = 2 * 2 * 64  # each replica reads its source's header before and after
+        assert pull_and_check() == 2 * sum(sizes[n] for n in moving) + headers
+        assert pull_and_check() == 2 * sum(sizes[n] for n in moving) + headers
+        wait(trainer.move_only.call_one([]), "move", 60)
+        assert pull_and_check() == headers  # a version that changed nothing
