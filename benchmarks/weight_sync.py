@@ -4,17 +4,27 @@ the same bytes, in one run, between two processes on this host.
     python benchmarks/weight_sync.py              # 100 MB and 500 MB
     python benchmarks/weight_sync.py --sizes 100
 
-For each size, best of `--repeats`:
+The weights are float32 tensors of `TENSOR_MB` each. For each size, best of
+`--repeats`, each sync after an untimed step that gives the moving tensors new
+values:
 - memcpy:      one copy of the bytes inside one process (the floor);
 - gloo:        a torch.distributed broadcast from one process to another;
 - rdma:        a plain `RDMABuffer.read_into` per tensor, the tensors registered once;
 - meshrl:      a trainer actor publishes a version and a replica actor pulls it
-               (`meshrl.weights`: shared memory on one host), timed from the
-               controller: both calls, end to end;
-- meshrl_rdma: the same with the replica made to pull over RDMA (as from another host).
-Both meshrl syncs run as a run does, checksummed (`weights.verify`, the
-default), and again without checksums: `verify_overhead` and
-`rdma_verify_overhead` are their ratios less one.
+               as a policy replica on the trainer's host does (`zero_copy`: it then
+               serves the published slot, no copy), timed from the controller,
+               both calls end to end;
+- meshrl_copy: the same with a replica that copies out of shared memory (the
+               way before zero-copy, and a reference's or critic's way);
+- meshrl_rdma: a replica made to pull over RDMA (as from another host).
+Each with checksums (`weights.verify`, the default) and without
+(`verify_overhead` and the others are their ratios less one). Delta sync
+(`weights.delta`) over RDMA, against full pulls, when every tensor changes
+(full fine-tuning) and when `--few` of them do (LoRA, a frozen rest): bytes and
+time per sync.
+The memcpy is also measured inside the trainer actor (`actor_memcpy_s`): an
+actor's process shares the cores with Monarch's runtime, and the ratios to it
+(`sync_over_actor_memcpy`) compare like with like.
 Prints a table, then one JSON object whose keys are the sizes, each with
 `sync_s`, `sync_over_memcpy` and `sync_over_gloo` (and the other timings).
 """
@@ -40,7 +50,7 @@ from monarch.actor import Actor, endpoint  # noqa: E402
 from meshrl.mesh import RoleMeshes, wait  # noqa: E402
 from meshrl.weights import WeightHandle, WeightPublisher, WeightReceiver  # noqa: E402
 
-TENSOR_MB = 25  # the weights are a module of float32 tensors of this size
+TENSOR_MB = 5  # the weights are a module of float32 tensors of this size
 
 
 def weights(total_mb: int, fill: float = 0.0) -> torch.nn.Module:
@@ -119,14 +129,30 @@ class Holder(Actor):
         return self.buffers
 
     @endpoint
-    def publish(self, verify: bool) -> WeightHandle:
+    def step(self, fraction: float) -> list[float]:
+        """An optimizer step (not timed): the first `fraction` of the tensors get a
+        new value. Returns every tensor's value."""
+        self.version += 1
+        params = list(self.model.parameters())
+        moving = max(1, round(fraction * len(params)))
+        with torch.no_grad():
+            for p in params[:moving]:
+                p.fill_(float(self.version))
+        return [float(p[0]) for p in params]
+
+    @endpoint
+    def publish(self, verify: bool, delta: bool) -> WeightHandle:
         if self.publisher is None:
             self.publisher = WeightPublisher(self.model)
-        self.version += 1
         started = time.perf_counter()
-        handle = self.publisher.publish(self.version, verify)
+        handle = self.publisher.publish(self.version, verify, delta)
         self.publish_s = time.perf_counter() - started
         return handle
+
+    @endpoint
+    def memcpy_s(self, total_mb: int, repeats: int) -> float:
+        """The floor measured where the publish runs: in this actor's process."""
+        return memcpy_s(total_mb, repeats)
 
     @endpoint
     def last_publish_s(self) -> float:
@@ -138,39 +164,44 @@ class Holder(Actor):
             self.publisher.close()
 
 
+MODES = ("view", "copy", "rdma")
+"""How the replica pulls: served in place from shared memory (zero_copy), copied
+out of shared memory, read over RDMA."""
+
+
 class Reader(Actor):
-    """The replica's side."""
+    """The replica's side: a model per way of pulling (a view must not be copied
+    into by another receiver)."""
 
     def __init__(self, total_mb: int):
-        self.model = weights(total_mb)
+        self.models = {mode: weights(total_mb) for mode in MODES}
         self.receivers = {
-            True: WeightReceiver(self.model),
-            False: WeightReceiver(self.model, shared_memory=False),
+            "view": WeightReceiver(self.models["view"], zero_copy=True),
+            "copy": WeightReceiver(self.models["copy"]),
+            "rdma": WeightReceiver(self.models["rdma"], shared_memory=False),
         }
 
     @endpoint
     def read_each(self, buffers: list) -> float:
         started = time.perf_counter()
-        for buffer, param in zip(buffers, self.model.parameters(), strict=True):
+        for buffer, param in zip(buffers, self.models["rdma"].parameters(), strict=True):
             buffer.read_into(param.data.view(torch.uint8)).get()
         return time.perf_counter() - started
 
     @endpoint
-    def pull(self, handle: WeightHandle, shared_memory: bool) -> tuple[str, float]:
-        receiver = self.receivers[shared_memory]
+    def pull(self, handle: WeightHandle, mode: str) -> tuple[str, float, int]:
+        receiver = self.receivers[mode]
         started = time.perf_counter()
-        receiver.pull(handle)
-        return receiver.path, time.perf_counter() - started
+        pulled = receiver.pull(handle)
+        return receiver.path, time.perf_counter() - started, pulled.bytes_moved
 
     @endpoint
-    def check_and_clear(self) -> None:
-        assert all(bool((p == 1).all()) for p in self.model.parameters())
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.zero_()  # the next pull must move every byte again
+    def check(self, mode: str, values: list[float]) -> None:
+        params = self.models[mode].parameters()
+        assert all(bool((p == v).all()) for p, v in zip(params, values, strict=True)), mode
 
 
-def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
+def monarch_timings(total_mb: int, repeats: int, few: float) -> dict:
     # Publish and pull never run at once here: each proc may use every core.
     with RoleMeshes({"trainer": 1, "policy": 1}, threads_per_proc=os.cpu_count()) as meshes:
         holder = meshes.spawn("trainer", "holder", Holder, total_mb)
@@ -178,73 +209,103 @@ def monarch_timings(total_mb: int, repeats: int) -> dict[str, float]:
         buffers = wait(holder.tensor_buffers.call_one(), "buffers", 300)
         rdma = min(wait(reader.read_each.call_one(buffers), "read", 300) for _ in range(repeats))
 
-        def sync(shared_memory: bool, verify: bool = True) -> tuple[str, float, float, float]:
-            """One publish and pull timed from the controller (the data checked after):
-            path, total, publish inside the trainer, pull inside the replica."""
+        def sync(mode: str, verify: bool = True, delta: bool = False, moving: float = 1.0):
+            """One step (untimed), then a publish and pull timed from the controller,
+            the data checked after: total, publish inside the trainer, pull inside
+            the replica, bytes moved into the replica."""
+            values = wait(holder.step.call_one(moving), "step", 300)
             started = time.perf_counter()
-            handle = wait(holder.publish.call_one(verify), "publish", 300)
-            path, pull_s = wait(reader.pull.call_one(handle, shared_memory), "pull", 300)
+            handle = wait(holder.publish.call_one(verify, delta), "publish", 300)
+            path, pull_s, moved = wait(reader.pull.call_one(handle, mode), "pull", 300)
             total = time.perf_counter() - started
-            wait(reader.check_and_clear.call_one(), "check", 300)
-            return path, total, wait(holder.last_publish_s.call_one(), "t", 60), pull_s
+            assert path == ("rdma" if mode == "rdma" else "shm"), (mode, path)
+            wait(reader.check.call_one(mode, values), "check", 300)
+            return total, wait(holder.last_publish_s.call_one(), "t", 60), pull_s, moved
 
-        # Warm-up: files mapped, buffers registered, both slots written.
-        assert [sync(True)[0], sync(False)[0]] == ["shm", "rdma"]
-        shm = min((sync(True) for _ in range(repeats)), key=lambda t: t[1])
-        unverified = min(sync(True, verify=False)[1] for _ in range(repeats))
-        over_rdma = min((sync(False) for _ in range(repeats)), key=lambda t: t[1])
-        rdma_unverified = min(sync(False, verify=False)[1] for _ in range(repeats))
+        def fastest(runs: int = repeats, **kwargs) -> tuple:
+            sync(**kwargs)  # warm-up: files mapped, buffers registered, a delta base held
+            return min((sync(**kwargs) for _ in range(runs)), key=lambda t: t[0])
+
+        figures = {
+            "rdma_s": rdma,
+            "actor_memcpy_s": wait(holder.memcpy_s.call_one(total_mb, repeats), "memcpy", 300),
+        }
+        for mode in MODES:
+            for verify in (True, False):
+                figures[(mode, verify)] = fastest(mode=mode, verify=verify)
+        for name, moving in (("full_ft", 1.0), ("few_changed", few)):
+            for delta in (False, True):
+                figures[(name, delta)] = fastest(mode="rdma", delta=delta, moving=moving)
         wait(holder.close.call_one(), "close", 60)
-    return {
-        "rdma_s": rdma,
-        "meshrl_s": shm[1],
-        "meshrl_publish_s": shm[2],
-        "meshrl_pull_s": shm[3],
-        "meshrl_rdma_s": over_rdma[1],
-        "meshrl_unverified_s": unverified,
-        "meshrl_rdma_unverified_s": rdma_unverified,
-    }
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 500], help="MB")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--few", type=float, default=0.1, help="share of the tensors a 'few changed' step moves"
+    )
     args = parser.parse_args()
 
     figures = {}
     for total_mb in args.sizes:
         memcpy = memcpy_s(total_mb, args.repeats)
         gloo = gloo_s(total_mb, args.repeats)
-        timings = monarch_timings(total_mb, args.repeats)
-        sync = timings["meshrl_s"]
+        t = monarch_timings(total_mb, args.repeats, args.few)
+        sync, unverified = t[("view", True)][0], t[("view", False)][0]
+        copy, rdma_sync = t[("copy", True)][0], t[("rdma", True)][0]
         figures[f"{total_mb}MB"] = {
             "sync_s": round(sync, 5),
             "sync_over_memcpy": round(sync / memcpy, 2),
             "sync_over_gloo": round(sync / gloo, 2),
+            "sync_unverified_s": round(unverified, 5),
+            "sync_unverified_over_memcpy": round(unverified / memcpy, 2),
+            "verify_overhead": round(sync / unverified - 1, 3),
+            "publish_s": round(t[("view", True)][1], 5),
+            "pull_s": round(t[("view", True)][2], 5),
+            "pull_bytes": t[("view", True)][3],
+            "copy_sync_s": round(copy, 5),
+            "copy_sync_over_memcpy": round(copy / memcpy, 2),
+            "copy_verify_overhead": round(copy / t[("copy", False)][0] - 1, 3),
             "memcpy_s": round(memcpy, 5),
+            "actor_memcpy_s": round(t["actor_memcpy_s"], 5),
+            "sync_over_actor_memcpy": round(sync / t["actor_memcpy_s"], 2),
+            "sync_unverified_over_actor_memcpy": round(unverified / t["actor_memcpy_s"], 2),
             "gloo_s": round(gloo, 5),
-            "rdma_per_tensor_s": round(timings["rdma_s"], 5),
-            "sync_over_rdma_s": round(timings["meshrl_rdma_s"], 5),
-            "publish_s": round(timings["meshrl_publish_s"], 5),
-            "pull_s": round(timings["meshrl_pull_s"], 5),
-            "sync_unverified_s": round(timings["meshrl_unverified_s"], 5),
-            "verify_overhead": round(sync / timings["meshrl_unverified_s"] - 1, 3),
-            "rdma_verify_overhead": round(
-                timings["meshrl_rdma_s"] / timings["meshrl_rdma_unverified_s"] - 1, 3
-            ),
+            "rdma_per_tensor_s": round(t["rdma_s"], 5),
+            "sync_over_rdma_s": round(rdma_sync, 5),
+            "rdma_verify_overhead": round(rdma_sync / t[("rdma", False)][0] - 1, 3),
+            "delta": {
+                name: {
+                    "full_bytes": t[(name, False)][3],
+                    "full_s": round(t[(name, False)][0], 5),
+                    "delta_bytes": t[(name, True)][3],
+                    "delta_s": round(t[(name, True)][0], 5),
+                    "delta_over_full_s": round(t[(name, True)][0] / t[(name, False)][0], 3),
+                }
+                for name in ("full_ft", "few_changed")
+            },
         }
     print(
-        f"{'size':>6} {'memcpy':>9} {'gloo':>9} {'rdma':>9} {'meshrl':>9} {'meshrl/rdma':>12}"
-        f" {'÷memcpy':>8} {'÷gloo':>6}"
+        f"{'size':>6} {'memcpy':>9} {'gloo':>9} {'rdma':>9} {'meshrl':>9} {'copying':>9}"
+        f" {'meshrl/rdma':>12} {'÷memcpy':>8} {'÷gloo':>6}"
     )
     for size, f in figures.items():
         print(
             f"{size:>6} {f['memcpy_s'] * 1e3:>7.1f}ms {f['gloo_s'] * 1e3:>7.1f}ms "
             f"{f['rdma_per_tensor_s'] * 1e3:>7.1f}ms {f['sync_s'] * 1e3:>7.1f}ms "
+            f"{f['copy_sync_s'] * 1e3:>7.1f}ms "
             f"{f['sync_over_rdma_s'] * 1e3:>10.1f}ms {f['sync_over_memcpy']:>8.2f} "
             f"{f['sync_over_gloo']:>6.2f}"
         )
+        for name, d in f["delta"].items():
+            print(
+                f"{'':>6} delta over RDMA, {name}: {d['full_bytes'] / 1e6:.1f} MB in "
+                f"{d['full_s'] * 1e3:.1f} ms full, {d['delta_bytes'] / 1e6:.1f} MB in "
+                f"{d['delta_s'] * 1e3:.1f} ms delta"
+            )
     print(json.dumps(figures))
     return 0
 

@@ -32,6 +32,8 @@ def copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool) -> to
         if src is not None:
             dst.copy_(src)
         return None
+    if src is None:  # a read only: one pass, nothing to reuse from cache
+        return _word_sum(dst)
     total = torch.zeros((), dtype=torch.int64, device=dst.device)
     for start in range(0, max(dst.numel(), 1), _CHUNK):
         chunk = dst[start : start + _CHUNK]
