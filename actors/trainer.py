@@ -275,6 +275,9 @@ class Trainer(Drillable, Actor):
         handle = self.publisher.publish(self.version, verify, delta)
         if self.armed("corrupt"):
             self.publisher.corrupt(self.version)
+        unmerged = lora.unmerged_parameters(self.model)  # the adapters left out
+        if self.armed("unmerged") and not self.publisher.overwrite(self.version, unmerged):
+            raise ValueError("the unmerged drill needs LoRA adapters (model.lora.rank > 0)")
         return handle
 
     @endpoint

@@ -7,9 +7,11 @@ proc to exit at once (`os._exit`), as a crash or an OOM kill would.
 `environment.score@7`): in that step the endpoint raises `InjectedError` on
 every proc of the role, as a bug or a transient error would.
 `faults.weights` breaks a weight sync: `corrupt@STEP` flips a byte of the
-version the trainer publishes after that step, `skip_pull:RANK@STEP` makes
-policy replica RANK answer that version's pull without moving a byte. The
-checksums (`meshrl.weights`) stop the run with the replica and the version.
+version the trainer publishes after that step, `unmerged@STEP` (LoRA) leaves
+that version's adapters out of the published weights (the base weights where
+the merged ones belong, as a merge that did not happen), `skip_pull:RANK@STEP`
+makes policy replica RANK answer that version's pull without moving a byte.
+The checksums (`meshrl.weights`) stop the run with the replica and the version.
 
 What the run does about it is the `Supervisor`'s and the loop's
 (`meshrl/supervisor.py`, `Checkpointer.rewind`): a
@@ -33,7 +35,7 @@ from meshrl.telemetry import Observed
 
 _KILL = re.compile(r"^([a-z_]+):(\d+)@(\d+)$")
 _RAISE = re.compile(r"^([a-z_]+)\.([a-z_]+)@(\d+)$")
-_WEIGHTS = re.compile(r"^(corrupt|skip_pull:(\d+))@(\d+)$")
+_WEIGHTS = re.compile(r"^(corrupt|unmerged|skip_pull:(\d+))@(\d+)$")
 
 ROLES = ("policy", "environment", "reference", "trainer", "critic")
 DRILLED_ENDPOINTS = {
@@ -63,8 +65,9 @@ class FaultsConfig:
     """Endpoints to fail, as role.endpoint@step, e.g. ["environment.score@7"]."""
     weights: list[str] = field(default_factory=list)
     """Weight syncs to break: "corrupt@STEP" (a byte of the version published
-    after STEP flipped in the trainer's slot) or "skip_pull:RANK@STEP" (policy
-    replica RANK does not copy that version but claims it)."""
+    after STEP flipped in the trainer's slot), "unmerged@STEP" (LoRA: that
+    version published without its adapters merged) or "skip_pull:RANK@STEP"
+    (policy replica RANK does not copy that version but claims it)."""
     max_recoveries: int = 10
     """Recoveries of lost procs allowed in a run before it gives up with the error."""
     retry_errors: int = 0
@@ -99,8 +102,8 @@ class FaultsConfig:
         for item in self.weights:
             if not _WEIGHTS.match(item):
                 raise ConfigError(
-                    f"config key 'faults.weights': '{item}' is not corrupt@step "
-                    "or skip_pull:rank@step"
+                    f"config key 'faults.weights': '{item}' is not corrupt@step, "
+                    "unmerged@step or skip_pull:rank@step"
                 )
         for key in ("max_recoveries", "retry_errors"):
             if getattr(self, key) < 0:
@@ -124,9 +127,7 @@ class FaultsConfig:
             kind, rank, at = _WEIGHTS.match(item).groups()
             if int(at) == step:
                 found.append(
-                    ("trainer", "corrupt", 0)
-                    if rank is None
-                    else ("policy", "skip_pull", int(rank))
+                    ("trainer", kind, 0) if rank is None else ("policy", "skip_pull", int(rank))
                 )
         return found
 

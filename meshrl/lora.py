@@ -64,6 +64,20 @@ def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
             yield f"{owner}.{leaf}", param
 
 
+def unmerged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, base weight) of every adapted weight, without its adapter: what a
+    replica would serve if the merge did not happen (the `unmerged` drill)."""
+    if not is_lora(model):
+        return
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    for name, param in base.named_parameters():
+        if ".base_layer." in name:
+            owner, leaf = name.split(".base_layer.")
+            if leaf == "weight" and ADAPTER in getattr(modules[owner], "lora_A", {}):
+                yield f"{owner}.{leaf}", param
+
+
 def trainable_fraction(model: torch.nn.Module) -> float:
     total = sum(p.numel() for p in model.parameters())
     return sum(p.numel() for p in model.parameters() if p.requires_grad) / max(total, 1)

@@ -173,7 +173,7 @@ class Supervisor:
             if kind == "kill":
                 role.slice(procs=target).exit_now.call_one()  # never answers
                 print(f"faults: killed {name}[{target}] at step {step}", flush=True)
-            elif kind in ("corrupt", "skip_pull"):
+            elif kind in ("corrupt", "unmerged", "skip_pull"):
                 self.wait(role.slice(procs=target).arm.call_one(kind), f"{name}.arm")
                 print(f"faults: {kind} drill armed on {name}[{target}] at step {step}", flush=True)
             else:

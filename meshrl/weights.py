@@ -345,6 +345,19 @@ class WeightPublisher:
         slot = self.held.index(version)
         self.slots[slot][HEADER_BYTES + self.data_bytes // 2] ^= 0xFF
 
+    @torch.no_grad()
+    def overwrite(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write `tensors` over their pieces in `version`'s slot, its checksums
+        left as they were (the `unmerged` drill). Returns the pieces written."""
+        data = self.slots[self.held.index(version)][HEADER_BYTES:]
+        pieces = {p.name: p for p in self.pieces}
+        written = 0
+        for name, tensor in tensors:
+            piece = pieces[name]
+            data[piece.offset : piece.offset + piece.num_bytes].copy_(_as_bytes(tensor))
+            written += 1
+        return written
+
     def close(self) -> None:
         for path in self.paths:
             with contextlib.suppress(FileNotFoundError):

@@ -297,15 +297,20 @@ def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intac
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "drill, differ",
-    [("corrupt@1", "1 parameter(s)"), ("skip_pull:0@1", "21 parameter(s)")],
-    ids=["a_byte_flipped_in_the_trainers_slot", "a_pull_that_moved_nothing"],
+    [
+        ("corrupt@1", "1 parameter(s)"),
+        ("skip_pull:0@1", "21 parameter(s)"),
+        ("unmerged@1", "14 parameter(s)"),  # LoRA on the 7 projections of 2 layers
+    ],
+    ids=["a_byte_flipped_in_the_trainers_slot", "a_pull_that_moved_nothing", "lora_not_merged"],
 )
 def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_version(
     drill, differ, tmp_path
 ):
+    lora = ["model.lora.rank=4"] if drill.startswith("unmerged") else []
     cfg = configure(
         tmp_path, "drill", "steps=3", "warm_start.steps=0", "eval.every=0",
-        f"faults.weights=[{drill}]",
+        f"faults.weights=[{drill}]", *lora,
     )  # fmt: skip
     with pytest.raises(RemoteCallError) as info:
         GRPO(cfg).run()
