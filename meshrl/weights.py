@@ -480,6 +480,9 @@ class WeightReceiver:
         self.path = "rdma" if remote else "shm"
         self.version, self.torn = handle.version, False
         self._lineage = {s.lineage: s.sequence for s in handle.sources}
+        # Slots of sources gone (a trainer replaced) are unmapped once nothing views them.
+        keep = {path for s in handle.sources for path in s.paths} | set(self._views.values())
+        self._mapped = {path: t for path, t in self._mapped.items() if path in keep}
         delta = any(s.changed is not None for s in handle.sources)
         relay = self.serve(shm_prefix, verify=verified, delta=delta) if serve else None
         return Pulled(self.version, self.path, rdma_bytes, relay, verified, moved)

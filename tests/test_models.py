@@ -179,19 +179,22 @@ def test_shared_memory_pull_is_bitwise_and_versioned():
     assert not any(os.path.exists(p) for p in publisher.paths)
 
 
-def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_version():
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copied", "served_in_place"])
+def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_version(zero_copy):
     """A publisher thread writes versions 0..N (every parameter of version v equal
     to v) while the replica pulls the newest handle again and again: each pull
-    either ends with one whole version or raises TornWeights."""
+    either ends with one whole version or raises TornWeights. Served in place
+    (`zero_copy`), the slot can be rewritten after the pull: whenever `intact()`
+    holds after the parameters are read, what was read is one whole version."""
     cfg = ModelConfig(hidden_size=256, intermediate_size=1024, num_layers=4)
     source, replica = load_model(cfg), load_model(cfg)
     publisher = WeightPublisher(source, rdma=False)
-    receiver = WeightReceiver(replica)
+    receiver = WeightReceiver(replica, zero_copy=zero_copy)
     latest: list = []
     done = threading.Event()
 
     def publish():
-        for version in range(200):
+        for version in range(120):
             with torch.no_grad():
                 for p in source.parameters():
                     p.fill_(version)
@@ -212,10 +215,13 @@ def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_vers
                 outcomes["torn"] += 1
                 assert receiver.torn and receiver.version == -1
                 continue
+            read = [p.detach().clone() for p in replica.parameters()]
+            if not receiver.intact():  # (served in place: its slot rewritten since)
+                continue
             outcomes["whole"] += 1
-            values = {p.detach().flatten()[0].item() for p in replica.parameters()}
+            values = {p.flatten()[0].item() for p in read}
             assert values == {float(handle.version)}, values  # one version, all of it
-            assert all((p == handle.version).all() for p in replica.parameters())
+            assert all((p == handle.version).all() for p in read)
     finally:
         thread.join()
         publisher.close()

@@ -3,6 +3,8 @@
 trainer, a relay lost under its children routed around, and a torn relay copy
 never served."""
 
+import contextlib
+
 import pytest
 import torch
 from monarch.actor import Actor, endpoint
@@ -132,6 +134,22 @@ class KillingSync(WeightSync):
             self.kill = None
 
 
+@contextlib.contextmanager
+def hosts(tmp_path, name: str, policy_hosts: int):
+    """A run whose policy replicas are on `policy_hosts` `process` hosts of their
+    own, one each, and a stand-in trainer: (run, trainer, policy)."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["job.kind=process", f"job.hosts.policy={policy_hosts}"]
+        + [f"prompts_per_step={policy_hosts}", f"run.dir={tmp_path}", f"run.name={name}"],
+    )
+    with Run(cfg, name, {"trainer": 1, "policy": 1}) as run:
+        trainer = run.spawn("trainer", Publisher, cfg.model, run.shm_prefix)
+        policy = run.spawn("policy", Policy, cfg.model, 7, shm_prefix=run.shm_prefix)
+        yield run, trainer, policy
+
+
 def same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
@@ -140,15 +158,7 @@ def same(a, b):
 @pytest.mark.timeout(300)
 def test_a_relay_chain_across_hosts(tmp_path, no_stray_procs):
     """Policy replicas on 3 `process` hosts, fanout 1: a chain trainer -> 0 -> 1 -> 2."""
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        ["job.kind=process", "job.hosts.policy=3", "prompts_per_step=3"]
-        + [f"run.dir={tmp_path}", "run.name=relay"],
-    )
-    with Run(cfg, "relay", {"trainer": 1, "policy": 1}) as run:
-        trainer = run.spawn("trainer", Publisher, cfg.model, run.shm_prefix)
-        policy = run.spawn("policy", Policy, cfg.model, 7, shm_prefix=run.shm_prefix)
+    with hosts(tmp_path, "relay", 3) as (run, trainer, policy):
         sup = Supervisor(run, FaultsConfig(), LoopState())
         sync = KillingSync(sup, fanout=1, relay_timeout_s=10)
         sup.on_respawn("policy", lambda: sync.catch_up(policy))
@@ -196,15 +206,7 @@ def test_delta_sync_over_rdma_and_through_a_relay(tmp_path, no_stray_procs):
     """Two `process` hosts, fanout 1 (trainer -> 0 -> 1), `weights.delta`: after a
     full first pull, each replica reads only the pieces that changed, from the
     trainer and from the relay, and holds the trainer's weights bitwise."""
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        ["job.kind=process", "job.hosts.policy=2", "prompts_per_step=2"]
-        + [f"run.dir={tmp_path}", "run.name=delta"],
-    )
-    with Run(cfg, "delta", {"trainer": 1, "policy": 1}) as run:
-        trainer = run.spawn("trainer", Publisher, cfg.model, run.shm_prefix)
-        policy = run.spawn("policy", Policy, cfg.model, 7, shm_prefix=run.shm_prefix)
+    with hosts(tmp_path, "delta", 2) as (run, trainer, policy):
         sync = WeightSync(Supervisor(run, FaultsConfig(), LoopState()), fanout=1, delta=True)
         want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
         sizes = {n: p.numel() * p.element_size() for n, p in want.items()}
