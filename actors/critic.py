@@ -22,7 +22,8 @@ from meshrl.optim import build_optimizer
 from meshrl.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
 from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
-from meshrl.weights import WeightHandle, WeightReceiver
+from meshrl.weight_receiver import WeightReceiver
+from meshrl.weights import WeightHandle
 
 
 class Critic(Drillable, Actor):

@@ -20,7 +20,8 @@ from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop
 from meshrl.routing import moe_problem, routers
 from meshrl.telemetry import observed, record
 from meshrl.types import Completions
-from meshrl.weights import Pulled, TornWeights, WeightHandle, WeightReceiver
+from meshrl.weight_receiver import Pulled, WeightReceiver
+from meshrl.weights import TornWeights, WeightHandle
 
 
 class Policy(Drillable, Actor):

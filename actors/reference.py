@@ -15,7 +15,8 @@ from meshrl.faults import Drillable
 from meshrl.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
-from meshrl.weights import WeightHandle, WeightReceiver
+from meshrl.weight_receiver import WeightReceiver
+from meshrl.weights import WeightHandle
 
 
 class Reference(Drillable, Actor):

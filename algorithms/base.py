@@ -45,6 +45,7 @@ from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
 from meshrl.mesh import RemoteCallError
 from meshrl.models import context_length, load_tokenizer
+from meshrl.routing import check_routing
 from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
@@ -116,7 +117,7 @@ class RLConfig:
         ):
             section.validate()
         self.sandbox.check_task(self.task.name)
-        self.check_routing()
+        check_routing(self.model, self.policy, self.trainer, make_task(self.task).multi_turn)
         recompute = self.recompute_old_logprobs
         if not recompute and self.trainer.correction != "none":
             raise ConfigError(
@@ -170,25 +171,6 @@ class RLConfig:
             raise ConfigError(
                 f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
                 f"than the {per_rank} rows each trainer proc gets per optimizer step"
-            )
-
-    def check_routing(self) -> None:
-        """`trainer.routing_replay` records the routes it replays; both need an
-        MoE model the routers of which `meshrl.routing` knows, and one-turn tasks."""
-        from meshrl.routing import moe_problem
-
-        if self.trainer.routing_replay:
-            self.policy.record_routes = True
-        if not self.policy.record_routes:
-            return
-        key = "trainer.routing_replay" if self.trainer.routing_replay else "policy.record_routes"
-        if self.policy.engine != "hf":
-            raise ConfigError(f"config key '{key}': routes are recorded by policy.engine=hf only")
-        if self.model.path is None and moe_problem(self.model.arch):
-            raise ConfigError(f"config key '{key}': model.arch {moe_problem(self.model.arch)}")
-        if make_task(self.task).multi_turn:
-            raise ConfigError(
-                f"config key '{key}': multi-turn episodes ({self.task.name}) carry no routes yet"
             )
 
     @property

@@ -115,11 +115,10 @@ class PPO(Algorithm):
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement())
                 self.trainer = run.spawn(
-                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
-                    seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
-                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
-                    routing_replay=cfg.trainer.routing_replay,
+                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self), seed=cfg.run.seed,
+                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature, rendezvous=True,
+                    sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix, layout=cfg.trainer.layout,
+                    micro_batches=cfg.trainer.micro_batches, routing_replay=cfg.trainer.routing_replay,
                 )  # fmt: skip
                 self.critic = run.spawn(
                     "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,

@@ -60,7 +60,8 @@ from meshrl.config import load_config  # noqa: E402
 from meshrl.faults import Drillable  # noqa: E402
 from meshrl.telemetry import observed  # noqa: E402
 from meshrl.types import Completions  # noqa: E402
-from meshrl.weights import Pulled, WeightHandle, WeightSource, host_id  # noqa: E402
+from meshrl.weight_receiver import Pulled  # noqa: E402
+from meshrl.weights import WeightHandle, WeightSource, host_id  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fanout import save_line  # noqa: E402

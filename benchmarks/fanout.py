@@ -44,8 +44,9 @@ from meshrl.job import JobConfig  # noqa: E402
 from meshrl.loop import LoopState  # noqa: E402
 from meshrl.mesh import RoleMeshes, wait  # noqa: E402
 from meshrl.supervisor import Supervisor  # noqa: E402
+from meshrl.weight_receiver import Pulled, WeightReceiver  # noqa: E402
 from meshrl.weight_sync import WeightsConfig, WeightSync  # noqa: E402
-from meshrl.weights import Pulled, WeightHandle, WeightPublisher, WeightReceiver  # noqa: E402
+from meshrl.weights import WeightHandle, WeightPublisher  # noqa: E402
 
 TENSOR_MB = 8
 TIMEOUT_S = 600

@@ -48,7 +48,8 @@ sys.path.insert(0, REPO)
 from monarch.actor import Actor, endpoint  # noqa: E402
 
 from meshrl.mesh import RoleMeshes, wait  # noqa: E402
-from meshrl.weights import WeightHandle, WeightPublisher, WeightReceiver  # noqa: E402
+from meshrl.weight_receiver import WeightReceiver  # noqa: E402
+from meshrl.weights import WeightHandle, WeightPublisher  # noqa: E402
 
 TENSOR_MB = 5  # the weights are a module of float32 tensors of this size
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from meshrl.architectures import ARCHITECTURES
 from meshrl.config_files import ConfigError, load_config, parse_cli, save_config  # noqa: F401
 from meshrl.config_files import check as _check
+from meshrl.config_policy import PolicyConfig  # noqa: F401
 from meshrl.config_trainer import TrainerConfig  # noqa: F401
 
 # --- shared sections -------------------------------------------------------------
@@ -200,65 +201,6 @@ class GenerationConfig:
             self.overlong_prompt in ("skip", "error"),
             "generation.overlong_prompt",
             f"'{self.overlong_prompt}' is not one of skip, error",
-        )
-
-
-@dataclass
-class PolicyConfig:
-    """How the policy replicas generate."""
-
-    engine: str = "hf"
-    """hf: meshrl's KV-cache sampler on the replica's HF model (CPU or GPU).
-    vllm: an in-process vLLM engine per replica (GPU hosts, the `vllm` extra);
-    weights arrive through the same versioned sync."""
-    serve_port: int = 0
-    """Serve the policy replicas at http://127.0.0.1:PORT/v1 (OpenAI-compatible,
-    `meshrl.serve`) while the run trains; 0: not served (an `agent:` task serves
-    them on a free port of its own)."""
-    gpu_memory_utilization: float = 0.5
-    """vllm: the share of its GPU a replica's engine may take."""
-    share_prefix: bool = True
-    """hf: prefill each distinct prompt of a batch once and copy its KV cache to
-    the rows that repeat it (a group); the same tokens either way."""
-    drop_finished: bool = True
-    """hf: rows leave the decode batch when they end, so decoding costs what the
-    live rows need; the same tokens either way."""
-    dtype: str | None = None
-    """hf: the replicas' parameter dtype when it is not `model.dtype` (e.g. a
-    bfloat16 sampler for a float32 trainer): each pull casts the published
-    weights, checked against the trainer's checksums as they arrive."""
-    record_routes: bool = False
-    """hf, mixture-of-experts models: return the experts each prompt and
-    completion token was computed with (`meshrl.routing`), so the trainer can
-    measure its routing against the sampler's (`routing/` metrics) and replay
-    it. On whenever `trainer.routing_replay` is."""
-
-    def validate(self) -> None:
-        _check(
-            self.engine in ("hf", "vllm"),
-            "policy.engine",
-            f"'{self.engine}' is not one of hf, vllm",
-        )
-        _check(
-            0 < self.gpu_memory_utilization <= 1,
-            "policy.gpu_memory_utilization",
-            "must be in (0, 1]",
-        )
-        _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
-        _check(
-            self.dtype in (None, "float32", "bfloat16"),
-            "policy.dtype",
-            f"'{self.dtype}' is not one of float32, bfloat16 (or unset: model.dtype)",
-        )
-        _check(
-            self.dtype is None or self.engine == "hf",
-            "policy.dtype",
-            "the replicas' own dtype needs policy.engine=hf",
-        )
-        _check(
-            not (self.record_routes and self.engine != "hf"),
-            "policy.record_routes",
-            "routes are recorded by the hf engine only (policy.engine=hf)",
         )
 
 

@@ -159,6 +159,24 @@ def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, ob
     return logits, cache, inverse
 
 
+def _next_tokens(
+    logits: torch.Tensor,
+    step: int,
+    temperature: float,
+    banned: torch.Tensor | None,
+    top_p: float,
+    seeds: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token each decode row draws at `step` [R], with the log-probs and probs
+    [R, V] of softmax(logits / temperature) without the `banned` ids."""
+    logits = logits.float() / temperature
+    if banned is not None:
+        logits[:, banned] = -float("inf")
+    logp = torch.log_softmax(logits, dim=-1)
+    probs = logp.exp()
+    return draw(top_p_filter(probs, top_p), row_uniforms(seeds, step)), logp, probs
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -197,26 +215,17 @@ def sample(
     tokens' probability mass), and log-probs equal up to float rounding
     (other batch shapes run other matmul blockings): tests/test_packing.py.
 
-    `record_routes` (MoE models): `stats["routes"]` [B, P + T, layers, top_k]
-    receives the experts each prompt and completion position was computed
-    with (`meshrl.routing`); -1 on padding and on the last token, never fed.
+    `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
+    position's experts (`meshrl.routing`); -1 on padding and the unfed last token.
     """
-    B = prompt_ids.size(0)
-    device = prompt_ids.device
+    (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
-        seeds = torch.randint(
-            -(2**62),
-            2**62,
-            (B,),
-            generator=generator,
-            device=generator.device if generator else "cpu",
-        )
+        on = generator.device if generator else "cpu"
+        seeds = torch.randint(-(2**62), 2**62, (B,), generator=generator, device=on)
     seeds = seeds.to(device)
     attention_mask = prompt_mask.long()
     positions = sequence_positions(attention_mask)
-    P = prompt_ids.size(1)
-    recorder = Recorder(model, B, P + max_new_tokens) if record_routes else None
-    try:
+    with Recorder.of(model, B, P + max_new_tokens, record_routes) as recorder:
         logits, cache, inverse = _prefill(
             model, prompt_ids, attention_mask, positions, share_prefix
         )
@@ -233,12 +242,8 @@ def sample(
         steps = 0
         for step in range(max_new_tokens):
             steps = step + 1
-            logits = logits.float() / temperature
-            if step < min_new_tokens:
-                logits[:, stop] = -float("inf")
-            logp = torch.log_softmax(logits, dim=-1)
-            probs = logp.exp()
-            token = draw(top_p_filter(probs, top_p), row_uniforms(seeds[live], step))
+            banned = stop if step < min_new_tokens else None
+            token, logp, probs = _next_tokens(logits, step, temperature, banned, top_p, seeds[live])
             if stats is not None:
                 entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
                 entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
@@ -251,16 +256,11 @@ def sample(
                 break  # (the last token's forward would feed nothing)
             if drop_finished and bool(finished[live].any()):
                 keep = (~finished[live]).nonzero().squeeze(-1)
-                live, attention_mask, next_position = (
-                    live[keep],
-                    attention_mask[keep],
-                    next_position[keep],
-                )
+                live, next_position = live[keep], next_position[keep]
+                attention_mask = attention_mask[keep]
                 cache.reorder_cache(keep)
                 token = token[keep]
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1
-            )
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, 1), value=1)
             out = model(
                 input_ids=torch.where(finished[live], pad_token_id, token).unsqueeze(-1),
                 attention_mask=attention_mask,
@@ -272,9 +272,6 @@ def sample(
             next_position = next_position + 1
             if recorder is not None:  # the token sampled at `step` sits in column P + step
                 recorder.put(live, P + step, ~finished[live, None])
-    finally:
-        if recorder is not None:
-            recorder.close()
     if stats is not None:
         stats["entropy_sum"] = entropy_sum.item()
         if recorder is not None:

@@ -46,6 +46,26 @@ def moe_problem(model_type: str) -> str:
     )
 
 
+def check_routing(model, policy, trainer, multi_turn: bool) -> None:
+    """Config check: `trainer.routing_replay` turns `policy.record_routes` on; both
+    need the hf engine, an MoE model whose routers this module knows (checked
+    here for the embedded model, by the policy actor for one loaded by path)
+    and one-turn episodes."""
+    from meshrl.config import ConfigError
+
+    if trainer.routing_replay:
+        policy.record_routes = True
+    if not policy.record_routes:
+        return
+    key = "trainer.routing_replay" if trainer.routing_replay else "policy.record_routes"
+    if policy.engine != "hf":
+        raise ConfigError(f"config key '{key}': routes are recorded by policy.engine=hf only")
+    if model.path is None and moe_problem(model.arch):
+        raise ConfigError(f"config key '{key}': model.arch {moe_problem(model.arch)}")
+    if multi_turn:
+        raise ConfigError(f"config key '{key}': multi-turn episodes carry no routes yet")
+
+
 class Recorder:
     """Records the experts of each row and position while `sample` runs.
 
@@ -91,6 +111,17 @@ class Recorder:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+    @staticmethod
+    @contextmanager
+    def of(model: torch.nn.Module, rows: int, width: int, on: bool):
+        """A recorder for the block (its hooks removed after), or None when not `on`."""
+        recorder = Recorder(model, rows, width) if on else None
+        try:
+            yield recorder
+        finally:
+            if recorder is not None:
+                recorder.close()
 
 
 class Replay:

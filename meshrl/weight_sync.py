@@ -33,7 +33,8 @@ from typing import Any
 from meshrl.config import ConfigError
 from meshrl.mesh import RemoteCallError, log_fault
 from meshrl.run import Role
-from meshrl.weights import Pulled, WeightHandle
+from meshrl.weight_receiver import Pulled
+from meshrl.weights import WeightHandle
 
 
 @dataclass

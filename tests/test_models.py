@@ -18,7 +18,8 @@ from meshrl.models import (
     load_tokenizer,
     stop_token_ids,
 )
-from meshrl.weights import TornWeights, WeightPublisher, WeightReceiver
+from meshrl.weight_receiver import WeightReceiver
+from meshrl.weights import TornWeights, WeightPublisher
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,8 @@ import torch
 
 from meshrl.config import ModelConfig
 from meshrl.models import load_model
-from meshrl.weights import WeightMismatch, WeightPublisher, WeightReceiver
+from meshrl.weight_receiver import WeightReceiver
+from meshrl.weights import WeightMismatch, WeightPublisher
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
