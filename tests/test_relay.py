@@ -1,6 +1,7 @@
 """Relay weight distribution: the tree's plan (pure), and a 3-level tree across
 `process` hosts: bitwise-equal replicas, one copy of the model out of the
-trainer, a relay lost under its children routed around, and a torn relay copy
+trainer, delta sync reading only what changed (from the trainer and from a
+relay), a relay lost under its children routed around, and a torn relay copy
 never served."""
 
 import contextlib
@@ -157,22 +158,41 @@ def same(a, b):
 @pytest.mark.actors
 @pytest.mark.timeout(300)
 def test_a_relay_chain_across_hosts(tmp_path, no_stray_procs):
-    """Policy replicas on 3 `process` hosts, fanout 1: a chain trainer -> 0 -> 1 -> 2."""
+    """Policy replicas on 3 `process` hosts, fanout 1: a chain trainer -> 0 -> 1 -> 2,
+    with delta sync (`weights.delta`): after a full first pull each replica reads
+    only the pieces that changed, from the trainer and from its relay."""
     with hosts(tmp_path, "relay", 3) as (run, trainer, policy):
         sup = Supervisor(run, FaultsConfig(), LoopState())
-        sync = KillingSync(sup, fanout=1, relay_timeout_s=10)
+        sync = KillingSync(sup, fanout=1, relay_timeout_s=10, delta=True)
         sup.on_respawn("policy", lambda: sync.catch_up(policy))
 
-        sync.pull(policy, sync.publish(trainer))
-        want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
-        replicas = call_all(policy, "parameters", what="params", timeout_s=60)
-        assert all(same(want, got) for got in replicas)  # bitwise, 3 hops down
-        model_bytes = sum(p.numel() * p.element_size() for p in want.values())
-        assert sync.paths == ["rdma"] * 3 and sync.depth == 3
+        def pull_and_check():
+            sync.pull(policy, sync.publish(trainer))
+            want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
+            replicas = call_all(policy, "parameters", what="params", timeout_s=60)
+            assert all(same(want, got) for got in replicas)  # bitwise, 3 hops down
+            assert sync.paths == ["rdma"] * 3 and sync.depth == 3 and sync.verified == 3
+            return {n: p.numel() * p.element_size() for n, p in want.items()}
+
+        sizes = pull_and_check()
+        model_bytes = sum(sizes.values())
         # One copy of the model left the trainer (and two 64-byte headers).
         assert model_bytes <= sync.egress_bytes <= model_bytes + 128
+        assert sync.bytes_moved == 3 * sync.egress_bytes  # new replicas: everything
 
-        # Version 1: relay 0 dies after its own pull, before replica 1 reads from it.
+        # Delta: two tensors change; each replica reads those and its source's header
+        # twice, from the trainer (replica 0) or from its relay (1 and 2).
+        moving = ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+        wait(trainer.move_only.call_one(moving), "move", 60)
+        for _ in range(2):
+            pull_and_check()
+            assert sync.bytes_moved == 3 * (sum(sizes[n] for n in moving) + 128)
+        wait(trainer.move_only.call_one([]), "move", 60)
+        pull_and_check()
+        assert sync.bytes_moved == 3 * 128  # a version that changed nothing
+        wait(trainer.move_only.call_one(None), "move", 60)
+
+        # Then relay 0 dies after its own pull, before replica 1 reads from it.
         sync.kill = 0
         sync.pull(policy, sync.publish(trainer))
         want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
@@ -198,32 +218,3 @@ def test_a_relay_chain_across_hosts(tmp_path, no_stray_procs):
                 "gen",
                 60,
             )
-
-
-@pytest.mark.actors
-@pytest.mark.timeout(300)
-def test_delta_sync_over_rdma_and_through_a_relay(tmp_path, no_stray_procs):
-    """Two `process` hosts, fanout 1 (trainer -> 0 -> 1), `weights.delta`: after a
-    full first pull, each replica reads only the pieces that changed, from the
-    trainer and from the relay, and holds the trainer's weights bitwise."""
-    with hosts(tmp_path, "delta", 2) as (run, trainer, policy):
-        sync = WeightSync(Supervisor(run, FaultsConfig(), LoopState()), fanout=1, delta=True)
-        want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
-        sizes = {n: p.numel() * p.element_size() for n, p in want.items()}
-
-        def pull_and_check() -> int:
-            sync.pull(policy, sync.publish(trainer))
-            want = wait(trainer.slice(procs=0).parameters.call_one(), "params", 60)
-            replicas = call_all(policy, "parameters", what="params", timeout_s=60)
-            assert all(same(want, got) for got in replicas)
-            assert sync.paths == ["rdma"] * 2 and sync.depth == 2 and sync.verified == 2
-            return sync.bytes_moved
-
-        assert pull_and_check() >= 2 * sum(sizes.values())  # new replicas: everything
-        moving = ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
-        wait(trainer.move_only.call_one(moving), "move", 60)
-        headers = 2 * 2 * 64  # each replica reads its source's header before and after
-        assert pull_and_check() == 2 * sum(sizes[n] for n in moving) + headers
-        assert pull_and_check() == 2 * sum(sizes[n] for n in moving) + headers
-        wait(trainer.move_only.call_one([]), "move", 60)
-        assert pull_and_check() == headers  # a version that changed nothing
