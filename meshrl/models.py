@@ -228,8 +228,7 @@ def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):
     turns [B, P + T, L, k] into the forward's token order [N, L, k]."""
     if replay is None or routes is None:
         return contextlib.nullcontext()
-    flat = layout(routes)
-    return replay.forward(flat, torch.ones(len(flat), dtype=torch.bool, device=flat.device))
+    return replay.forward(layout(routes))
 
 
 # --- value model (PPO's critic) -----------------------------------------------------

@@ -99,7 +99,7 @@ class Recorder:
         """Store the last forward's experts: it ran [R, C] tokens; with `inverse`
         (a shared prefill) row `inverse[b]` of it is row b's. They go to
         `routes[rows, column : column + C]`, -1 where `valid` [len(rows), C] is 0."""
-        chosen = torch.stack([t for t in self._last], dim=1).to("cpu", torch.int16)  # [R*C, L, k]
+        chosen = torch.stack(self._last, dim=1).to("cpu", torch.int16)  # [R*C, L, k]
         width = valid.size(1)
         chosen = chosen.view(-1, width, *chosen.shape[1:])
         if inverse is not None:
@@ -127,10 +127,10 @@ class Recorder:
 class Replay:
     """The trainer side: the routers of `model` use `routes` during `forward`.
 
-    Counts, over the tokens marked `counted`, how many the trainer's router
-    left alone would send to another set of experts than the sampler in at
-    least one layer (`router_mismatch`), and how many ran with another set
-    (`ran_mismatch`: 0 when replay is on and every counted token was recorded)."""
+    Counts, over the recorded tokens, how many the trainer's router left alone
+    would send to another set of experts than the sampler in at least one layer
+    (`router_mismatch`), and how many ran with another set (`ran_mismatch`: 0
+    when replay is on)."""
 
     def __init__(self, model: torch.nn.Module, replay: bool):
         self.modules = routers(model)
@@ -138,7 +138,7 @@ class Replay:
         self.tokens = self.router_mismatch = self.ran_mismatch = 0
 
     @contextmanager
-    def forward(self, routes: torch.Tensor, counted: torch.Tensor):
+    def forward(self, routes: torch.Tensor):
         """During the block, each router's layer l takes `routes[:, l]` ([N, L, k],
         N the tokens of the forward in row-major order; -1: its own choice)."""
         own_differs = torch.zeros(len(routes), dtype=torch.bool, device=routes.device)
@@ -153,10 +153,9 @@ class Replay:
         finally:
             for hook in hooks:
                 hook.remove()
-        counted = counted & known
-        self.tokens += int(counted.sum())
-        self.router_mismatch += int((own_differs & counted).sum())
-        self.ran_mismatch += int((ran_differs & counted).sum())
+        self.tokens += int(known.sum())  # (both flags are set on recorded tokens only)
+        self.router_mismatch += int(own_differs.sum())
+        self.ran_mismatch += int(ran_differs.sum())
 
     def _hook(self, layer, routes, known, own_differs, ran_differs):
         def hook(module, args, output):

@@ -164,7 +164,7 @@ class WeightReceiver:
             )
         if self._views.pop(piece.name, None) is not None:
             param.data = torch.empty_like(param.data)
-        return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+        return self._target_now(piece)
 
     def _viewable(self, piece: ParamPiece) -> bool:
         """Whether `piece` can be served in place from a slot: the whole parameter,

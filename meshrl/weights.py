@@ -260,7 +260,7 @@ class WeightPublisher:
         the slot's bytes chunk by chunk as they are written.
 
         `delta`: each piece is compared, byte for byte, with the version published
-        last (in the other slot); the handle says in which version each piece last
+        last (in the other slot); the handle says in which publish each piece last
         changed, and only pieces changed since the version this slot held are
         written. A replica that holds an earlier version of this publisher then
         reads only what changed since (`WeightReceiver.pull`). Changes are
