@@ -426,6 +426,18 @@ class RunConfig:
     read with `meshrl status RUN_DIR`) this often from a thread; 0: only after steps."""
     save_final: bool = True
     """Write the trained model and tokenizer to `<run dir>/final/`."""
+    telemetry: bool = False
+    """Turn on Monarch's distributed telemetry for the run's job: SQL over its
+    actors, meshes and messages, and each step's record beside them (see
+    docs/observability.md)."""
+    dashboard: bool = False
+    """Also serve Monarch's dashboard (turns `telemetry` on); its URL is printed
+    at start and kept in `status.json`."""
+    dashboard_port: int = 8265
+    """The dashboard's port; one in use falls back to a free port (0: a free port)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[first, last]: profile these steps (torch's profiler in every actor) into
+    `<run dir>/profile/`: one Chrome trace per proc and `summary.json`."""
 
     def validate(self) -> None:
         _check(self.call_timeout_s > 0, "run.call_timeout_s", "must be > 0")
@@ -443,6 +455,13 @@ class RunConfig:
                 f"{sink} is not installed: pip install -e '.[{sink}]'",
             )
         _check("/" not in self.name, "run.name", f"'{self.name}' must not contain '/'")
+        _check(0 <= self.dashboard_port < 65536, "run.dashboard_port", "must be 0..65535")
+        steps = self.profile_steps
+        _check(
+            not steps or (len(steps) == 2 and 0 <= steps[0] <= steps[1]),
+            "run.profile_steps",
+            f"{steps} is not [first, last] with 0 <= first <= last",
+        )
 
 
 def check_lora_placement(model: ModelConfig, placement: PlacementConfig) -> None:

@@ -96,10 +96,23 @@ def mesh_name(cfg: JobConfig, role: str) -> str:
     return f"{cfg.name}{role}" if cfg.kind == "kubernetes" else role
 
 
-def build_job(cfg: JobConfig, roles: list[str]) -> Any:
-    """The Monarch job for `roles` (None for `local`). Nothing is started yet."""
+def build_job(cfg: JobConfig, roles: list[str], observe: Any = None) -> Any:
+    """The Monarch job for `roles` (None for `local`, unless `observe`, a
+    `meshrl.observe.Observe`, asks for telemetry: a `LocalJob`). Nothing is
+    started yet."""
+    job = _job(cfg, roles, observe is not None)
+    if observe is not None:
+        observe.enable(job, cfg.kind)
+    return job
+
+
+def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
     meshes = {mesh_name(cfg, role): cfg.hosts_for(role) for role in roles}
     if cfg.kind == "local":
+        if observed:  # Monarch's telemetry hangs on a job; this one is this host
+            from monarch.job import LocalJob
+
+            return LocalJob(tuple(meshes))
         return None
     if cfg.kind == "process":
         from monarch.job import ProcessJob
@@ -137,11 +150,13 @@ def build_job(cfg: JobConfig, roles: list[str]) -> Any:
     return job
 
 
-def host_meshes(cfg: JobConfig, job: Any, roles: list[str]) -> dict[str, Any]:
+def host_meshes(cfg: JobConfig, job: Any, roles: list[str], observe: Any = None) -> dict[str, Any]:
     """Role -> Monarch HostMesh, starting the job (None for `local`: this host)."""
     if job is None:
         from monarch.actor import this_host
 
         return {role: this_host() for role in roles}
     state = job.state(cached_path=None)
+    if observe is not None:
+        observe.started(job, state, cfg.kind)
     return {role: getattr(state, mesh_name(cfg, role)) for role in roles}

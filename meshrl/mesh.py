@@ -212,7 +212,7 @@ def monarch_pids() -> set[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        monarch = b"bootstrap_main" in cmdline or b"run_worker_loop_forever" in cmdline
+        monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
         if monarch and state != "Z":
             pids.add(int(entry))
     return pids
@@ -277,6 +277,7 @@ class RoleMeshes:
         cpu_roles: tuple[str, ...] = ("environment",),
         share: dict[str, str] | None = None,
         busy_together: list[tuple[str, ...]] | None = None,
+        observe: Any = None,
     ):
         from meshrl.job import JobConfig, build_job, host_meshes
 
@@ -294,6 +295,7 @@ class RoleMeshes:
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
         are never pooled); None: unknown, so only single-proc meshes are."""
         self.job: Any = None
+        self.observe = observe  # Monarch telemetry (`meshrl.observe.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
         shared = self.job_cfg.kind in ("local", "process")
@@ -310,8 +312,8 @@ class RoleMeshes:
         device_offset = 0
         self._spawn_args: dict[str, tuple] = {}
         try:
-            self.job = build_job(self.job_cfg, list(self.counts))
-            self._hosts = host_meshes(self.job_cfg, self.job, list(self.counts))
+            self.job = build_job(self.job_cfg, list(self.counts), observe)
+            self._hosts = host_meshes(self.job_cfg, self.job, list(self.counts), observe)
             for role, count in self.counts.items():
                 self._spawn_args[role] = (threads, count, device_offset)
                 self._spawn_procs(role)
@@ -327,7 +329,8 @@ class RoleMeshes:
         (pooling off, hosts of a job, or several procs whose actors may have
         joined a torch.distributed group: see `process_group_roles`)."""
         threads, count, device_offset = self._spawn_args[role]
-        if proc_pool.pool is None or self.job_cfg.kind != "local":
+        # (Procs spawned before telemetry was on would not report to it.)
+        if proc_pool.pool is None or self.job_cfg.kind != "local" or self.observe:
             return None
         if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
             return None
@@ -448,6 +451,8 @@ class RoleMeshes:
                 job.kill()
             except BaseException as error:  # noqa: BLE001
                 logger.warning("could not stop the %s job cleanly: %s", self.job_cfg.kind, error)
+        if self.observe is not None:
+            self.observe.close()
 
     def report(self, timeout_s: float) -> tuple[dict[str, float], list[dict]]:
         """Every proc's metrics recorded since the last report, reduced across

@@ -29,6 +29,8 @@ from meshrl import checkpoint, mesh
 from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
+from meshrl.observe import Observe, merge_states
+from meshrl.profile import Profiler
 from meshrl.status import StatusFile
 from meshrl.status import table as status_table
 from meshrl.weights import SHM_DIR
@@ -145,16 +147,25 @@ class Run:
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.roles: dict[str, Role] = {}
         self.status: StatusFile | None = None
+        self.profiler: Profiler | None = None
+        self.observe = Observe.of(cfg.run)  # Monarch's telemetry and dashboard, if on
         self.meshes = RoleMeshes(
             procs,
             cfg.job,
             threads_per_proc=cfg.placement.threads_per_proc or None,
             share=share,
             busy_together=busy_together,
+            observe=self.observe,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
-        self.status = StatusFile(self.dir, self.meshes.status, cfg.run.status_every_s)
+        self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
+        if self.observe is not None:
+            self.status.extra = self.observe.urls()
         self.status.start()
+        if cfg.run.profile_steps:
+            self.profiler = Profiler(
+                self.dir, cfg.run.profile_steps, self.meshes, mesh.wait, self.timeout_s
+            )
 
     def spawn(
         self, role: str, actor_class: type, *args: Any, rendezvous: bool = False, **kwargs: Any
@@ -199,13 +210,41 @@ class Run:
         """Ask every proc of every mesh now: its actors, their weight versions, the
         endpoint under way, the last call; a proc that is gone shows as dead.
         Prints the table (`show`) and returns one dict per proc."""
-        procs = self.meshes.status(timeout_s)
+        procs = self.proc_status(timeout_s)
         if show:
             print(status_table(procs))
         return procs
 
+    def proc_status(self, timeout_s: float = 15.0) -> list[dict]:
+        """Each proc's status (`RoleMeshes.status`), with Monarch's state of its
+        actors when telemetry is on (`meshrl.observe.merge_states`)."""
+        procs = self.meshes.status(timeout_s)
+        if self.observe is not None:
+            try:
+                merge_states(procs, self.observe.actor_states(timeout_s))
+            except Exception as error:  # noqa: BLE001 - a view; meshrl's own stays
+                procs.append({"role": "monarch", "rank": 0, "state": f"no answer: {error}"})
+        return procs
+
+    def step_begins(self, step: int) -> None:
+        """The loop opens `step` (`StepLog.timer("step")`): start profiling if due."""
+        if self.profiler is not None:
+            self.profiler.begin(step)
+
+    def step_ends(self, step: int, start: float, end: float, metrics: dict) -> None:
+        """`step` was logged: its record into Monarch's telemetry; end profiling if due."""
+        if self.observe is not None:
+            self.observe.step(step, start, end, metrics)
+        if self.profiler is not None:
+            self.profiler.end(step, start, end)
+
     def close(self) -> None:
         """Stop every proc this run spawned and remove its shared-memory files."""
+        if self.profiler is not None:
+            try:
+                self.profiler.finish()  # a run that stopped inside the profiled steps
+            except Exception as error:  # noqa: BLE001 - closing goes on
+                print(f"profile not written: {error}", flush=True)
         if self.status is not None:
             self.status.stop()  # before the meshes go: it asks their procs
         self.meshes.stop()

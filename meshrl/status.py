@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from meshrl.observe import merge_states
+
 logger = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
@@ -34,8 +36,11 @@ def rows(procs: list[dict], now: float) -> list[dict[str, Any]]:
             "pid": proc.get("pid", "?"),
             "heartbeat": _ago(proc.get("heartbeat"), now),
         }
+        monarch = proc.get("monarch") or {}
         state = proc.get("state", "alive")
         if state != "alive":
+            if proc.get("failure"):  # Monarch's reason, when its telemetry is on
+                state = f"{state}: {proc['failure']}"
             out.append({**base, "actor": "-", "state": state, "version": "-", "last": "-"})
             continue
         for actor in proc.get("actors") or [{}]:
@@ -45,6 +50,7 @@ def rows(procs: list[dict], now: float) -> list[dict[str, Any]]:
                     **base,
                     "actor": actor.get("actor", "-"),
                     "state": f"busy {busy} {actor.get('busy_s', 0):.1f}s" if busy else "idle",
+                    "monarch": monarch.get(actor.get("actor"), "-"),
                     "version": "-" if actor.get("version") is None else actor["version"],
                     "last": _ago(actor.get("last_active"), now),
                 }
@@ -59,8 +65,10 @@ def _ago(stamp: float | None, now: float) -> str:
 def table(procs: list[dict], now: float | None = None) -> str:
     now = time.time() if now is None else now
     columns = ["mesh", "actor", "state", "version", "last", "heartbeat", "host", "pid"]
+    if any(p.get("monarch") for p in procs):  # Monarch's telemetry is on
+        columns.insert(3, "monarch")
     titles = {"last": "last call", "heartbeat": "answered"}
-    body = [[str(r[c]) for c in columns] for r in rows(procs, now)]
+    body = [[str(r.get(c, "-")) for c in columns] for r in rows(procs, now)]
     head = [titles.get(c, c) for c in columns]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     return "\n".join(
@@ -78,6 +86,7 @@ class StatusFile:
         self.ask = ask  # () -> procs, e.g. RoleMeshes.status
         self.every_s = every_s
         self.step: int | None = None
+        self.extra: dict[str, Any] = {}  # e.g. Monarch's dashboard and telemetry URLs
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,6 +99,7 @@ class StatusFile:
                 "written": time.time(),
                 "controller_pid": os.getpid(),
                 "step": self.step,
+                **self.extra,
                 "procs": procs,
             }
             with open(self.path + ".tmp", "w") as f:
@@ -143,7 +153,32 @@ def show(run_dir: str, status: dict) -> None:
         f"{run_dir}: step {status.get('step')}, written {now - status['written']:.1f}s ago "
         f"by controller pid {pid} ({_controller(pid) if pid else '?'})"
     )
-    print(table(status["procs"], now))
+    for key in ("dashboard_url", "telemetry_url"):
+        if status.get(key):
+            print(f"{key.split('_')[0]}: {status[key]}")
+    procs = status["procs"]
+    if status.get("telemetry_url") and pid and _controller(pid) == "running":
+        procs = [p for p in procs if p.get("role") != "monarch"]
+        try:  # each actor's state now, from Monarch's telemetry
+            merge_states(procs, live_states(status["telemetry_url"]))
+        except OSError as error:
+            print(f"(Monarch's telemetry did not answer: {error})")
+    print(table(procs, now))
+
+
+def live_states(telemetry_url: str, timeout_s: float = 10.0) -> dict:
+    """Each actor's state from a running run's Monarch telemetry (its SQL API)."""
+    import urllib.request
+
+    from meshrl.observe import STATES_SQL, states_from_rows
+
+    request = urllib.request.Request(
+        f"{telemetry_url}/api/query",
+        data=json.dumps({"sql": STATES_SQL}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return states_from_rows(json.loads(response.read())["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,8 @@ class StepLog:
             sinks=tuple(cfg.sinks),
         )
         self.times: dict[str, float] = {}
+        self.next_step = first_step  # the step `timer("step")` opens
+        self.step_started = time.time()
 
     @property
     def history(self) -> list[dict]:
@@ -60,6 +62,8 @@ class StepLog:
         a rewind) timed is dropped."""
         if name == "step":
             self.times = {}
+            self.run.step_begins(self.next_step)
+            self.step_started = time.time()
         started = time.perf_counter()
         try:
             yield
@@ -73,7 +77,11 @@ class StepLog:
         if self.run.status is not None:
             self.run.status.write(procs, step=metrics.get("step"))
         times, self.times = self.times, {}
-        self.logger.log({**recorded, **times, **metrics})
+        record = {**recorded, **times, **metrics}
+        self.logger.log(record)
+        step = metrics.get("step", self.next_step)
+        self.next_step = step + 1
+        self.run.step_ends(step, self.step_started, time.time(), record)
 
     def samples(
         self, step: int, prompts: list[str], texts: list[str], rewards, advantages, mask
@@ -93,6 +101,7 @@ class StepLog:
 
     def rewind(self, step: int) -> None:
         self.times = {}
+        self.next_step = step
         self.logger.rewind(step)
 
     def close(self, plot: bool = True, weights: str = "") -> None:

@@ -32,6 +32,8 @@ from typing import Any
 
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl import profile
+
 REDUCTIONS = ("mean", "sum", "min", "max")
 
 _lock = threading.Lock()
@@ -99,7 +101,10 @@ def observed(fn: Callable) -> Callable:
         started = time.time()
         entry["endpoint"], entry["since"] = name, started
         try:
-            return fn(self, *args, **kwargs)
+            if profile.active is None:
+                return fn(self, *args, **kwargs)
+            with profile.active.call(self.role, name):  # `run.profile_steps`
+                return fn(self, *args, **kwargs)
         finally:
             ended = time.time()
             entry.update(endpoint=None, since=None, last_active=ended, calls=entry["calls"] + 1)
@@ -190,6 +195,18 @@ class Watch(Actor):
         """This proc: host, pid, the time now, and each meshrl actor in it (weight
         version, the endpoint under way and for how long, last activity)."""
         return self._status()
+
+    @endpoint
+    def profile_start(self) -> None:
+        """Profile this proc's endpoint calls from now on (`meshrl.profile`)."""
+        profile.start()
+
+    @endpoint
+    def profile_dump(self, directory: str) -> tuple[str, list]:
+        """Stop profiling; write this proc's trace into `directory`; its path and
+        the proc's endpoint intervals."""
+        path = os.path.join(directory, f"{self.role}-{current_rank().rank}.trace.json")
+        return path, profile.finish(path)
 
     @endpoint
     def report(self) -> tuple[dict[str, tuple[str, float, int]], dict[str, Any]]:

@@ -91,6 +91,9 @@ def test_saved_config_loads_back_identically(tmp_path):
             "trainer.routing_replay",
         ),
         (["policy.dtype=float16"], "policy.dtype"),
+        (["run.dashboard_port=70000"], "run.dashboard_port"),
+        (["run.profile_steps=[3,1]"], "run.profile_steps"),
+        (["run.profile_steps=[2]"], "run.profile_steps"),
         (["policy.dtype=bfloat16", "policy.engine=vllm"], "policy.dtype"),
     ],
 )

@@ -1,0 +1,174 @@
+"""Monarch's telemetry, dashboard and mesh admin for a run, and the profiler
+across procs (`meshrl.observe`, `meshrl.profile`): one real GRPO run, watched
+from outside while it goes, as a user would."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from meshrl.config import ConfigError
+from meshrl.observe import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL, Observe
+from tests.conftest import REPO
+from tests.test_e2e import grpo_command
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _sql(telemetry_url: str, sql: str) -> list[dict]:
+    request = urllib.request.Request(
+        f"{telemetry_url}/api/query",
+        data=json.dumps({"sql": sql}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["rows"]
+
+
+def _until(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except (OSError, KeyError, ValueError):
+            result = None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_procs):
+    """While a GRPO run goes: the dashboard (its asked-for port taken, so on a
+    free one) lists the policy, trainer and environment actors and counts
+    `generate` and `train_step` messages; SQL through the telemetry returns the
+    actors by role and joins each step's record with its messages; the profile
+    of steps 1-2 has a trace per proc whose roles' times add up to the step.
+    After Ctrl-C nothing listens on the dashboard's port and no proc is left."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy_port = taken.getsockname()[1]
+        command = grpo_command(
+            tmp_path,
+            "dash",
+            "steps=1000",
+            "warm_start.steps=0",
+            "run.dashboard=true",
+            f"run.dashboard_port={busy_port}",
+            "run.profile_steps=[1,2]",
+            "run.status_every_s=1",
+            "checkpoint.every=0",
+            "run.save_final=false",
+        )
+        proc = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        run_dir = tmp_path / "dash"
+        try:
+            status = _until(
+                lambda: json.loads((run_dir / "status.json").read_text()), 120, "status.json"
+            )
+            dashboard, telemetry = status["dashboard_url"], status["telemetry_url"]
+            port = int(dashboard.rsplit(":", 1)[1])
+            assert port != busy_port
+
+            def summary_ready():
+                summary = _get(f"{dashboard}/api/summary")
+                counts = summary["message_counts"]["by_endpoint"]
+                return summary if counts.get("generate") and counts.get("train_step") else None
+
+            summary = _until(summary_ready, 120, "generate and train_step messages")
+            assert summary["errors"]["failed_actors"] == []
+            meshes = {m["given_name"] for m in _get(f"{dashboard}/api/meshes")}
+            assert {"policy", "trainer", "environment"} <= meshes
+
+            by_role = {(r["role"], r["actor"]) for r in _sql(telemetry, ACTORS_SQL)}
+            for role in ("policy", "trainer", "environment"):
+                assert (role, role) in by_role and (role, "watch") in by_role
+
+            steps = _until(lambda: _sql(telemetry, STEPS_SQL), 60, "step records")
+            assert all(s["end_us"] > s["start_us"] for s in steps)
+            assert "reward/mean=" in steps[0]["metrics"]
+            joined = _until(lambda: _sql(telemetry, STEP_MESSAGES_SQL), 60, "joined steps")
+            assert {"generate", "train_step"} <= {r["endpoint"] for r in joined}
+
+            _until((run_dir / "profile" / "summary.json").exists, 120, "the profile")
+        finally:
+            proc.send_signal(signal.SIGINT)  # stops at the end of the step, cleanly
+            out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]  # the CLI's code for a run stopped by Ctrl-C
+    assert "USDT" not in out  # torch's profiler kept quiet
+    assert f"run.dashboard_port {busy_port} is in use" in out
+    assert f"dashboard at {dashboard}" in out
+    assert not _listening(port), f"the dashboard still listens on {port}"
+
+    profile = json.loads((run_dir / "profile" / "summary.json").read_text())
+    assert profile["traces"] == [
+        "environment-0.trace.json",
+        "policy-0.trace.json",
+        "trainer-0.trace.json",
+    ]
+    assert [s["step"] for s in profile["steps"]] == [1, 2]
+    for step in profile["steps"]:
+        assert set(step["roles"]) == {"environment", "policy", "trainer"}
+        assert abs(step["sum_s"] - step["step_s"]) <= 0.1 * step["step_s"], step
+        assert step["between_s"] < step["step_s"]
+    names = {
+        e.get("name")
+        for e in json.loads((run_dir / "profile" / "policy-0.trace.json").read_text())[
+            "traceEvents"
+        ]
+    }
+    assert "policy.generate" in names and any(str(n).startswith("aten::") for n in names)
+
+
+def test_telemetry_that_monarch_did_not_start_is_one_line():
+    """Monarch starts telemetry best-effort; a job it could not start it for
+    (no URL in its state) is refused naming the key and the job kind."""
+    observe = Observe(telemetry=True)
+    state = SimpleNamespace(telemetry_url=None, dashboard_url=None, query_engine_client=None)
+    with pytest.raises(ConfigError, match=r"'run.telemetry'.*job.kind=slurm") as info:
+        observe.started(SimpleNamespace(apply_id=None), state, "slurm")
+    assert "\n" not in str(info.value)
+
+
+def test_status_shows_monarchs_state_beside_meshrls():
+    from meshrl.observe import merge_states, states_from_rows
+    from meshrl.status import table
+
+    rows = [
+        {"role": "policy", "rank": 0, "actor": "policy", "status": "Idle", "reason": None,
+         "timestamp_us": 2},
+        {"role": "policy", "rank": 0, "actor": "policy", "status": "Processing", "reason": None,
+         "timestamp_us": 1},
+        {"role": "policy", "rank": 1, "actor": "policy", "status": "Failed",
+         "reason": "proc exited", "timestamp_us": 3},
+    ]  # fmt: skip
+    procs = [
+        {"role": "policy", "rank": 0, "state": "alive", "host": "h", "pid": 1,
+         "actors": [{"actor": "policy", "version": 3}]},
+        {"role": "policy", "rank": 1, "state": "dead"},
+    ]  # fmt: skip
+    merge_states(procs, states_from_rows(rows))
+    assert procs[0]["monarch"] == {"policy": "idle"}
+    assert procs[1]["failure"] == "policy: proc exited"
+    lines = table(procs, now=0).splitlines()
+    assert "monarch" in lines[0]
+    assert "idle" in lines[1] and "dead: policy: proc exited" in lines[2]
