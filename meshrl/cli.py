@@ -1,12 +1,15 @@
 """The `meshrl` command: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`,
-`meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
+`meshrl profile RUN_DIR [--steps N]`, `meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: meshrl report RUN_DIR | meshrl status RUN_DIR | meshrl export CHECKPOINT OUT_DIR"
-COMMANDS = ("report", "status", "export")
+USAGE = (
+    "usage: meshrl report RUN_DIR | meshrl status RUN_DIR | meshrl profile RUN_DIR [--steps N]"
+    " | meshrl export CHECKPOINT OUT_DIR"
+)
+COMMANDS = ("report", "status", "profile", "export")
 """The core's commands; `meshrl eval` is the top layer's (`algorithms.cli`)."""
 
 
@@ -19,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         from meshrl.report import main as command
     elif args[0] == "status":
         from meshrl.status import main as command
+    elif args[0] == "profile":
+        from meshrl.profile import main as command
     else:
         from meshrl.export import main as command
     return command(args[1:])

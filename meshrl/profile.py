@@ -5,11 +5,16 @@ torch's profiler in the thread that runs it (a profiler started elsewhere in
 the proc does not see that thread's ops), inside a `record_function` named
 `<role>.<endpoint>`. At the end of the last step each proc writes one Chrome
 trace (open it in Perfetto or chrome://tracing),
-`<run dir>/profile/<role>-<rank>.trace.json`, and the controller merges every
-proc's endpoint intervals into `<run dir>/profile/summary.json`: per step, its
+`<run dir>/profile/steps_<first>-<last>/<role>-<rank>.trace.json`, and the
+controller merges every proc's endpoint intervals into `summary.json` beside
+them: per step, its
 wall time, each role's busy time (the union of its procs' endpoint intervals
 within the step) and the time no role was busy (`between_s`: the controller's
 own work and the messages between calls). Clocks are each host's wall clock.
+
+A running run is profiled from any shell with `meshrl profile RUN_DIR
+[--steps N]` (default 2): it leaves a request in the run directory, which the
+controller takes at the start of its next step.
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ class Profiler:
         """`meshes`: the run's `RoleMeshes`; `wait`: `meshrl.mesh.wait`."""
         self.first, self.last = steps
         self.wait = wait
-        self.dir = os.path.join(run_dir, "profile")
+        self.dir = os.path.join(run_dir, "profile", f"steps_{self.first}-{self.last}")
         self.meshes, self.timeout_s = meshes, timeout_s
         self.windows: dict[int, tuple[float, float]] = {}
         self.on = False
@@ -192,3 +197,55 @@ class Profiler:
             json.dump(summary, f, indent=1)
         print(f"profile of steps {self.first}-{self.last} (seconds):\n{table(summary)}", flush=True)
         return summary
+
+
+REQUEST = "profile_request.json"
+
+
+def take_request(run_dir: str, step: int) -> list[int] | None:
+    """[step, last] if `meshrl profile` asked for the next steps (the request is
+    consumed), else None."""
+    path = os.path.join(run_dir, REQUEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            steps = int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"ignoring {path}: {error}", flush=True)
+        steps = 0
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return [step, step + steps - 1] if steps > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`meshrl profile RUN_DIR [--steps N]`: profile a running run's next N steps."""
+    import argparse
+    import sys
+
+    from meshrl.status import STATUS_FILE, controller_state
+
+    parser = argparse.ArgumentParser(prog="meshrl profile", description=main.__doc__)
+    parser.add_argument("run_dir")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        with open(os.path.join(args.run_dir, STATUS_FILE)) as f:
+            status = json.load(f)
+    except (OSError, ValueError) as error:
+        print(f"error: {args.run_dir} is not a meshrl run directory: {error}", file=sys.stderr)
+        return 1
+    if controller_state(status.get("controller_pid", 0)) != "running":
+        print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
+        return 1
+    with open(os.path.join(args.run_dir, REQUEST), "w") as f:
+        json.dump({"steps": args.steps}, f)
+    print(
+        f"asked for {args.steps} steps of profile from step {status.get('step', -1) + 1} or so: "
+        f"{args.run_dir}/profile/steps_<first>-<last>/ (its summary is printed by the run)"
+    )
+    return 0

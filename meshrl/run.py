@@ -30,7 +30,7 @@ from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
 from meshrl.observe import Observe, merge_states
-from meshrl.profile import Profiler
+from meshrl.profile import Profiler, take_request
 from meshrl.status import StatusFile
 from meshrl.status import table as status_table
 from meshrl.weights import SHM_DIR
@@ -228,6 +228,10 @@ class Run:
 
     def step_begins(self, step: int) -> None:
         """The loop opens `step` (`StepLog.timer("step")`): start profiling if due."""
+        if self.profiler is None or not self.profiler.on:
+            steps = take_request(self.dir, step)  # `meshrl profile RUN_DIR`
+            if steps is not None:
+                self.profiler = Profiler(self.dir, steps, self.meshes, mesh.wait, self.timeout_s)
         if self.profiler is not None:
             self.profiler.begin(step)
 

@@ -136,7 +136,8 @@ def read(run_dir: str) -> dict:
         return json.load(f)
 
 
-def _controller(pid: int) -> str:
+def controller_state(pid: int) -> str:
+    """`running` or `exited`: the run's controller process, by its pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -151,13 +152,13 @@ def show(run_dir: str, status: dict) -> None:
     pid = status.get("controller_pid", 0)
     print(
         f"{run_dir}: step {status.get('step')}, written {now - status['written']:.1f}s ago "
-        f"by controller pid {pid} ({_controller(pid) if pid else '?'})"
+        f"by controller pid {pid} ({controller_state(pid) if pid else '?'})"
     )
     for key in ("dashboard_url", "telemetry_url"):
         if status.get(key):
             print(f"{key.split('_')[0]}: {status[key]}")
     procs = status["procs"]
-    if status.get("telemetry_url") and pid and _controller(pid) == "running":
+    if status.get("telemetry_url") and pid and controller_state(pid) == "running":
         procs = [p for p in procs if p.get("role") != "monarch"]
         try:  # each actor's state now, from Monarch's telemetry
             merge_states(procs, live_states(status["telemetry_url"]))

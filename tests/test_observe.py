@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -47,6 +48,11 @@ def _until(check, timeout_s: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.5)
+
+
+def _meshrl(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "meshrl.cli", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def _listening(port: int) -> bool:
@@ -109,7 +115,12 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             joined = _until(lambda: _sql(telemetry, STEP_MESSAGES_SQL), 60, "joined steps")
             assert {"generate", "train_step"} <= {r["endpoint"] for r in joined}
 
-            _until((run_dir / "profile" / "summary.json").exists, 120, "the profile")
+            _until((run_dir / "profile" / "steps_1-2" / "summary.json").exists, 120, "profile")
+            asked = _meshrl("profile", str(run_dir), "--steps", "1")  # from another shell
+            assert asked.returncode == 0, asked.stderr
+            requested = _until(
+                lambda: list(run_dir.glob("profile/steps_*/summary.json"))[1:], 120, "asked"
+            )
         finally:
             proc.send_signal(signal.SIGINT)  # stops at the end of the step, cleanly
             out, _ = proc.communicate(timeout=120)
@@ -119,7 +130,11 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
     assert f"dashboard at {dashboard}" in out
     assert not _listening(port), f"the dashboard still listens on {port}"
 
-    profile = json.loads((run_dir / "profile" / "summary.json").read_text())
+    finished = _meshrl("profile", str(run_dir))
+    assert finished.returncode == 1 and "has finished" in finished.stderr
+    (later,) = [json.loads(p.read_text()) for p in requested]
+    assert len(later["steps"]) == 1 and later["steps"][0]["step"] > 2
+    profile = json.loads((run_dir / "profile" / "steps_1-2" / "summary.json").read_text())
     assert profile["traces"] == [
         "environment-0.trace.json",
         "policy-0.trace.json",
@@ -132,7 +147,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
         assert step["between_s"] < step["step_s"]
     names = {
         e.get("name")
-        for e in json.loads((run_dir / "profile" / "policy-0.trace.json").read_text())[
+        for e in json.loads((run_dir / "profile/steps_1-2/policy-0.trace.json").read_text())[
             "traceEvents"
         ]
     }
