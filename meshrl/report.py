@@ -4,13 +4,16 @@ running run at a glance, from its `metrics.jsonl`.
 Prints a table of the key figures (first and last steps, min, max) and writes
 PNG plots into the run directory: `report_reward.png`, `report_kl.png`,
 `report_entropy.png`, `report_length.png`, `report_eval.png` (the held-out
-sets' reward and pass@k, with `eval:`) and `report_time.png` (each phase's
-seconds per step). The table also gives each role's endpoint times
-(`time/<role>/<endpoint>_s`, the slowest proc's, recorded by the actors).
+sets' reward and pass@k, with `eval:`), `report_throughput.png` (completion
+tokens per second of step time) and `report_time.png` (each phase's seconds per
+step). The table also gives each role's endpoint times
+(`time/<role>/<endpoint>_s`, the slowest proc's, recorded by the actors), and
+the summaries of the run's profiles (`run.profile_steps`, `meshrl profile`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -28,6 +31,7 @@ ROWS = [
     "samples/dropped_total",
     "faults/recoveries",
     "time/step_s",
+    "throughput/tokens_per_s",
 ]
 PHASES = ["generate", "score", "reference", "train", "weight_sync"]
 PLOTS = {
@@ -35,6 +39,7 @@ PLOTS = {
     "report_kl.png": ["policy/kl_ref", "policy/approx_kl", "sampling/kl"],
     "report_entropy.png": ["policy/entropy"],
     "report_length.png": ["completion/mean_length"],
+    "report_throughput.png": ["throughput/tokens_per_s"],
 }
 
 
@@ -43,7 +48,15 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (is it a meshrl run directory?)")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [with_throughput(json.loads(line)) for line in f if line.strip()]
+
+
+def with_throughput(record: dict) -> dict:
+    """`throughput/tokens_per_s`: the step's completion tokens over its wall time."""
+    tokens, seconds = record.get("tokens/generated"), record.get("time/step_s")
+    if isinstance(tokens, int | float) and isinstance(seconds, int | float) and seconds > 0:
+        record["throughput/tokens_per_s"] = tokens / seconds
+    return record
 
 
 def _numbers(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -121,6 +134,11 @@ def show(run_dir: str, records: list[dict]) -> None:
     print(table(records))
     for path in plots(records, run_dir):
         print(f"wrote {path}")
+    from meshrl.profile import table as profile_table
+
+    for path in sorted(glob.glob(os.path.join(run_dir, "profile", "steps_*", "summary.json"))):
+        with open(path) as f:
+            print(f"\n{os.path.dirname(path)} (seconds):\n{profile_table(json.load(f))}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """`meshrl report` on a run's records: the held-out evaluation's rows and plot."""
 
+import json
 import os
 
 import pytest
 
-from meshrl.report import plots, table
+from meshrl.report import plots, read_metrics, table
 
 pytestmark = pytest.mark.unit
 
@@ -19,3 +20,12 @@ def test_held_out_sets_get_rows_and_a_plot(tmp_path):
     assert rows["eval/heldout/pass@4"] == [0.5, 0.75, 0.5, 0.75]
     written = plots(records, str(tmp_path))
     assert os.path.join(str(tmp_path), "report_eval.png") in written
+
+
+def test_throughput_is_tokens_over_step_time(tmp_path):
+    lines = [{"step": 0, "tokens/generated": 300, "time/step_s": 1.5}, {"step": 1}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    records = read_metrics(str(tmp_path))
+    assert records[0]["throughput/tokens_per_s"] == 200.0
+    assert "throughput/tokens_per_s" not in records[1]
+    assert os.path.join(str(tmp_path), "report_throughput.png") in plots(records, str(tmp_path))
