@@ -16,6 +16,16 @@ process like TRL's does not pay. Prints a table, then one JSON object with
 `controller_overhead_fraction` and each phase's mean seconds, share and
 runtime part.
 
+`--telemetry` instead runs the same config with Monarch's telemetry off, on
+(`run.telemetry=true`), and on with its dashboard (`run.dashboard=true`), each
+variant in a fresh process (the telemetry sink a process installs stays for its
+life), in `--rounds` interleaved rounds, and prints the mean step of each and
+the two overheads as fractions of the first.
+
+`--profile` runs it with `run.profile_steps` on two steps in the middle and
+prints, beside the phases above, where those steps' time went per role as the
+profiler measured it in every proc (`meshrl.profile`).
+
 `--eval` instead runs the same config three times in one go: without
 evaluation, with a held-out set (64 prompts x 4 samples every 10 steps) on the
 policy replicas between steps, and with it on an eval mesh of its own. It
@@ -28,6 +38,7 @@ cores are shared.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -96,14 +107,84 @@ def evaluation_cost(steps: int, overrides: list[str]) -> int:
     return 0
 
 
+TELEMETRY = {"off": [], "telemetry": ["run.telemetry=true"], "dashboard": ["run.dashboard=true"]}
+
+
+def run_process(steps: int, overrides: list[str], run_dir: str, name: str) -> list[dict]:
+    """The records of a GRPO run in its own process, the first step left out."""
+    import subprocess
+
+    command = [
+        sys.executable,
+        "-m",
+        "algorithms.grpo",
+        "--config",
+        os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
+        f"steps={steps}",
+        "kl_coef=0.01",
+        "max_staleness=0",
+        *overrides,
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        "run.progress=false",
+        "run.save_final=false",
+        "run.dashboard_port=0",
+    ]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=3600)
+    with open(os.path.join(run_dir, name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f][1:]
+
+
+def telemetry_cost(steps: int, rounds: int, overrides: list[str]) -> int:
+    """Mean step with telemetry off, on, and with the dashboard: one JSON line."""
+    steps_s: dict[str, list[float]] = {name: [] for name in TELEMETRY}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for r in range(rounds):
+            for name, extra in TELEMETRY.items():
+                history = run_process(steps, [*overrides, *extra], run_dir, f"{name}-{r}")
+                steps_s[name] += [rec["time/step_s"] for rec in history]
+                mean = sum(steps_s[name]) / len(steps_s[name])
+                print(f"round {r} {name:<10}{mean * 1e3:>9.2f} ms a step so far", flush=True)
+    means = {name: sum(v) / len(v) for name, v in steps_s.items()}
+    figures = {
+        "step_s_telemetry_off": round(means["off"], 5),
+        "step_s_telemetry_on": round(means["telemetry"], 5),
+        "step_s_dashboard_on": round(means["dashboard"], 5),
+        "telemetry_overhead": round(means["telemetry"] / means["off"] - 1, 4),
+        "dashboard_overhead": round(means["dashboard"] / means["off"] - 1, 4),
+        "steps_averaged_each": len(steps_s["off"]),
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+def profiled_roles(steps: int, overrides: list[str]) -> dict:
+    """Two steps in the middle, profiled in every proc: their per-role summary."""
+    from meshrl.profile import table
+
+    middle = max(1, steps // 2)
+    with tempfile.TemporaryDirectory() as run_dir:
+        run_process(steps, [*overrides, f"run.profile_steps=[{middle},{middle + 1}]"], run_dir, "p")
+        pattern = os.path.join(run_dir, "p", "profile", "steps_*", "summary.json")
+        with open(glob.glob(pattern)[0]) as f:
+            summary = json.load(f)
+    print(f"\nprofiled steps, seconds per role (meshrl.profile):\n{table(summary)}")
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval", action="store_true", help="what held-out evaluation costs")
+    parser.add_argument("--telemetry", action="store_true", help="what Monarch telemetry costs")
+    parser.add_argument("--rounds", type=int, default=2, help="with --telemetry")
+    parser.add_argument("--profile", action="store_true", help="also profile two steps")
     parser.add_argument("overrides", nargs="*", help="config key=value")
     args = parser.parse_args()
     if args.eval:
         return evaluation_cost(args.steps, args.overrides)
+    if args.telemetry:
+        return telemetry_cost(args.steps, args.rounds, args.overrides)
     history = run(args.steps, args.overrides)
 
     def mean(key: str) -> float:
@@ -130,6 +211,14 @@ def main() -> int:
         )
     print(f"{'controller overhead':<22}{overhead * 1e3:>9.2f}{overhead / step:>8.1%}")
     print(f"{'step':<22}{step * 1e3:>9.2f}")
+    if args.profile:
+        steps = profiled_roles(args.steps, args.overrides)["steps"]
+        for role in sorted({r for s in steps for r in s["roles"]}):
+            figures[f"profiled_{role}_s"] = round(
+                sum(s["roles"].get(role, 0.0) for s in steps) / len(steps), 5
+            )
+        figures["profiled_between_s"] = round(sum(s["between_s"] for s in steps) / len(steps), 5)
+        figures["profiled_step_s"] = round(sum(s["step_s"] for s in steps) / len(steps), 5)
     print(json.dumps(figures))
     return 0
 
