@@ -26,11 +26,10 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 from meshrl.config import ConfigError
-
-logger = logging.getLogger(__name__)
 
 STEPS_SQL = (
     "SELECT CAST(split_part(fields_json, '|', 2) AS BIGINT) AS step, "
@@ -142,13 +141,23 @@ class Observe:
     def close(self) -> None:
         """After the job was killed: make sure its sidecar (dashboard, SQL) is gone."""
         pid, self._sidecar_pid = self._sidecar_pid, None
-        if pid is None:
-            return
-        try:
-            os.kill(pid, signal.SIGTERM)
-            logger.warning("Monarch's telemetry sidecar (pid %d) outlived its job: stopped", pid)
-        except ProcessLookupError:
-            pass
+        # Monarch's own stop waits 10 s, then kills it: it may still be exiting.
+        deadline = time.monotonic() + 5.0
+        while pid is not None and _alive(pid):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                print(f"Monarch's telemetry sidecar (pid {pid}) outlived its job: killed")
+                return
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (not one exited and waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def states_from_rows(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
