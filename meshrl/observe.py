@@ -62,6 +62,9 @@ STATES_SQL = (
 )
 
 
+_used_in_process = False  # a job of this process had Monarch's telemetry (`Observe.enable`)
+
+
 class Observe:
     """Monarch telemetry (and dashboard) for one run's job; `None` of it when off."""
 
@@ -86,6 +89,15 @@ class Observe:
         """Ask `job` for telemetry, before its `state()`."""
         from monarch.job import MeshAdminConfig, TelemetryConfig
 
+        if _used_in_process:
+            # Monarch 0.7 points this process's telemetry sink at one job's socket
+            # once, and spawns mesh admin here once, both for the process's life.
+            raise ConfigError(
+                "config key 'run.telemetry': Monarch runs telemetry for one job per "
+                "process and this one had it already (restart the kernel, or run "
+                "the script in a process of its own)"
+            )
+
         port = free_or_fallback(self.port) if self.dashboard else 0
         # Mesh admin's default port is fixed (1729): a second run on this host
         # would collide, so on one machine it takes a free loopback port.
@@ -98,6 +110,8 @@ class Observe:
         self.telemetry_url = state.telemetry_url
         self.dashboard_url = state.dashboard_url
         self.admin_url = getattr(state, "admin_url", None)
+        global _used_in_process
+        _used_in_process = True
         self.client = state.query_engine_client
         if self.telemetry_url is None or self.client is None:
             raise ConfigError(

@@ -187,3 +187,15 @@ def test_status_shows_monarchs_state_beside_meshrls():
     lines = table(procs, now=0).splitlines()
     assert "monarch" in lines[0]
     assert "idle" in lines[1] and "dead: policy: proc exited" in lines[2]
+
+
+def test_a_second_telemetry_job_in_one_process_is_one_line(monkeypatch):
+    """Monarch 0.7 gives a process's telemetry to one job for the process's life
+    (its socket sink and mesh admin): a notebook's next run is told, not hung."""
+    from monarch.job import LocalJob
+
+    from meshrl import observe
+
+    monkeypatch.setattr(observe, "_used_in_process", True)
+    with pytest.raises(ConfigError, match="'run.telemetry': Monarch runs telemetry for one job"):
+        Observe(telemetry=True).enable(LocalJob(("policy",)), "local")
