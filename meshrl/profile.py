@@ -3,7 +3,8 @@
 While profiling is on, each meshrl actor endpoint (`@observed`) runs under
 torch's profiler in the thread that runs it (a profiler started elsewhere in
 the proc does not see that thread's ops), inside a `record_function` named
-`<role>.<endpoint>`. At the end of the last step each proc writes one Chrome
+`<role>.<endpoint>`; the profiler's own start and stop around each call count
+as the role `profiler`. At the end of the last step each proc writes one Chrome
 trace (open it in Perfetto or chrome://tracing),
 `<run dir>/profile/steps_<first>-<last>/<role>-<rank>.trace.json`, and the
 controller merges every proc's endpoint intervals into `summary.json` beside
@@ -33,12 +34,12 @@ active: ProcProfile | None = None  # this proc's, while profiling is on
 
 
 class ProcProfile:
-    """One proc's profile: the trace events and endpoint intervals of its calls."""
+    """One proc's profile: its calls' torch profiles and endpoint intervals."""
 
     def __init__(self) -> None:
-        self.events: list[dict] = []
-        self.intervals: list[tuple[str, str, float, float]] = []  # role, endpoint, start, end
-        self.base_ns: int | None = None
+        self.profiles: list[Any] = []
+        # (role, endpoint, start, end); role "profiler": the profiler's own start and stop
+        self.intervals: list[tuple[str, str, float, float]] = []
 
     @contextlib.contextmanager
     def call(self, role: str, endpoint: str) -> Iterator[None]:
@@ -48,35 +49,42 @@ class ProcProfile:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        started = time.time()
-        with profile(activities=activities) as prof, record_function(f"{role}.{endpoint}"):
-            yield
-        ended = time.time()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            prof.export_chrome_trace(f.name)
-            with open(f.name) as r:
-                trace = json.load(r)
-        with _lock:
-            self._add(trace)
-            self.intervals.append((role, endpoint, started, ended))
-
-    def _add(self, trace: dict) -> None:
-        # Each export's `ts` counts from its own base: shift them onto the first's.
-        base = int(trace.get("baseTimeNanoseconds", 0))
-        if self.base_ns is None:
-            self.base_ns = base
-        shift = (base - self.base_ns) / 1000
-        for event in trace.get("traceEvents", []):
-            if event.get("ph") == "M" and self.events:
-                continue  # process and thread names: once is enough
-            if "ts" in event:
-                event["ts"] = float(event["ts"]) + shift
-            self.events.append(event)
+        t0 = time.time()
+        with profile(activities=activities) as prof:
+            t1 = time.time()
+            with record_function(f"{role}.{endpoint}"):
+                yield
+            t2 = time.time()
+        t3 = time.time()
+        with _lock:  # exported at the end, out of the profiled steps
+            self.profiles.append(prof)
+            self.intervals += [
+                (role, endpoint, t1, t2),
+                ("profiler", "start", t0, t1),
+                ("profiler", "stop", t2, t3),
+            ]
 
     def write(self, path: str) -> None:
-        trace = {"traceEvents": self.events, "displayTimeUnit": "ms"}
-        if self.base_ns is not None:
-            trace["baseTimeNanoseconds"] = self.base_ns
+        """One Chrome trace of every call, each export's `ts` (which counts from
+        its own base) shifted onto the first's."""
+        events: list[dict] = []
+        base_ns = None
+        for prof in self.profiles:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                prof.export_chrome_trace(f.name)
+                with open(f.name) as r:
+                    trace = json.load(r)
+            base = int(trace.get("baseTimeNanoseconds", 0))
+            base_ns = base if base_ns is None else base_ns
+            for event in trace.get("traceEvents", []):
+                if event.get("ph") == "M" and events:
+                    continue  # process and thread names: once is enough
+                if "ts" in event:
+                    event["ts"] = float(event["ts"]) + (base - base_ns) / 1000
+                events.append(event)
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if base_ns is not None:
+            trace["baseTimeNanoseconds"] = base_ns
         with open(path, "w") as f:
             json.dump(trace, f)
 
@@ -115,7 +123,8 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 
 def summarize(windows: dict[int, tuple[float, float]], intervals: list[tuple]) -> dict:
-    """Per step: its wall time, each role's busy time within it, and the rest."""
+    """Per step: its wall time, each role's busy time within it (`profiler`: the
+    profiler's own), and the rest."""
     steps = []
     for step, (w0, w1) in sorted(windows.items()):
         clipped: dict[str, list] = {}

@@ -142,7 +142,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
     ]
     assert [s["step"] for s in profile["steps"]] == [1, 2]
     for step in profile["steps"]:
-        assert set(step["roles"]) == {"environment", "policy", "trainer"}
+        assert set(step["roles"]) == {"environment", "policy", "trainer", "profiler"}
         assert abs(step["sum_s"] - step["step_s"]) <= 0.1 * step["step_s"], step
         assert step["between_s"] < step["step_s"]
     names = {
