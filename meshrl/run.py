@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import signal
 import threading
@@ -34,6 +35,8 @@ from meshrl.profile import Profiler, take_request
 from meshrl.status import StatusFile
 from meshrl.status import table as status_table
 from meshrl.weights import SHM_DIR
+
+logger = logging.getLogger(__name__)
 
 
 class StopRequest:
@@ -223,7 +226,7 @@ class Run:
             try:
                 merge_states(procs, self.observe.actor_states(timeout_s))
             except Exception as error:  # noqa: BLE001 - a view; meshrl's own stays
-                procs.append({"role": "monarch", "rank": 0, "state": f"no answer: {error}"})
+                logger.warning("Monarch's telemetry did not answer: %s", error)
         return procs
 
     def step_begins(self, step: int) -> None:

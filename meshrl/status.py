@@ -159,7 +159,6 @@ def show(run_dir: str, status: dict) -> None:
             print(f"{key.split('_')[0]}: {status[key]}")
     procs = status["procs"]
     if status.get("telemetry_url") and pid and controller_state(pid) == "running":
-        procs = [p for p in procs if p.get("role") != "monarch"]
         try:  # each actor's state now, from Monarch's telemetry
             merge_states(procs, live_states(status["telemetry_url"]))
         except OSError as error:
