@@ -161,7 +161,7 @@ def show(run_dir: str, status: dict) -> None:
     if status.get("telemetry_url") and pid and controller_state(pid) == "running":
         try:  # each actor's state now, from Monarch's telemetry
             merge_states(procs, live_states(status["telemetry_url"]))
-        except OSError as error:
+        except (OSError, ValueError, KeyError) as error:
             print(f"(Monarch's telemetry did not answer: {error})")
     print(table(procs, now))
 

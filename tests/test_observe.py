@@ -115,6 +115,15 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             joined = _until(lambda: _sql(telemetry, STEP_MESSAGES_SQL), 60, "joined steps")
             assert {"generate", "train_step"} <= {r["endpoint"] for r in joined}
 
+            shown = _meshrl("status", str(run_dir))  # any shell: Monarch's states, live
+            assert shown.returncode == 0, shown.stderr
+            lines = shown.stdout.splitlines()
+            assert f"dashboard: {dashboard}" in lines
+            (head,) = [line for line in lines if line.startswith("mesh ")]
+            assert head.split()[:4] == ["mesh", "actor", "state", "monarch"]
+            (row,) = [line for line in lines if line.startswith("trainer[0]")]
+            assert {"idle", "processing"} & set(row.split()), row  # Monarch's column
+
             _until((run_dir / "profile" / "steps_1-2" / "summary.json").exists, 120, "profile")
             asked = _meshrl("profile", str(run_dir), "--steps", "1")  # from another shell
             assert asked.returncode == 0, asked.stderr
