@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from meshrl.status import STATUS_FILE, controller_state
+    from meshrl.status import controller_state, read
 
     parser = argparse.ArgumentParser(prog="meshrl profile", description=main.__doc__)
     parser.add_argument("run_dir")
@@ -243,10 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
     try:
-        with open(os.path.join(args.run_dir, STATUS_FILE)) as f:
-            status = json.load(f)
+        status = read(args.run_dir)
     except (OSError, ValueError) as error:
-        print(f"error: {args.run_dir} is not a meshrl run directory: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 1
     if controller_state(status.get("controller_pid", 0)) != "running":
         print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
