@@ -67,8 +67,15 @@ class Policy(Drillable, Actor):
 
     @endpoint
     @observed
-    def generate(self, prompt_ids: list[list[int]], generation: GenerationConfig) -> Completions:
-        """Sample one completion per prompt (repeat a prompt to get a group)."""
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        generation: GenerationConfig,
+        seeds: list[int] | None = None,
+    ) -> Completions:
+        """Sample one completion per prompt (repeat a prompt to get a group).
+        `seeds`: each row's sampling seed (the controller's, so a sample does not
+        depend on the replica that draws it); None: from this replica's generator."""
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
@@ -82,8 +89,9 @@ class Policy(Drillable, Actor):
             mask[row, width - len(prompt) :] = 1
         stats: dict = {}
         tokens, logprobs, completion_mask = self.engine.generate(
-            ids.to(self.device), mask.to(self.device), prompt_ids, generation, self.generator, stats
-        )
+            ids.to(self.device), mask.to(self.device), prompt_ids, generation, self.generator,
+            stats, seeds,
+        )  # fmt: skip
         tokens_out = completion_mask.sum().item()
         if math.isfinite(stats["entropy_sum"]):
             record("policy/entropy", stats["entropy_sum"] / max(tokens_out, 1), "mean")

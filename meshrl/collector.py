@@ -38,7 +38,8 @@ class Batch:
 
     prompts: list[Prompt]
     group: list[Prompt]  # each prompt group_size times
-    shards: list[list[list[int]]]  # per replica: its prompts' token ids
+    shards: list[tuple[list[list[int]], list[int]]]
+    """Per replica: its prompts' token ids and each row's sampling seed."""
     published: int  # weight versions published when it was sent
     calls: list | None = None  # per replica: the generate future
     respawns: int = 0  # policy mesh replacements when it was sent
@@ -105,15 +106,26 @@ class Collector:
                 return prompts
         raise PromptTooLong(f"no prompt fits: {message}")
 
-    def layout(self, prompts: list[Prompt]) -> Batch:
+    def layout(self, prompts: list[Prompt], draw: bool = True) -> Batch:
         """`group_size` copies of each prompt, their token ids split evenly over
-        the replicas (`Batch.shards`), nothing sent yet."""
+        the replicas (`Batch.shards`), nothing sent yet.
+
+        Each row's sampling seed is drawn here, from the loop's generator (saved
+        in checkpoints), so a sample's tokens follow the sample, not the replica
+        that generates it: the same at any number of replicas, after a pool
+        grows or shrinks (`draw=False`: a restored batch, already generated)."""
         k = self.cfg.group_size
         ids = [i for i in self.format.prompts([p.text for p in prompts]) for _ in range(k)]
+        seeds = [0] * len(ids)
+        if draw:
+            seeds = torch.randint(
+                -(2**62), 2**62, (len(ids),), generator=self.state.torch_rng
+            ).tolist()
+        n = self.policy.size
         return Batch(
             prompts,
             [p for p in prompts for _ in range(k)],
-            split(ids, self.policy.size),
+            list(zip(split(ids, n), split(seeds, n), strict=True)),
             self.sync.published,
             respawns=self.policy.respawns,
         )
@@ -122,10 +134,12 @@ class Collector:
         """Lay out `prompts` and send their generation to the replicas."""
         batch = self.layout(prompts)
         if not self.task.multi_turn:
-            batch.calls = start_each(
-                self.policy, "generate", [(s, self.cfg.generation) for s in batch.shards]
-            )
+            batch.calls = start_each(self.policy, "generate", self.generate_args(batch))
         return batch
+
+    def generate_args(self, batch: Batch) -> list[tuple]:
+        """`Policy.generate`'s arguments for each replica's shard of `batch`."""
+        return [(ids, self.cfg.generation, seeds) for ids, seeds in batch.shards]
 
     # --- collecting and scoring -----------------------------------------------------------
 
@@ -134,7 +148,7 @@ class Collector:
         raised may be retried: the generation is done again, and what the failed
         call generated on every replica is counted as dropped (`policy_lost`)."""
         if batch.completions is None:
-            args = [(s, self.cfg.generation) for s in batch.shards]
+            args = self.generate_args(batch)
             started = (batch.calls, batch.respawns) if batch.calls is not None else None
             parts, repeats = self.sup.call(self.policy, "generate", args, started)
             batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
@@ -307,7 +321,7 @@ class Collector:
 
     def restore(self, saved: tuple) -> Batch:
         prompts, completions, behind = saved
-        batch = self.layout(prompts)
+        batch = self.layout(prompts, draw=False)
         batch.completions, batch.published = completions, self.sync.published - behind
         batch.counted = True  # in the restored ledger (or counted again by a rewind)
         return batch

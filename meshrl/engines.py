@@ -59,6 +59,7 @@ class HFEngine:
         generation: GenerationConfig,
         generator: torch.Generator,
         stats: dict,
+        seeds: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return sample(
             self.model,
@@ -70,6 +71,7 @@ class HFEngine:
             temperature=generation.temperature,
             top_p=generation.top_p,
             generator=generator,
+            seeds=None if seeds is None else torch.tensor(seeds, dtype=torch.long),
             stats=stats,
             min_new_tokens=generation.min_new_tokens,
             share_prefix=self.share_prefix,
@@ -129,11 +131,13 @@ class VLLMEngine:
         generation: GenerationConfig,
         generator: torch.Generator,
         stats: dict,
+        seeds: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import vllm
 
-        # One seed per request from the replica's generator: reproducible streams.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        if seeds is None:  # one per request from the replica's generator: reproducible
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        seeds = [seed % (2**31 - 1) for seed in seeds]  # the controller's: vLLM takes 31 bits
         params = [
             vllm.SamplingParams(
                 n=1,
