@@ -11,14 +11,14 @@ import math
 import time
 
 import torch
-from monarch.actor import Actor, current_rank, endpoint
+from monarch.actor import Actor, endpoint
 
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.engines import make_engine
 from meshrl.faults import Drillable
 from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
 from meshrl.routing import moe_problem, routers
-from meshrl.telemetry import observed, record
+from meshrl.telemetry import observed, proc_rank, record
 from meshrl.types import Completions
 from meshrl.weight_receiver import Pulled, WeightReceiver
 from meshrl.weights import TornWeights, WeightHandle
@@ -61,7 +61,7 @@ class Policy(Drillable, Actor):
         # Each replica samples its own stream, reproducibly. (On the CPU: vLLM
         # takes its requests' seeds from it.)
         device = self.device if policy_cfg.engine == "hf" else "cpu"
-        self.rank = current_rank().rank  # read here: endpoints see no rank
+        self.rank = proc_rank()  # read here: endpoints see no rank
         self.weights.owner = f"{self.role}[{self.rank}]"
         self.generator = torch.Generator(device).manual_seed(seed * 1009 + self.rank)
 

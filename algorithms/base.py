@@ -12,187 +12,30 @@ request), `Supervisor` (deadlines, retries, respawns, drills), `Checkpointer`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from algorithms.command import main  # noqa: F401 - every algorithm's command line
-from meshrl.checkpoint import CheckpointConfig, Checkpointer
+from algorithms.rl_config import RLConfig  # noqa: F401 - its home for the algorithms
+from meshrl.checkpoint import Checkpointer
 from meshrl.collector import Batch, Collector, decode
-from meshrl.config import (
-    ConfigError,
-    GenerationConfig,
-    ModelConfig,
-    OptimConfig,
-    PlacementConfig,
-    PolicyConfig,
-    RewardModelConfig,
-    RunConfig,
-    TaskConfig,
-    TrainerConfig,
-    WarmStartConfig,
-    check_lora_placement,
-)
-from meshrl.engines import vllm_missing
+from meshrl.elastic import Scaler
 from meshrl.envs import make_task
-from meshrl.envs.sandbox import SandboxConfig
-from meshrl.evaluation import EvalConfig, Evaluator
+from meshrl.evaluation import Evaluator
 from meshrl.export import start_from
-from meshrl.faults import FaultsConfig
-from meshrl.job import JobConfig
 from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
 from meshrl.mesh import RemoteCallError
 from meshrl.models import context_length, load_tokenizer
-from meshrl.routing import check_routing
 from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
 from meshrl.types import Completions, TrainBatch
-from meshrl.weight_sync import WeightsConfig, WeightSync
+from meshrl.weight_sync import WeightSync
 
 DROP_REASONS = ("policy_lost", "stale", "trainer_rewind")
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
-
-
-@dataclass
-class RLConfig:
-    """Keys shared by the on-policy algorithms (GRPO and its variants, PPO)."""
-
-    steps: int = 200
-    """RL steps: one batch of rollouts each."""
-    prompts_per_step: int = 16
-    """Distinct prompts per step."""
-    group_size: int = 8
-    """Completions sampled per prompt."""
-    epochs: int = 1
-    """Passes over each batch of rollouts."""
-    minibatches: int = 1
-    """Optimizer steps per pass: the batch is cut into this many shuffled parts."""
-    kl_coef: float = 0.0
-    """Weight of the KL to the reference model; 0 spawns no reference."""
-    kl_kind: str = "k3"
-    """KL estimator: k1, k2 or k3 (meshrl.losses.kl_estimate)."""
-    max_staleness: int = 0
-    """Weight versions generation may run ahead of training: the batches of steps
-    s+1..s+k are generated while step s trains. 0 is the synchronous on-policy loop."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    job: JobConfig = field(default_factory=JobConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-    min_group_size = 1
-
-    def validate(self) -> None:
-        for section in (
-            self.model,
-            self.generation,
-            self.policy,
-            self.reward_model,
-            self.optim,
-            self.trainer,
-            self.placement,
-            self.weights,
-            self.task,
-            self.warm_start,
-            self.run,
-            self.job,
-            self.checkpoint,
-            self.faults,
-            self.sandbox,
-            self.eval,
-        ):
-            section.validate()
-        self.sandbox.check_task(self.task.name)
-        check_routing(self.model, self.policy, self.trainer, make_task(self.task).multi_turn)
-        recompute = self.recompute_old_logprobs
-        if not recompute and self.trainer.correction != "none":
-            raise ConfigError(
-                "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
-                f"'{self.trainer.correction}' needs the trainer's old log-probs"
-            )
-        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
-            raise ConfigError(
-                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
-                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
-                "distribution, so every ratio would be biased (set it to auto or true)"
-            )
-        for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}': must be >= 1")
-        if self.group_size < self.min_group_size:
-            raise ConfigError(
-                f"config key 'group_size': must be >= {self.min_group_size} "
-                "(advantages compare completions of one prompt)"
-            )
-        if self.kl_kind not in ("k1", "k2", "k3"):
-            raise ConfigError(f"config key 'kl_kind': '{self.kl_kind}' is not one of k1, k2, k3")
-        if self.kl_coef < 0:
-            raise ConfigError("config key 'kl_coef': must be >= 0")
-        if self.max_staleness < 0:
-            raise ConfigError("config key 'max_staleness': must be >= 0")
-        check_lora_placement(self.model, self.placement)
-        if self.max_staleness and make_task(self.task).multi_turn:
-            raise ConfigError(
-                f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "
-                "run with max_staleness=0"
-            )
-        if self.policy.engine == "vllm" and self.job.kind in ("local", "process"):
-            missing = vllm_missing()  # the replicas run on this machine: say so now
-            if missing:
-                raise ConfigError(f"config key 'policy.engine': {missing}")
-        batch = self.prompts_per_step * self.group_size
-        for role in ("policy", "reference", "trainer"):
-            if batch % self.ranks(role):
-                raise ConfigError(
-                    f"config key 'placement.{role}': {batch} completions per step "
-                    f"do not split evenly over {self.ranks(role)} procs"
-                )
-        if batch % (self.minibatches * self.ranks("trainer")):
-            raise ConfigError(
-                f"config key 'minibatches': {batch} completions per step do not split into "
-                f"{self.minibatches} minibatches x {self.ranks('trainer')} trainer procs"
-            )
-        per_rank = batch // (self.minibatches * self.ranks("trainer"))
-        if self.trainer.micro_batches > per_rank:
-            raise ConfigError(
-                f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
-                f"than the {per_rank} rows each trainer proc gets per optimizer step"
-            )
-
-    @property
-    def env_args(self) -> tuple:
-        """The environment actor's arguments: the task, the tokenizer's model, the sandbox."""
-        return self.task, self.model, self.sandbox
-
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""
-        return self.trainer.recompute(self.model, self.generation, self.policy)
-
-    def ranks(self, role: str) -> int:
-        """Procs of a role over all its hosts."""
-        if role == "policy" and self.placement.colocate:
-            return self.ranks("trainer")
-        return getattr(self.placement, role) * self.job.hosts_for(role)
-
-    @property
-    def total_updates(self) -> int:
-        """Optimizer steps over the whole run (for the learning-rate schedule)."""
-        return self.steps * self.epochs * self.minibatches
 
 
 class HookLoss:
@@ -225,6 +68,8 @@ class Algorithm:
 
     name = "algorithm"
     headline = "reward/mean"
+    elastic: tuple[str, ...] = ("policy", "environment")
+    """Roles whose pools can grow and shrink while the run goes (`scale`)."""
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -363,6 +208,7 @@ class Algorithm:
             collector=self.collector,
         )  # fmt: skip
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        self.scaler = Scaler(run, cfg.pool, self.settle, lambda role: sup.catch_up[role]())
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")
         sup.on_respawn("reference", self.reload_reference)
@@ -424,6 +270,21 @@ class Algorithm:
         )
         self.sync.pull(self.policy, self.sync.publish(self.trainer))
 
+    def before_step(self, step: int) -> None:
+        """As `step` begins: the `faults:` drills due, then the pool sizes due."""
+        self.sup.drill(step)
+        self.scaler.apply(step)
+
+    def settle(self) -> None:
+        """Collect the work in flight (batches generated ahead, weight pulls)."""
+        for batch in self.state.ahead:
+            self.collector.collect(batch)
+        self.sync.wait()
+
+    def scale(self, **sizes: int) -> None:
+        """Grow or shrink elastic pools now, between steps: `algo.scale(policy=3)`."""
+        self.scaler.scale(**sizes)
+
     def steps_to(self, num_steps: int | None) -> int:
         """The step a call of `run(num_steps)` ends before."""
         if num_steps is None:
@@ -481,6 +342,7 @@ class Algorithm:
         return {
             **self.state.ledger.step_metrics(trained, DROP_REASONS),
             **self.sup.metrics(),
+            **self.scaler.metrics(),
             "samples/skipped_overlong_prompts": self.state.counters["skipped_prompts"],
         }
 

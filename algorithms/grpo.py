@@ -95,7 +95,7 @@ class GRPO(Algorithm):
         cfg, state = self.cfg, self.state
         try:
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-                run = self.meshes = Run(cfg, self.name, *self.placement())
+                run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
@@ -120,7 +120,7 @@ class GRPO(Algorithm):
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
                 while state.step < end:
                     step = state.step
-                    sup.drill(step)  # drills from the `faults:` config, if any
+                    self.before_step(step)  # `faults:` drills, pool sizes (`pool.schedule`)
                     with log.timer("step"):
                         # Generate this step's batch (and `max_staleness` batches ahead):
                         # group_size copies of each prompt, split over the policy replicas.

@@ -113,7 +113,7 @@ class PPO(Algorithm):
         cfg, state = self.cfg, self.state
         try:
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-                run = self.meshes = Run(cfg, self.name, *self.placement())
+                run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = run.spawn(
                     "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self), seed=cfg.run.seed,
                     total_steps=cfg.total_updates, temperature=cfg.generation.temperature, rendezvous=True,
@@ -145,7 +145,7 @@ class PPO(Algorithm):
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
                 while state.step < end:
                     step = state.step
-                    sup.drill(step)  # drills from the `faults:` config, if any
+                    self.before_step(step)  # `faults:` drills, pool sizes (`pool.schedule`)
                     with log.timer("step"):
                         # Generate this step's batch (and `max_staleness` batches ahead),
                         # split over the policy replicas; score it on the environment mesh.

@@ -36,6 +36,12 @@ class JobConfig:
     """local (this host), process (local subprocess hosts), slurm, or kubernetes."""
     hosts: dict[str, int] = field(default_factory=dict)
     """Hosts per role, e.g. {trainer: 2}; roles not named get 1. Not for `local`."""
+    max_procs: dict[str, int] = field(default_factory=dict)
+    """Procs an elastic role (policy, environment) may be scaled to, e.g. {policy: 4}.
+    Unset: what it starts with on `process`, `slurm` and `kubernetes` jobs, and
+    this host's cores (GPUs) on `local`. On `process`, procs past the job's
+    hosts go on hosts that join it; `slurm` and `kubernetes` keep the hosts
+    submitted (Monarch 0.7 adds none to a running job)."""
     name: str = "meshrl"
     """Job name: the SLURM job name; on Kubernetes the prefix of each role's mesh
     name (`meshrltrainer`), so lowercase letters and digits only there."""
@@ -70,6 +76,9 @@ class JobConfig:
         for role, count in self.hosts.items():
             if not isinstance(count, int) or count < 1:
                 raise ConfigError(f"config key 'job.hosts.{role}': must be an integer >= 1")
+        for role, count in self.max_procs.items():
+            if not isinstance(count, int) or count < 1:
+                raise ConfigError(f"config key 'job.max_procs.{role}': must be an integer >= 1")
         if self.kind == "local" and any(n != 1 for n in self.hosts.values()):
             raise ConfigError(
                 "config key 'job.hosts': a local job has one host; use job.kind=process, "

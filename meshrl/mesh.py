@@ -24,6 +24,10 @@ from typing import Any
 from meshrl import proc_pool
 from meshrl.config_files import ConfigError
 
+# (Their old home: callers import them from here.)
+from meshrl.proc_pool import DEVICE_OFFSET_ENV, HOST_TAG_ENV, monarch_pids  # noqa: F401
+from meshrl.proc_pool import setup_proc as _setup_proc
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
@@ -198,60 +202,6 @@ def split(items: Sequence, num_parts: int) -> list[list]:
 # --- meshes --------------------------------------------------------------------------
 
 
-def monarch_pids() -> set[int]:
-    """Pids of live Monarch processes on this machine: mesh procs and the
-    subprocess hosts of a `process` job (for checking that nothing leaked)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
-        if monarch and state != "Z":
-            pids.add(int(entry))
-    return pids
-
-
-DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
-HOST_TAG_ENV = "MESHRL_HOST_TAG"
-RDMA_CHUNK_MB = 64
-
-
-def _setup_proc(
-    num_threads: int | None, procs_per_host: int, device_offset: int, host_tag: bool = False
-) -> None:
-    """Runs first in every spawned proc: its share of the cores, and where its
-    role's GPUs start (proc i of the mesh takes GPU offset + i; see
-    `meshrl.models.device_for_this_proc`). `num_threads` None: this host's
-    cores over the procs it runs (a host of its own, as under SLURM).
-    `host_tag`: this proc's "host" is its parent (a `process` job's subprocess
-    host), so weights move between such hosts as between machines: over RDMA,
-    not through this machine's shared memory (`meshrl.weights.host_id`)."""
-    if host_tag:
-        os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
-    # RDMA registration of CUDA memory wants expandable segments; the allocator
-    # reads this at its first CUDA allocation, which comes later.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    import monarch
-    import torch
-
-    # Large RDMA chunks: a replica's one RDMAAction of weight reads ran about twice
-    # as fast with 64 MB chunks as with the default over the TCP fallback.
-    monarch.configure(rdma_max_chunk_size_mb=RDMA_CHUNK_MB)
-
-    if num_threads is None:
-        num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
-    torch.set_num_threads(num_threads)
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
-
-
 class RoleMeshes:
     """One Monarch proc mesh per role, on this host or on a Monarch job's hosts.
 
@@ -278,6 +228,7 @@ class RoleMeshes:
         share: dict[str, str] | None = None,
         busy_together: list[tuple[str, ...]] | None = None,
         observe: Any = None,
+        elastic: tuple[str, ...] = (),
     ):
         from meshrl.job import JobConfig, build_job, host_meshes
 
@@ -294,6 +245,8 @@ class RoleMeshes:
         self.process_group_roles: set[str] | None = None
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
         are never pooled); None: unknown, so only single-proc meshes are."""
+        self.elastic = set(elastic) & set(self.counts)
+        """Roles whose procs are a `meshrl.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
         self.observe = observe  # Monarch telemetry (`meshrl.observe.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
@@ -330,6 +283,8 @@ class RoleMeshes:
         joined a torch.distributed group: see `process_group_roles`)."""
         threads, count, device_offset = self._spawn_args[role]
         # (Procs spawned before telemetry was on would not report to it.)
+        if role in self.elastic:  # its members are pooled one by one
+            return None
         if proc_pool.pool is None or self.job_cfg.kind != "local" or self.observe:
             return None
         if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
@@ -340,7 +295,9 @@ class RoleMeshes:
         threads, count, device_offset = self._spawn_args[role]
         key = self._pool_key(role)
         mesh = proc_pool.pool.take(key) if key is not None else None
-        if mesh is None:
+        if role in self.elastic:
+            mesh = self._group(role)
+        elif mesh is None:
             mesh = self._hosts[role].spawn_procs(
                 per_host={"procs": count},
                 bootstrap=functools.partial(
@@ -357,6 +314,33 @@ class RoleMeshes:
         # be done before the role's actors register (spawning is asynchronous).
         wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
 
+    def _group(self, role: str) -> Any:
+        """An elastic role's procs, one mesh each (`meshrl.pool.ProcGroup`)."""
+        from meshrl.pool import make_group
+
+        threads, count, offset = self._spawn_args[role]
+        kind, keyed = self.job_cfg.kind, proc_pool.pool is not None and not self.observe
+
+        def spawn_proc(host: Any, slot: int) -> Any:
+            setup = functools.partial(_setup_proc, threads, count, offset + slot, kind == "process")
+            return host.spawn_procs(per_host={"procs": 1}, bootstrap=setup, name=role)
+
+        def pool_key(slot: int) -> tuple | None:
+            return (threads, 1, offset + slot) if keyed and kind == "local" else None
+
+        group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
+        group.grow(count * self.hosts[role])
+        return group
+
+    def scale(self, role: str, size: int) -> list[int]:
+        """Grow or shrink an elastic role to `size` procs (the newest leave first;
+        collect their work before); returns the new members' ranks."""
+        group = self.meshes[role]
+        if size > len(group):
+            return group.grow(size - len(group))
+        group.retire(list(range(size, len(group))))
+        return []
+
     @property
     def roles(self) -> list[str]:
         """Every role, those sharing another's procs included."""
@@ -371,6 +355,10 @@ class RoleMeshes:
         on it again, also those of roles sharing its procs."""
         if role in self.share:
             raise RuntimeError(f"{role} runs in the {self.share[role]} procs: respawn those")
+        if role in self.elastic:  # only its lost members
+            group = self.meshes[role]
+            group.replace(group.dead())
+            return
         old = self.meshes.pop(role)
         try:
             old.stop().get(timeout=timeout_s)
@@ -385,7 +373,9 @@ class RoleMeshes:
         return self._own(role) in self.meshes
 
     def size(self, role: str) -> int:
-        """Ranks of a role: hosts x procs per host."""
+        """Ranks of a role: hosts x procs per host (an elastic role's: as it is now)."""
+        if self._own(role) in self.elastic and self._own(role) in self.meshes:
+            return len(self.meshes[self._own(role)])
         return self.counts[self._own(role)] * self.hosts[self._own(role)]
 
     def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
@@ -434,6 +424,8 @@ class RoleMeshes:
         # second each with torch loaded), and Monarch drives a future only while
         # something waits on it, so waiting in turn would add the seconds up.
         def stop_one(role: str) -> None:
+            if role in self.elastic:
+                return meshes[role].close()
             if self._give_back(role, meshes[role], watches.get(role), timeout_s):
                 return
             try:

@@ -1,4 +1,5 @@
-"""Procs kept across runs in one process, so that each boots torch once.
+"""Procs: what runs first in each (`setup_proc`), and procs kept across runs
+in one process, so that each boots torch once.
 
 `reuse_procs()` turns it on (the test suite does); `RoleMeshes` then takes a
 matching idle proc mesh from the pool instead of spawning one, and gives its
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,3 +80,57 @@ def reuse_procs(enabled: bool = True) -> ProcPool | None:
 def pooled_pids() -> set[int]:
     """Pids of procs waiting in the pool (none when reuse is off)."""
     return pool.pids() if pool is not None else set()
+
+
+def monarch_pids() -> set[int]:
+    """Pids of live Monarch processes on this machine: mesh procs and the
+    subprocess hosts of a `process` job (for checking that nothing leaked)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
+        if monarch and state != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
+HOST_TAG_ENV = "MESHRL_HOST_TAG"
+RDMA_CHUNK_MB = 64
+
+
+def setup_proc(
+    num_threads: int | None, procs_per_host: int, device_offset: int, host_tag: bool = False
+) -> None:
+    """Runs first in every spawned proc: its share of the cores, and where its
+    role's GPUs start (proc i of the mesh takes GPU offset + i; see
+    `meshrl.models.device_for_this_proc`). `num_threads` None: this host's
+    cores over the procs it runs (a host of its own, as under SLURM).
+    `host_tag`: this proc's "host" is its parent (a `process` job's subprocess
+    host), so weights move between such hosts as between machines: over RDMA,
+    not through this machine's shared memory (`meshrl.weights.host_id`)."""
+    if host_tag:
+        os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
+    # RDMA registration of CUDA memory wants expandable segments; the allocator
+    # reads this at its first CUDA allocation, which comes later.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import monarch
+    import torch
+
+    # Large RDMA chunks: a replica's one RDMAAction of weight reads ran about twice
+    # as fast with 64 MB chunks as with the default over the TCP fallback.
+    monarch.configure(rdma_max_chunk_size_mb=RDMA_CHUNK_MB)
+
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    os.environ[DEVICE_OFFSET_ENV] = str(device_offset)

@@ -85,6 +85,7 @@ class Role:
         self.name, self._run, self._make = name, run, make
         self.actors = make()
         self.respawns = 0
+        self.resizes = 0  # an elastic role's pool changes (`Run.scale`)
         self._slices: dict[tuple, Any] = {}
 
     @property
@@ -94,6 +95,8 @@ class Role:
     def slice(self, **where: Any) -> Any:
         """A slice of the actors, kept: the loop slices every replica every step, and
         Monarch builds each slice's endpoints anew (about 0.35 ms on 2 cores)."""
+        if getattr(self.actors, "elastic", False):  # members come and go; slicing is cheap
+            return self.actors.slice(**where)
         key = tuple(sorted(where.items()))
         try:
             return self._slices[key]
@@ -104,8 +107,10 @@ class Role:
             return self.actors.slice(**where)
 
     def respawned(self) -> None:
-        """Its procs were replaced: spawn its actors again."""
-        self.actors = self._make()
+        """Its procs were replaced: spawn its actors again (an elastic role's new
+        members have them already)."""
+        if not getattr(self.actors, "elastic", False):
+            self.actors = self._make()
         self._slices = {}
         self.respawns += 1
 
@@ -124,7 +129,7 @@ class Run:
     `procs` maps each role to its procs per host (`job.hosts` gives the hosts);
     `share` maps a role to another whose procs it runs in (colocation); roles in
     `busy_together` compute at the same time and share the cores (see
-    `RoleMeshes`). With `checkpoint.resume` the run continues in the
+    `RoleMeshes`); `elastic` roles' pools can grow and shrink (`scale`). With `checkpoint.resume` the run continues in the
     checkpoint's directory (`resume_from`). Use as a context manager, or call
     `close()`; both are safe to call twice."""
 
@@ -135,6 +140,7 @@ class Run:
         procs: dict[str, int],
         share: dict[str, str] | None = None,
         busy_together: list[tuple[str, ...]] | None = None,
+        elastic: tuple[str, ...] = (),
     ):
         self.cfg, self.name = cfg, name
         self.timeout_s = cfg.run.call_timeout_s
@@ -159,6 +165,7 @@ class Run:
             share=share,
             busy_together=busy_together,
             observe=self.observe,
+            elastic=elastic,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
@@ -178,6 +185,8 @@ class Run:
         one each time the role is spawned again."""
 
         if rendezvous:  # its actors form a torch.distributed group over its procs
+            if self.meshes.share.get(role, role) in self.meshes.elastic:
+                raise ValueError(f"{role}: an elastic role's procs form no process group")
             self.meshes.process_group_roles.add(self.meshes.share.get(role, role))
 
         def make() -> Any:
@@ -203,6 +212,18 @@ class Run:
         for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
             handle.respawned()
         return again
+
+    def scale(self, role: str, size: int) -> list[int]:
+        """Grow or shrink an elastic role to `size` procs: new members get every
+        actor its others have; the newest leave first (collect their work
+        before). Returns the new members' ranks (they have no weights yet)."""
+        if role not in self.meshes.elastic:
+            raise ValueError(f"{role} is not elastic here")
+        new = self.meshes.scale(role, size)
+        for handle in self.roles.values():
+            if self.meshes.share.get(handle.name, handle.name) == role:
+                handle.resizes += 1
+        return new
 
     def report(self) -> tuple[dict[str, float], list[dict]]:
         """What every actor recorded since the last report, reduced over the

@@ -155,6 +155,16 @@ class Observed:
         return weights.version if weights is not None else getattr(self, "version", None)
 
 
+RANK_ENV = "MESHRL_RANK"
+
+
+def proc_rank() -> int:
+    """This proc's rank in its role: Monarch's, or for a member of an elastic
+    role (a mesh of one proc each, `meshrl.pool`) the rank its Watch was given."""
+    given = os.environ.get(RANK_ENV)
+    return int(given) if given is not None else current_rank().rank
+
+
 class Watch(Actor):
     """One per proc, beside the role's actors (`RoleMeshes` spawns it). Being an
     actor of its own, it answers while the others compute or hang."""
@@ -165,6 +175,12 @@ class Watch(Actor):
         # before): the actors and metrics of earlier runs are not this one's.
         _actors.clear()
         drain()
+        os.environ.pop(RANK_ENV, None)
+
+    @endpoint
+    def set_rank(self, rank: int) -> None:
+        """This proc is rank `rank` of an elastic role (before its actors start)."""
+        os.environ[RANK_ENV] = str(rank)
 
     def _status(self) -> dict[str, Any]:
         now = time.time()
@@ -183,7 +199,7 @@ class Watch(Actor):
             )
         return {
             "role": self.role,
-            "rank": current_rank().rank,
+            "rank": proc_rank(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "heartbeat": now,
@@ -205,7 +221,7 @@ class Watch(Actor):
     def profile_dump(self, directory: str) -> tuple[str, list]:
         """Stop profiling; write this proc's trace into `directory`; its path and
         the proc's endpoint intervals."""
-        path = os.path.join(directory, f"{self.role}-{current_rank().rank}.trace.json")
+        path = os.path.join(directory, f"{self.role}-{proc_rank()}.trace.json")
         return path, profile.finish(path)
 
     @endpoint

@@ -148,7 +148,7 @@ class WeightSync:
         self.depth = 0  # hops from the trainer to the farthest replica, last pull
         self.rerouted = 0  # pulls that went to another source, their relay lost
         self._hosts: dict[int, str] = {}  # replica rank -> host
-        self._hosts_of = -1  # the `respawns` of the mesh those hosts are of
+        self._hosts_of: tuple = ()  # (respawns, resizes) of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
 
     @property
@@ -205,8 +205,9 @@ class WeightSync:
         """This pull's tree over `replicas` (`plan`). Their hosts are asked once per
         mesh (`host_id`), when a tree is possible, so that host-mates are never
         made relays of each other; a respawned or grown mesh is asked again."""
-        if self._hosts_of != replicas.respawns:
-            self._hosts, self._hosts_of = {}, replicas.respawns
+        of = (replicas.respawns, getattr(replicas, "resizes", 0))
+        if self._hosts_of != of:
+            self._hosts, self._hosts_of = {}, of
         size = replicas.size
         if 0 < self.fanout < size and len(self._hosts) < size:
             answers = self.sup.wait(replicas.host_id.call(), f"{replicas.name}.host_id")

@@ -1,0 +1,172 @@
+"""The on-policy algorithms' shared config (`RLConfig`): GRPO and its variants,
+PPO. Each algorithm's config adds its own keys to it (`GRPOConfig`, ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshrl.checkpoint import CheckpointConfig
+from meshrl.config import (
+    ConfigError,
+    GenerationConfig,
+    ModelConfig,
+    OptimConfig,
+    PlacementConfig,
+    PolicyConfig,
+    RewardModelConfig,
+    RunConfig,
+    TaskConfig,
+    TrainerConfig,
+    WarmStartConfig,
+    check_lora_placement,
+)
+from meshrl.elastic import PoolConfig
+from meshrl.engines import vllm_missing
+from meshrl.envs import make_task
+from meshrl.envs.sandbox import SandboxConfig
+from meshrl.evaluation import EvalConfig
+from meshrl.faults import FaultsConfig
+from meshrl.job import JobConfig
+from meshrl.routing import check_routing
+from meshrl.weight_sync import WeightsConfig
+
+
+@dataclass
+class RLConfig:
+    """Keys shared by the on-policy algorithms (GRPO and its variants, PPO)."""
+
+    steps: int = 200
+    """RL steps: one batch of rollouts each."""
+    prompts_per_step: int = 16
+    """Distinct prompts per step."""
+    group_size: int = 8
+    """Completions sampled per prompt."""
+    epochs: int = 1
+    """Passes over each batch of rollouts."""
+    minibatches: int = 1
+    """Optimizer steps per pass: the batch is cut into this many shuffled parts."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference model; 0 spawns no reference."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2 or k3 (meshrl.losses.kl_estimate)."""
+    max_staleness: int = 0
+    """Weight versions generation may run ahead of training: the batches of steps
+    s+1..s+k are generated while step s trains. 0 is the synchronous on-policy loop."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+    min_group_size = 1
+
+    def validate(self) -> None:
+        for section in (
+            self.model,
+            self.generation,
+            self.policy,
+            self.reward_model,
+            self.optim,
+            self.trainer,
+            self.placement,
+            self.weights,
+            self.task,
+            self.warm_start,
+            self.run,
+            self.job,
+            self.checkpoint,
+            self.faults,
+            self.sandbox,
+            self.eval,
+            self.pool,
+        ):
+            section.validate()
+        self.sandbox.check_task(self.task.name)
+        check_routing(self.model, self.policy, self.trainer, make_task(self.task).multi_turn)
+        recompute = self.recompute_old_logprobs
+        if not recompute and self.trainer.correction != "none":
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
+                f"'{self.trainer.correction}' needs the trainer's old log-probs"
+            )
+        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
+            raise ConfigError(
+                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
+                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
+                "distribution, so every ratio would be biased (set it to auto or true)"
+            )
+        for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}': must be >= 1")
+        if self.group_size < self.min_group_size:
+            raise ConfigError(
+                f"config key 'group_size': must be >= {self.min_group_size} "
+                "(advantages compare completions of one prompt)"
+            )
+        if self.kl_kind not in ("k1", "k2", "k3"):
+            raise ConfigError(f"config key 'kl_kind': '{self.kl_kind}' is not one of k1, k2, k3")
+        if self.kl_coef < 0:
+            raise ConfigError("config key 'kl_coef': must be >= 0")
+        if self.max_staleness < 0:
+            raise ConfigError("config key 'max_staleness': must be >= 0")
+        check_lora_placement(self.model, self.placement)
+        if self.max_staleness and make_task(self.task).multi_turn:
+            raise ConfigError(
+                f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "
+                "run with max_staleness=0"
+            )
+        if self.policy.engine == "vllm" and self.job.kind in ("local", "process"):
+            missing = vllm_missing()  # the replicas run on this machine: say so now
+            if missing:
+                raise ConfigError(f"config key 'policy.engine': {missing}")
+        batch = self.prompts_per_step * self.group_size
+        for role in ("reference", "trainer"):  # (policy replicas take nearly equal parts)
+            if batch % self.ranks(role):
+                raise ConfigError(
+                    f"config key 'placement.{role}': {batch} completions per step "
+                    f"do not split evenly over {self.ranks(role)} procs"
+                )
+        if batch % (self.minibatches * self.ranks("trainer")):
+            raise ConfigError(
+                f"config key 'minibatches': {batch} completions per step do not split into "
+                f"{self.minibatches} minibatches x {self.ranks('trainer')} trainer procs"
+            )
+        per_rank = batch // (self.minibatches * self.ranks("trainer"))
+        if self.trainer.micro_batches > per_rank:
+            raise ConfigError(
+                f"config key 'trainer.micro_batches': {self.trainer.micro_batches} is more "
+                f"than the {per_rank} rows each trainer proc gets per optimizer step"
+            )
+
+    @property
+    def env_args(self) -> tuple:
+        """The environment actor's arguments: the task, the tokenizer's model, the sandbox."""
+        return self.task, self.model, self.sandbox
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the trainer recomputes the old log-probs (`trainer.recompute_old_logprobs`)."""
+        return self.trainer.recompute(self.model, self.generation, self.policy)
+
+    def ranks(self, role: str) -> int:
+        """Procs of a role over all its hosts."""
+        if role == "policy" and self.placement.colocate:
+            return self.ranks("trainer")
+        return getattr(self.placement, role) * self.job.hosts_for(role)
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps over the whole run (for the learning-rate schedule)."""
+        return self.steps * self.epochs * self.minibatches

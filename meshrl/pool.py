@@ -1,0 +1,388 @@
+"""Elastic roles: one single-proc Monarch mesh per replica, so a pool can grow
+and shrink while the run goes on.
+
+Monarch 0.7 adds no procs to a proc mesh, and no hosts to a running job. So an
+elastic role (policy, environment) is a `ProcGroup`: a list of members, each a
+proc mesh of one proc, that looks like one proc mesh to the rest of meshrl.
+`ProcGroup.spawn` returns a `PoolActors`, which answers as an actor mesh with
+one dimension, `procs` (`slice(procs=i)`, `endpoint.call()` with its answers
+in rank order). Each spawn is recorded and done again on every member that
+joins later, so a new replica has the same actors as the others. On a
+`process` job, members past its hosts go on hosts that join through a Monarch
+job of their own (`add_host`), stopped when their last member leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl import proc_pool
+
+logger = logging.getLogger(__name__)
+
+
+class ScaleError(ValueError):
+    """A pool size that cannot be: one line naming the role and the limit."""
+
+
+# --- the facade: members' actors as one mesh ----------------------------------------
+
+
+class PoolValues:
+    """The answers of every member, in rank order (as Monarch's `ValueMesh`)."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+    def items(self) -> list[tuple[dict, Any]]:
+        return [({"procs": rank}, value) for rank, value in enumerate(self.values)]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class PoolFuture:
+    """One endpoint call on every member. `get(timeout)` keeps the answers that
+    came, so polling it in short slices (`meshrl.mesh.wait`) never asks twice; a
+    member's error (its exception, as Monarch raised it) is raised as is."""
+
+    def __init__(self, futures: list):
+        self.futures = futures
+        self.done: dict[int, Any] = {}
+
+    def get(self, timeout: float | None = None) -> PoolValues:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rank, future in enumerate(self.futures):
+            if rank not in self.done:
+                left = None if deadline is None else max(0.001, deadline - time.monotonic())
+                self.done[rank] = future.get(timeout=left)
+        values = []
+        for rank in range(len(self.futures)):
+            answer = self.done[rank]
+            items = answer.items() if hasattr(answer, "items") else [(None, answer)]
+            values += [value for _, value in items]
+        return PoolValues(values)
+
+
+class PoolEndpoint:
+    def __init__(self, meshes: list, name: str):
+        self.meshes, self.name = meshes, name
+
+    def call(self, *args: Any, **kwargs: Any) -> PoolFuture:
+        return PoolFuture([getattr(m, self.name).call(*args, **kwargs) for m in self.meshes])
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.meshes) != 1:
+            raise ValueError(f"call_one on {len(self.meshes)} procs: slice one first")
+        return getattr(self.meshes[0], self.name).call_one(*args, **kwargs)
+
+
+class PoolActors:
+    """One actor mesh per member, addressed as one mesh over `procs`."""
+
+    elastic = True
+
+    def __init__(self, meshes: list):
+        self.meshes = meshes
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"procs": len(self.meshes)}
+
+    def slice(self, procs: int) -> Any:
+        if not isinstance(procs, int):
+            raise TypeError("an elastic role is sliced one proc at a time: slice(procs=i)")
+        return self.meshes[procs]
+
+    def stop(self) -> PoolFuture:
+        return PoolFuture([m.stop() for m in self.meshes])
+
+    def __getattr__(self, endpoint: str) -> PoolEndpoint:
+        if endpoint.startswith("_"):
+            raise AttributeError(endpoint)
+        return PoolEndpoint(self.meshes, endpoint)
+
+
+# --- the members --------------------------------------------------------------------
+
+
+@dataclass
+class Member:
+    mesh: Any
+    host: int  # index into ProcGroup.hosts
+    slot: int  # its proc index on that host (its GPU offset there)
+    key: tuple | None  # the `ProcPool` key it may be given back under
+    actors: list = field(default_factory=list)  # one actor mesh per recorded spawn
+
+
+@dataclass
+class Host:
+    mesh: Any  # a Monarch HostMesh of one host
+    job: Any = None  # the Monarch job it joined through (None: the run's own)
+
+
+@dataclass
+class Spawn:
+    name: str
+    cls: type
+    args: tuple
+    kwargs: dict
+    actors: PoolActors
+
+
+class ProcGroup:
+    """A role's procs, one single-proc mesh each (see the module docstring).
+
+    `hosts`: the role's Monarch host meshes (one host each), `per_host` procs
+    each. `spawn_proc(host_mesh, slot)` spawns a proc mesh of one proc;
+    `pool_key(slot)` is the `ProcPool` key a member may be taken from and given
+    back under (None: never). `add_host()` returns a `Host` that joins the job
+    (None: this job cannot grow); `limit` caps the members. The first actor
+    spawned on every member is its `Watch`: it is waited for before the others
+    are spawned (its __init__ clears a reused proc's registry)."""
+
+    def __init__(
+        self,
+        role: str,
+        hosts: list[Host],
+        per_host: int,
+        spawn_proc: Callable[[Any, int], Any],
+        pool_key: Callable[[int], tuple | None],
+        limit: int,
+        limit_reason: str,
+        wait: Callable[[Any, str, float], Any],
+        add_host: Callable[[int], Host] | None = None,
+        timeout_s: float = 60.0,
+    ):
+        self.role, self.hosts, self.per_host = role, hosts, per_host
+        self.spawn_proc, self.pool_key, self.add_host = spawn_proc, pool_key, add_host
+        self.limit, self.limit_reason, self.timeout_s = limit, limit_reason, timeout_s
+        self.wait = wait  # `meshrl.mesh.wait`
+        self.members: list[Member] = []
+        self.spawns: list[Spawn] = []
+        self.epoch = 0
+        """Changes with every membership change: ranks are renumbered on a shrink."""
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"procs": len(self.members)}
+
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> PoolActors:
+        """`cls(*args, **kwargs)` on every member, now and on each that joins later."""
+        meshes = []
+        for member in self.members:
+            member.actors.append(member.mesh.spawn(name, cls, *args, **kwargs))
+            meshes.append(member.actors[-1])
+        actors = PoolActors(meshes)
+        self.spawns.append(Spawn(name, cls, args, kwargs, actors))
+        if len(self.spawns) == 1:  # the Watches
+            for rank, member in enumerate(self.members):
+                self._ready(member, rank)
+        return actors
+
+    def _ready(self, member: Member, rank: int) -> None:
+        """A member's Watch answers, and tells its proc its rank in the role (before
+        any other actor starts there: they read it, e.g. a replica's seed)."""
+        what = f"{self.role}.{self.spawns[0].name}[{rank}]"
+        self.wait(member.actors[0].status.call(), what, self.timeout_s)
+        self.wait(member.actors[0].set_rank.call(rank), what, self.timeout_s)
+
+    # --- growing, shrinking, replacing ------------------------------------------------
+
+    def _free_slot(self) -> tuple[int, int]:
+        taken = {(m.host, m.slot) for m in self.members}
+        for host in range(len(self.hosts)):
+            for slot in range(self.per_host):
+                if (host, slot) not in taken:
+                    return host, slot
+        if self.add_host is None:
+            raise ScaleError(f"scale: {self.role}: no free proc slot on this job's hosts")
+        self.hosts.append(self.add_host(len(self.hosts)))
+        return len(self.hosts) - 1, 0
+
+    def _start(self, host: int, slot: int) -> Member:
+        key = self.pool_key(slot) if self.hosts[host].job is None else None
+        mesh = proc_pool.pool.take(key) if key is not None and proc_pool.pool else None
+        if mesh is None:
+            mesh = self.spawn_proc(self.hosts[host].mesh, slot)
+        return Member(mesh, host, slot, key)
+
+    def _join(self, member: Member, rank: int) -> None:
+        """Spawn the recorded actors on a new member (its Watch first, waited for)."""
+        for i, spawn in enumerate(self.spawns):
+            actors = member.mesh.spawn(spawn.name, spawn.cls, *spawn.args, **spawn.kwargs)
+            member.actors.append(actors)
+            if i == 0:
+                self._ready(member, rank)
+
+    def _publish(self) -> None:
+        """Every recorded spawn's facade lists the members' actors in rank order."""
+        for i, spawn in enumerate(self.spawns):
+            spawn.actors.meshes[:] = [m.actors[i] for m in self.members]
+        self.epoch += 1
+
+    def grow(self, count: int) -> list[int]:
+        """`count` new members (their procs spawned side by side), each with every
+        recorded actor; returns their ranks."""
+        if len(self.members) + count > self.limit:
+            raise ScaleError(
+                f"scale: {self.role}={len(self.members) + count}: past this job's limit "
+                f"of {self.limit} ({self.limit_reason})"
+            )
+        new = []
+        try:
+            for _ in range(count):  # spawning is asynchronous: the procs boot together
+                new.append(self._start(*self._free_slot()))
+                self.members.append(new[-1])
+            for member in new:
+                self._join(member, self.members.index(member))
+        except BaseException:
+            for member in new:
+                self.members.remove(member)
+                self._stop_members([member])
+            self._release_hosts()
+            raise
+        self._publish()
+        return [self.members.index(m) for m in new]
+
+    def retire(self, ranks: list[int]) -> None:
+        """Stop these members (their work collected first, by the caller)."""
+        gone = [self.members[r] for r in ranks]
+        self.members = [m for m in self.members if m not in gone]
+        self._publish()
+        self._stop_members(gone)
+        self._release_hosts()
+
+    def replace(self, ranks: list[int]) -> None:
+        """Fresh procs in place of these members (lost ones), at the same ranks."""
+        for rank in ranks:
+            old = self.members[rank]
+            self._stop_members([old], pool=False)
+            self.members[rank] = self._start(old.host, old.slot)
+            self._join(self.members[rank], rank)
+        self._publish()
+
+    def dead(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks of members whose proc is gone (their Watch does not answer)."""
+        futures = [m.actors[0].status.call() for m in self.members]
+        lost = []
+        for rank, future in enumerate(futures):
+            try:
+                future.get(timeout=timeout_s)
+            except Exception as error:  # noqa: BLE001 - any failure: replace it
+                logger.info("%s[%d] is lost: %s", self.role, rank, error)
+                lost.append(rank)
+        return lost
+
+    # --- stopping ---------------------------------------------------------------------
+
+    def _stop_members(self, members: list[Member], pool: bool = True) -> None:
+        def stop(member: Member) -> None:
+            if pool and self._give_back(member):
+                return
+            try:
+                member.mesh.stop().get(timeout=self.timeout_s)
+            except BaseException as error:  # noqa: BLE001 - best effort, keep stopping
+                logger.warning("could not stop a %s proc cleanly: %s", self.role, error)
+
+        if members:
+            with ThreadPoolExecutor(len(members), thread_name_prefix="meshrl-pool") as threads:
+                list(threads.map(stop, members))
+
+    def _give_back(self, member: Member) -> bool:
+        """Stop a live member's actors and keep its proc in the `ProcPool`."""
+        if member.key is None or proc_pool.pool is None or not member.actors:
+            return False
+        try:
+            answer = member.actors[0].status.call().get(timeout=5.0)
+            pids = {status["pid"] for _, status in answer.items()}
+            for actors in reversed(member.actors):
+                actors.stop().get(timeout=self.timeout_s)
+        except BaseException as error:  # noqa: BLE001 - then the proc is stopped instead
+            logger.debug("not pooling a %s proc: %s", self.role, error)
+            return False
+        proc_pool.pool.give(member.key, member.mesh, pids)
+        return True
+
+    def _release_hosts(self) -> None:
+        """Stop joined hosts that no member uses any more (the last ones only, so
+        that host indices stay valid)."""
+        used = {m.host for m in self.members}
+        while self.hosts and self.hosts[-1].job is not None and len(self.hosts) - 1 not in used:
+            host = self.hosts.pop()
+            try:
+                host.job.kill()
+            except BaseException as error:  # noqa: BLE001
+                logger.warning("could not stop a joined %s host: %s", self.role, error)
+
+    def close(self) -> None:
+        """Stop every member (give the poolable ones back), then the joined hosts."""
+        members, self.members = self.members, []
+        self._stop_members(members)
+        self._release_hosts()
+
+
+def make_group(
+    role: str,
+    job: Any,
+    host_mesh: Any,
+    per_host: int,
+    spawn_proc: Callable[[Any, int], Any],
+    pool_key: Callable[[int], tuple | None],
+    wait: Callable[[Any, str, float], Any],
+) -> ProcGroup:
+    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig)."""
+    limit, reason = limit_of(job, role, per_host)
+    if job.kind == "local":  # one host: a slot per proc it may have
+        hosts, slots = [Host(host_mesh)], limit
+    else:
+        hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
+        slots = per_host
+    add = (lambda index: join_host(role, index)) if job.kind == "process" else None
+    return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
+
+
+def join_host(role: str, index: int) -> Host:
+    """A host that joins a `process` job: a Monarch `ProcessJob` of its own (a
+    running job takes no new hosts in Monarch 0.7), stopped with its last member."""
+    from monarch.job import ProcessJob
+
+    name = f"{role}_joined{index}"
+    job = ProcessJob({name: 1})
+    try:
+        return Host(getattr(job.state(cached_path=None), name), job)
+    except BaseException:
+        job.kill()
+        raise
+
+
+def limit_of(job: Any, role: str, per_host: int) -> tuple[int, str]:
+    """How many procs `role` may be scaled to on this job, and why: `job.max_procs`
+    when given (on `slurm` and `kubernetes` no more than the hosts submitted
+    hold); else the hosts x procs per host it started with, or on one local
+    host without GPUs its cores."""
+    import os
+
+    import torch
+
+    fixed = job.hosts_for(role) * per_host
+    given = job.max_procs.get(role)
+    if job.kind in ("slurm", "kubernetes"):
+        reason = f"job.hosts.{role} x placement.{role}: Monarch 0.7 adds no hosts to a running job"
+        return (min(given, fixed) if given else fixed), reason
+    if given:
+        return given, f"job.max_procs.{role}={given}"
+    if job.kind == "process":
+        return fixed, f"job.hosts.{role} x placement.{role}; job.max_procs.{role} allows more"
+    if torch.cuda.is_available():  # each takes a GPU: the others' are not known here
+        return fixed, f"placement.{role} on a GPU host; job.max_procs.{role} allows more"
+    cores = os.cpu_count() or 1
+    return cores, f"this host's {cores} cores; job.max_procs.{role} allows more"
