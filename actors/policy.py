@@ -8,6 +8,7 @@ token and the weight version that produced them.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -156,7 +157,9 @@ class Policy(Drillable, Actor):
 
     @endpoint
     def load_state(self, directory: str) -> None:
-        self.generator.set_state(torch.load(f"{directory}/policy_rng_{self.rank}.pt"))
+        path = f"{directory}/policy_rng_{self.rank}.pt"
+        if os.path.exists(path):  # else: a replica the pool did not have then keeps its own
+            self.generator.set_state(torch.load(path))
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

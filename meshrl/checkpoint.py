@@ -132,7 +132,8 @@ class Checkpointer:
     the restored weights to the replicas). `collector` (a `Collector`, when the
     loop generates ahead) saves and restores the batches of `LoopState.ahead`.
     Sizes of `same_size` roles must match the checkpoint's (a replica's sampling
-    stream is its own); an elastic pool is grown or shrunk to the checkpoint's."""
+    stream is its own), unless the role is elastic: its samples' seeds are the
+    controller's, so a run may resume with another pool size."""
 
     def __init__(
         self,
@@ -223,10 +224,12 @@ class Checkpointer:
 
         saved = torch.load(f"{path}/loop.pt", weights_only=False)
         for role in self.roles:
-            size = saved["sizes"].get(role.name)
-            if size and size != role.size and role.name in self.run.meshes.elastic:
-                self.run.scale(role.name, size)  # the pool the run had (its ranks' files)
-            if role.name in self.same_size and saved["sizes"].get(role.name) != role.size:
+            elastic = role.name in self.run.meshes.elastic  # seeds are the samples', not its
+            if (
+                role.name in self.same_size
+                and not elastic
+                and saved["sizes"].get(role.name) != role.size
+            ):
                 raise ConfigError(
                     f"config key 'placement.{role.name}': the checkpoint {path} has "
                     f"{saved['sizes'].get(role.name)} {role.name} procs, this run {role.size}"

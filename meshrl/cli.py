@@ -1,5 +1,6 @@
 """The `meshrl` command: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`,
-`meshrl profile RUN_DIR [--steps N]`, `meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
+`meshrl profile RUN_DIR [--steps N]`, `meshrl scale RUN_DIR role=N ...`,
+`meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import sys
 
 USAGE = (
     "usage: meshrl report RUN_DIR | meshrl status RUN_DIR | meshrl profile RUN_DIR [--steps N]"
-    " | meshrl export CHECKPOINT OUT_DIR"
+    " | meshrl scale RUN_DIR role=N ... | meshrl export CHECKPOINT OUT_DIR"
 )
-COMMANDS = ("report", "status", "profile", "export")
+COMMANDS = ("report", "status", "profile", "scale", "export")
 """The core's commands; `meshrl eval` is the top layer's (`algorithms.cli`)."""
 
 
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         from meshrl.status import main as command
     elif args[0] == "profile":
         from meshrl.profile import main as command
+    elif args[0] == "scale":
+        from meshrl.elastic import main as command
     else:
         from meshrl.export import main as command
     return command(args[1:])

@@ -45,8 +45,9 @@ class PoolConfig:
 
     schedule: list[str] = field(default_factory=list)
     """Pool sizes to take at given steps, as `role=size@step`, e.g. ["policy=3@20",
-    "policy=1@40"]: the role's pool grows or shrinks as that step begins. A
-    resumed run starts with the pools its checkpoint had."""
+    "policy=1@40"]: the role's pool grows or shrinks as that step begins, once
+    (a rewind to a checkpoint undoes no change). A resumed run starts with the
+    pools of its `placement` and takes the entries still to come."""
 
     def validate(self) -> None:
         for entry in self.schedule:
@@ -117,6 +118,7 @@ class Scaler:
         self.roles = [r for r in ELASTIC if r in run.meshes.elastic]
         self.limits = {r: (self.group[r].limit, self.group[r].limit_reason) for r in self.roles}
         self.changes = 0
+        self.fired: set[tuple[str, int, int]] = set()
         self.show()
 
     def size(self, role: str) -> int:
@@ -124,7 +126,10 @@ class Scaler:
 
     def apply(self, step: int) -> None:
         """The changes due as `step` begins: the schedule's, then a request's."""
-        due = {role: size for role, size, at in self.cfg.entries() if at == step}
+        # Each entry once: a rewind to a checkpoint does not undo what came since.
+        entries = [e for e in self.cfg.entries() if e[2] == step and e not in self.fired]
+        self.fired.update(entries)
+        due = {role: size for role, size, _ in entries}
         sizes = {**due, **take_request(self.run.dir)}
         if sizes:
             self.scale(**sizes)
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     """`meshrl scale RUN_DIR role=N ...`: resize a running run's elastic pools."""
     import argparse
 
-    from meshrl.status import controller_state, read
+    from meshrl.status import read, run_state
 
     parser = argparse.ArgumentParser(prog="meshrl scale", description=main.__doc__)
     parser.add_argument("run_dir")
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if controller_state(status.get("controller_pid", 0)) != "running":
+    if run_state(status) != "running":
         print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
         return 1
     pools = status.get("pool", {})
@@ -220,10 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             status = read(args.run_dir)
         now = {role: p["size"] for role, p in status.get("pool", {}).items()}
         if all(now.get(role) == size for role, size in sizes.items()):
-            print(f"scaled at step {status.get('step')}: " + " ".join(
-                f"{r}={n}" for r, n in now.items()))  # fmt: skip
+            print("scaled: " + " ".join(f"{r}={n}" for r, n in now.items()))
             return 0
-        if controller_state(status.get("controller_pid", 0)) != "running":
+        if run_state(status) != "running":
             print(f"error: the run in {args.run_dir} ended first", file=sys.stderr)
             return 1
     print(

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from meshrl.status import controller_state, read
+    from meshrl.status import read, run_state
 
     parser = argparse.ArgumentParser(prog="meshrl profile", description=main.__doc__)
     parser.add_argument("run_dir")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if controller_state(status.get("controller_pid", 0)) != "running":
+    if run_state(status) != "running":
         print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
         return 1
     with open(os.path.join(args.run_dir, REQUEST), "w") as f:

@@ -87,6 +87,7 @@ class StatusFile:
         self.every_s = every_s
         self.step: int | None = None
         self.extra: dict[str, Any] = {}  # e.g. Monarch's dashboard and telemetry URLs
+        self.procs: list[dict] = []  # the last view, kept when the run ends
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,6 +96,7 @@ class StatusFile:
         with self._lock:
             if step is not None:
                 self.step = step
+            self.procs = procs
             record = {
                 "written": time.time(),
                 "controller_pid": os.getpid(),
@@ -122,10 +124,17 @@ class StatusFile:
                 self.write(procs)
 
     def stop(self) -> None:
+        """Stop the thread and mark the run ended (its controller may live on: a
+        notebook kernel, a test)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.extra["ended"] = time.time()
+        try:
+            self.write(self.procs)
+        except OSError as error:  # a view; the run's end goes on
+            logger.debug("status: %s", error)
 
 
 def read(run_dir: str) -> dict:
@@ -134,6 +143,11 @@ def read(run_dir: str) -> dict:
         raise FileNotFoundError(f"{run_dir} has no {STATUS_FILE} (is it a meshrl run directory?)")
     with open(path) as f:
         return json.load(f)
+
+
+def run_state(status: dict) -> str:
+    """`running` or `exited`: the run whose `status.json` this is."""
+    return "exited" if status.get("ended") else controller_state(status.get("controller_pid", 0))
 
 
 def controller_state(pid: int) -> str:
@@ -152,13 +166,13 @@ def show(run_dir: str, status: dict) -> None:
     pid = status.get("controller_pid", 0)
     print(
         f"{run_dir}: step {status.get('step')}, written {now - status['written']:.1f}s ago "
-        f"by controller pid {pid} ({controller_state(pid) if pid else '?'})"
+        f"by controller pid {pid} ({run_state(status) if pid else '?'})"
     )
     for key in ("dashboard_url", "telemetry_url"):
         if status.get(key):
             print(f"{key.split('_')[0]}: {status[key]}")
     procs = status["procs"]
-    if status.get("telemetry_url") and pid and controller_state(pid) == "running":
+    if status.get("telemetry_url") and pid and run_state(status) == "running":
         try:  # each actor's state now, from Monarch's telemetry
             merge_states(procs, live_states(status["telemetry_url"]))
         except (OSError, ValueError, KeyError) as error:

@@ -1,0 +1,201 @@
+"""Elastic pools: policy and environment replicas join and leave a running run
+(by the config's schedule, by `meshrl scale` from another shell, by the
+notebook's `algo.scale`), with an exact ledger, every new replica at the
+current version, and the same weights as a fixed pool."""
+
+import glob
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from algorithms.grpo import GRPO
+from meshrl.elastic import REQUEST, check, parse_sizes
+from meshrl.pool import PoolFuture, ScaleError
+from tests.conftest import REPO
+from tests.test_recovery import configure
+
+
+def _meshrl(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "meshrl.cli", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _final(run_dir) -> dict:
+    (path,) = glob.glob(f"{run_dir}/final/*.safetensors")
+    return load_file(path)
+
+
+def _sizes(history: list[dict]) -> list[tuple[int, int]]:
+    return [(r["pool/policy_size"], r["pool/environment_size"]) for r in history]
+
+
+def _exact(history: list[dict], batch: int) -> None:
+    """Every sample generated was trained, once; each step generated with the
+    version published last (new replicas pulled it before they got work)."""
+    last = history[-1]
+    assert last["samples/generated_total"] == last["samples/trained_total"] == batch * len(history)
+    assert all(r["samples/dropped"] == 0 for r in history)
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+# The trainer's old log-probs: the sampler's are those of a batch of another shape
+# at another pool size, equal up to float rounding only.
+ELASTIC = (
+    "warm_start.steps=2",
+    "job.max_procs.policy=3",
+    "job.max_procs.environment=2",
+    "trainer.recompute_old_logprobs=true",
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pools_grow_and_shrink_by_schedule_meshrl_scale_and_api(tmp_path, no_stray_procs):
+    cfg = configure(
+        tmp_path, "elastic", "steps=8", *ELASTIC, "pool.schedule=[policy=2@1,policy=1@6]"
+    )
+    algo = GRPO(cfg)
+    try:
+        history = _grow_and_shrink(algo, tmp_path)
+    finally:
+        algo.close()
+    assert _sizes(history) == [(1, 1), (2, 1), (2, 1), (3, 2), (3, 2), (3, 1), (1, 1), (1, 1)]
+    _exact(history, cfg.prompts_per_step * cfg.group_size)
+    finished = _meshrl("scale", algo.run_dir, "policy=2")
+    assert finished.returncode == 1 and "has finished" in finished.stderr
+    # Same math at any pool size: each sample's seed is the controller's, so a
+    # fixed pool of one replica ends with the same weights, bit for bit.
+    fixed = GRPO(configure(tmp_path, "fixed", "steps=8", *ELASTIC))
+    fixed.run()
+    elastic_weights, fixed_weights = _final(algo.run_dir), _final(fixed.run_dir)
+    assert elastic_weights.keys() == fixed_weights.keys()
+    assert all(elastic_weights[k].equal(fixed_weights[k]) for k in fixed_weights)
+
+
+def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
+    algo.run(3)  # steps 0-2: the schedule grows the policy pool at step 1
+    run_dir = algo.run_dir
+    # Bad input from another shell: one line naming the role and the limit.
+    for sizes, line in [
+        ("policy=0", "scale: policy=0: a pool keeps at least 1 proc"),
+        ("trainer=2", "scale: trainer cannot be scaled (its state lives in its procs)"),
+        ("policy=4", "scale: policy=4: past this job's limit of 3 (job.max_procs.policy=3)"),
+        ("policy", "scale: 'policy' is not role=size"),
+    ]:
+        bad = _meshrl("scale", run_dir, sizes)
+        assert bad.returncode == 1 and line in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    asked = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.cli", "scale", run_dir, "policy=3", "environment=2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "elastic" / REQUEST).exists():
+        assert asked.poll() is None and time.monotonic() < deadline, asked.communicate()
+        time.sleep(0.2)
+    algo.run(2)  # steps 3-4: the request is taken as step 3 begins
+    out, err = asked.communicate(timeout=60)
+    assert asked.returncode == 0 and "scaled: policy=3 environment=2" in out, err
+    algo.scale(environment=1)  # the notebook's call, between steps
+    with pytest.raises(ScaleError, match="reference cannot be scaled"):
+        algo.scale(reference=2)
+    return algo.run()  # steps 5-7; the schedule shrinks the policy pool at step 6
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
+    """The trainer dies as step 3 begins, when the schedule and a request resize
+    the policy pool: the run goes back to its checkpoint and on, the pool keeps
+    the size asked for, and the ledger counts the rewound samples."""
+    cfg = configure(
+        tmp_path, "rewind", "steps=5", *ELASTIC, "checkpoint.every=2",
+        "faults.kill=[trainer:0@3]", "pool.schedule=[policy=2@3]", "run.save_final=false",
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        algo.run(3)
+        (tmp_path / "rewind" / REQUEST).write_text(json.dumps({"policy": 3}))
+        history = algo.run()
+    finally:
+        algo.close()
+    assert [r["step"] for r in history] == [0, 1, 2, 2, 3, 4]  # back to the step-2 checkpoint
+    assert [r["pool/policy_size"] for r in history][-3:] == [3, 3, 3]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
+    last, batch = history[-1], cfg.prompts_per_step * cfg.group_size
+    assert last["samples/trained_total"] == 5 * batch
+    assert last["samples/generated_total"] == 5 * batch + last["samples/dropped_total"]
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stray_procs):
+    """A `process` job's policy host is full: the replica asked for joins on a
+    host of its own (a Monarch ProcessJob), pulls the version over RDMA, serves,
+    and its host is stopped when it leaves."""
+    cfg = configure(
+        tmp_path, "joined", "steps=4", "warm_start.steps=0", "job.kind=process",
+        "job.max_procs.policy=2", "pool.schedule=[policy=2@1,policy=1@3]",
+        "run.save_final=false",
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        algo.run(2)
+        group = algo.meshes.meshes.meshes["policy"]
+        assert len(group) == 2 and len(group.hosts) == 2 and group.hosts[1].job is not None
+        policy = [p for p in algo.mesh_status(show=False) if p["role"] == "policy"]
+        assert [p["rank"] for p in policy] == [0, 1] and policy[0]["pid"] != policy[1]["pid"]
+        history = algo.run()
+    finally:
+        algo.close()
+    assert len(group.hosts) == 1  # the joined host left with its replica
+    assert [r["pool/policy_size"] for r in history] == [1, 2, 2, 1]
+    _exact(history, cfg.prompts_per_step * cfg.group_size)
+
+
+def test_scale_input_and_limits():
+    assert check("policy", 2, {"policy": (3, "x")}) is None
+    assert check("critic", 2) == (
+        "scale: critic cannot be scaled (its state lives in its procs); "
+        "elastic roles: policy, environment"
+    )
+    assert check("policy", 5, {"policy": (4, "job.max_procs.policy=4")}) == (
+        "scale: policy=5: past this job's limit of 4 (job.max_procs.policy=4)"
+    )
+    assert "no role 'polcy'" in check("polcy", 2)
+    assert parse_sizes(["policy=3", "environment=2"]) == {"policy": 3, "environment": 2}
+    with pytest.raises(ScaleError, match="'policy:3' is not role=size"):
+        parse_sizes(["policy:3"])
+
+
+class _Later:
+    """A Monarch-like future that answers on its `ready`-th `get`."""
+
+    def __init__(self, value, ready: int = 1, error: Exception | None = None):
+        self.value, self.ready, self.error, self.asked = value, ready, error, 0
+
+    def get(self, timeout=None):
+        self.asked += 1
+        if self.asked < self.ready:
+            raise TimeoutError
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_pool_future_answers_in_rank_order_and_asks_each_member_once():
+    first, second = _Later("a", ready=3), _Later("b")
+    future = PoolFuture([first, second])
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            future.get(timeout=0.01)
+    assert [v for _, v in future.get(timeout=0.01).items()] == ["a", "b"]
+    assert second.asked == 1  # its answer was kept while the first one was awaited
+    failing = PoolFuture([_Later("a"), _Later(None, error=RuntimeError("lost"))])
+    with pytest.raises(RuntimeError, match="lost"):
+        failing.get(timeout=0.01)
