@@ -123,11 +123,13 @@ def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
         history = algo.run()
     finally:
         algo.close()
-    assert [r["step"] for r in history] == [0, 1, 2, 2, 3, 4]  # back to the step-2 checkpoint
-    assert [r["pool/policy_size"] for r in history][-3:] == [3, 3, 3]
+    # Back to the step-2 checkpoint (the records since are dropped) and on.
+    assert [r["step"] for r in history] == [0, 1, 2, 3, 4]
+    assert [r["pool/policy_size"] for r in history] == [1, 1, 3, 3, 3]
     assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
     last, batch = history[-1], cfg.prompts_per_step * cfg.group_size
     assert last["samples/trained_total"] == 5 * batch
+    assert last["samples/dropped_total"] == 2 * batch  # steps 2 and 3, rewound
     assert last["samples/generated_total"] == 5 * batch + last["samples/dropped_total"]
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
 
