@@ -79,6 +79,9 @@ class Environment(Drillable, Actor):
         self.drill("score")
         if not completion_ids:
             return [], {}
+        started = time.perf_counter()
+        self.wait_latency(completion_ids)  # `faults.episode_latency`, `faults.slow` drills
+        self.drag(started)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         results = self._run_all(
             [

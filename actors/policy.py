@@ -101,6 +101,7 @@ class Policy(Drillable, Actor):
         record("policy/longest_completion", completion_mask.sum(1).max().item(), "max")
         record("policy/shortest_completion", completion_mask.sum(1).min().item(), "min")
         self.check_intact()  # nothing sampled from a slot rewritten meanwhile leaves
+        self.drag(started)  # a `faults.slow` drill: a slower replica
         return Completions(
             prompt_ids=ids,
             prompt_mask=mask,

@@ -20,6 +20,7 @@ from algorithms.command import main  # noqa: F401 - every algorithm's command li
 from algorithms.rl_config import RLConfig  # noqa: F401 - its home for the algorithms
 from meshrl.checkpoint import Checkpointer
 from meshrl.collector import Batch, Collector, decode
+from meshrl.dispatch import Dispatcher
 from meshrl.elastic import Scaler
 from meshrl.envs import make_task
 from meshrl.evaluation import Evaluator
@@ -132,6 +133,8 @@ class Algorithm:
             return
         try:
             if save and self.log is not None:
+                if getattr(self, "dispatcher", None) is not None:  # late groups never trained
+                    self.dispatcher.drop_all("run_end")
                 if self.cfg.run.save_final:
                     self.sup.call_all(self.trainer, "save", f"{self.meshes.dir}/final")
                 paths = self.sync.paths if getattr(self, "sync", None) else []
@@ -209,6 +212,7 @@ class Algorithm:
         )  # fmt: skip
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
         self.scaler = Scaler(run, cfg.pool, self.settle, lambda role: sup.catch_up[role]())
+        self.dispatcher = self.ckpt.queue = self.make_dispatcher()
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")
         sup.on_respawn("reference", self.reload_reference)
@@ -270,15 +274,34 @@ class Algorithm:
         )
         self.sync.pull(self.policy, self.sync.publish(self.trainer))
 
+    def make_dispatcher(self) -> Dispatcher | None:
+        """Work by pull (`rollout.dispatch: pull`): the queue the replicas take
+        groups from; None for the static split."""
+        cfg, policy, environment = self.cfg, self.policy, self.environment
+        if getattr(cfg, "rollout", None) is None or cfg.rollout.dispatch != "pull":
+            return None
+        return Dispatcher(
+            cfg.rollout, self.collector, policy, environment,
+            send=lambda i, ids, seeds: policy.slice(procs=i).generate.call_one(
+                ids, cfg.generation, seeds
+            ),
+            score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
+                prompts, texts
+            ),
+        )  # fmt: skip
+
     def before_step(self, step: int) -> None:
         """As `step` begins: the `faults:` drills due, then the pool sizes due."""
         self.sup.drill(step)
         self.scaler.apply(step)
 
     def settle(self) -> None:
-        """Collect the work in flight (batches generated ahead, weight pulls)."""
+        """Collect the work in flight (batches generated ahead, the rollout queue's
+        calls, weight pulls)."""
         for batch in self.state.ahead:
             self.collector.collect(batch)
+        if self.dispatcher is not None:
+            self.dispatcher.settle()
         self.sync.wait()
 
     def scale(self, **sizes: int) -> None:

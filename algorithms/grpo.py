@@ -124,7 +124,7 @@ class GRPO(Algorithm):
                     with log.timer("step"):
                         # Generate this step's batch (and `max_staleness` batches ahead):
                         # group_size copies of each prompt, split over the policy replicas.
-                        while len(state.ahead) <= cfg.max_staleness:
+                        while self.dispatcher is None and len(state.ahead) <= cfg.max_staleness:
                             batch = self.collector.layout(
                                 self.collector.sample_prompts(cfg.prompts_per_step)
                             )
@@ -134,8 +134,10 @@ class GRPO(Algorithm):
                                     for i, (ids, seeds) in enumerate(batch.shards)
                                 ]  # fmt: skip
                             state.ahead.append(batch)
-                        # Collect it, score it on the environment mesh, refill failed groups.
-                        completions, rewards, rollout_info = self.rollout(state.ahead.pop(0))
+                        if self.dispatcher is not None:  # or by pull: free replicas take groups
+                            completions, rewards, rollout_info = self.dispatcher.step(cfg.prompts_per_step)  # fmt: skip
+                        else:  # collect it, score it on the environment mesh, refill failed groups
+                            completions, rewards, rollout_info = self.rollout(state.ahead.pop(0))
                         batch = TrainBatch.from_completions(completions)
                         with log.timer("reference"):  # rows split over the reference procs
                             if reference is not None:

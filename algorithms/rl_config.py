@@ -20,6 +20,7 @@ from meshrl.config import (
     WarmStartConfig,
     check_lora_placement,
 )
+from meshrl.dispatch import RolloutConfig
 from meshrl.elastic import PoolConfig
 from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
@@ -69,6 +70,7 @@ class RLConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     min_group_size = 1
 
@@ -91,8 +93,16 @@ class RLConfig:
             self.sandbox,
             self.eval,
             self.pool,
+            self.rollout,
         ):
             section.validate()
+        if self.rollout.dispatch == "pull" and (
+            make_task(self.task).multi_turn or self.reward_model.path
+        ):
+            raise ConfigError(
+                "config key 'rollout.dispatch': pull is for single-turn tasks scored by "
+                "the environment (not yet multi-turn episodes or a reward model)"
+            )
         self.sandbox.check_task(self.task.name)
         check_routing(self.model, self.policy, self.trainer, make_task(self.task).multi_turn)
         recompute = self.recompute_old_logprobs

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 from meshrl.config import ConfigError
 
@@ -150,6 +151,9 @@ class Checkpointer:
         self.roles = [r for r in roles if r is not None]
         self.after_restore, self.collector, self.same_size = after_restore, collector, same_size
         self.subdirs = subdirs or {}  # role name -> its files' subdirectory (two trainers)
+        self.queue: Any = None
+        """The rollout queue of work by pull (`meshrl.dispatch.Dispatcher`), if any:
+        saved settled in `LoopState.data`, loaded after a restore, dropped on a rewind."""
         self.saved_at = -1
 
     def latest(self) -> str | None:
@@ -200,6 +204,8 @@ class Checkpointer:
         # now and saved, so a resumed run trains on exactly these samples.
         for batch in self.state.ahead if collector else ():
             collector.collect(batch)
+        if self.queue is not None:
+            self.state.data["rollout_queue"] = self.queue.save()
         loop = self.state.state_dict(collector.save if collector else None)
         try:
             partial = begin(self.run.dir, done)
@@ -239,6 +245,8 @@ class Checkpointer:
             self.after_restore()
         restore_batch = self.collector.restore if self.collector else None
         self.state.load_state_dict(saved["loop"], restore_batch, counts=counts)
+        if self.queue is not None:
+            self.queue.load(self.state.data.get("rollout_queue"))
         self.saved_at = self.state.step
         return self.state.step
 
@@ -268,6 +276,8 @@ class Checkpointer:
             in_flight += len(batch)
             ledger.generated += 0 if batch.counted else len(batch)
         self.state.ahead = []
+        if self.queue is not None:  # generated for the steps being undone
+            self.queue.drop_all("trainer_rewind")
         back_to = self.restore(path, counts=False)
         self.run.report()  # actors' metrics of the undone steps belong to no step
         log.rewind(back_to)

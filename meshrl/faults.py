@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+import zlib
 from dataclasses import dataclass, field
 
 from monarch.actor import endpoint
@@ -36,6 +38,8 @@ from meshrl.telemetry import Observed
 _KILL = re.compile(r"^([a-z_]+):(\d+)@(\d+)$")
 _RAISE = re.compile(r"^([a-z_]+)\.([a-z_]+)@(\d+)$")
 _WEIGHTS = re.compile(r"^(corrupt|unmerged|skip_pull:(\d+))@(\d+)$")
+_SLOW = re.compile(r"^(policy|environment):(\d+)x(\d+(?:\.\d+)?)@(\d+)$")
+_LATENCY = re.compile(r"^(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)x(\d+(?:\.\d+)?)$")
 
 ROLES = ("policy", "environment", "reference", "trainer", "critic")
 DRILLED_ENDPOINTS = {
@@ -68,6 +72,15 @@ class FaultsConfig:
     after STEP flipped in the trainer's slot), "unmerged@STEP" (LoRA: that
     version published without its adapters merged) or "skip_pull:RANK@STEP"
     (policy replica RANK does not copy that version but claims it)."""
+    slow: list[str] = field(default_factory=list)
+    """Procs to slow down from a step on, as role:rank x factor @ step, e.g.
+    ["policy:3x4@0"]: each generate (score) call of that proc then takes
+    `factor` times as long (it sleeps the difference, as a slower device would)."""
+    episode_latency: str = ""
+    """Environment latency per scoring call, as "SECONDS,SHARExFACTOR", e.g.
+    "0.02,0.05x20": a call sleeps 0.02 s, or 20 times that when one of its
+    episodes is among the 5% drawn slow (by a hash of its tokens), as a
+    heavy-tailed tool or sandbox would. Empty: none."""
     max_recoveries: int = 10
     """Recoveries of lost procs allowed in a run before it gives up with the error."""
     retry_errors: int = 0
@@ -105,6 +118,17 @@ class FaultsConfig:
                     f"config key 'faults.weights': '{item}' is not corrupt@step, "
                     "unmerged@step or skip_pull:rank@step"
                 )
+        for item in self.slow:
+            if not _SLOW.match(item):
+                raise ConfigError(
+                    f"config key 'faults.slow': '{item}' is not role:rank x factor @ step "
+                    "(policy:3x4@0; roles policy, environment)"
+                )
+        if self.episode_latency and not _LATENCY.match(self.episode_latency):
+            raise ConfigError(
+                f"config key 'faults.episode_latency': '{self.episode_latency}' is not "
+                "SECONDS,SHARExFACTOR (e.g. 0.02,0.05x20)"
+            )
         for key in ("max_recoveries", "retry_errors"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key 'faults.{key}': must be >= 0")
@@ -131,6 +155,22 @@ class FaultsConfig:
                 )
         return found
 
+    def slow_at(self, step: int) -> list[tuple[str, int, float]]:
+        """(role, rank, factor) of the procs to slow down from `step` on."""
+        found = []
+        for item in self.slow:
+            role, rank, factor, at = _SLOW.match(item).groups()
+            if int(at) == step:
+                found.append((role, int(rank), float(factor)))
+        return found
+
+    def latency(self) -> tuple[float, float, float] | None:
+        """(seconds, share, factor) of `episode_latency`, or None."""
+        if not self.episode_latency:
+            return None
+        seconds, share, factor = _LATENCY.match(self.episode_latency).groups()
+        return float(seconds), float(share), float(factor)
+
     def raises_at(self, step: int) -> list[tuple[str, str]]:
         """(role, endpoint) of the endpoints to fail during `step`."""
         found = []
@@ -146,6 +186,8 @@ class Drillable(Observed):
     its next call of an endpoint raise."""
 
     _armed: frozenset = frozenset()
+    _slow: float = 1.0
+    _latency: tuple[float, float, float] | None = None
 
     @endpoint
     def exit_now(self, code: int = 17) -> None:
@@ -160,6 +202,31 @@ class Drillable(Observed):
     def arm(self, name: str) -> None:
         """This proc's next `armed(name)` is true (a `faults.weights` drill)."""
         self._armed = self._armed | {f"drill:{name}"}
+
+    @endpoint
+    def slow_down(self, factor: float) -> None:
+        """From now on every drilled call takes `factor` times as long (`drag`)."""
+        self._slow = factor
+
+    @endpoint
+    def set_latency(self, latency: tuple[float, float, float] | None) -> None:
+        """(seconds, share, factor) that `wait_latency` sleeps per call."""
+        self._latency = latency
+
+    def drag(self, started: float) -> None:
+        """Last line of a drilled call begun at `started` (time.perf_counter):
+        sleep so that it took `slow_down`'s factor times as long."""
+        if self._slow > 1:
+            time.sleep((self._slow - 1) * (time.perf_counter() - started))
+
+    def wait_latency(self, items: list) -> None:
+        """Sleep an environment's `episode_latency` for a call on `items`: the
+        base time, or its factor when an item hashes into the slow share."""
+        if self._latency is None or not items:
+            return
+        seconds, share, factor = self._latency
+        slow = any(zlib.crc32(repr(item).encode()) % 10_000 < share * 10_000 for item in items)
+        time.sleep(seconds * (factor if slow else 1.0))
 
     def armed(self, name: str) -> bool:
         """Whether a drill armed `name` (once)."""

@@ -163,6 +163,11 @@ class Supervisor:
         drills = [("kill", role, rank) for role, rank in self.faults.kills_at(step)]
         drills += [("raise", role, name) for role, name in self.faults.raises_at(step)]
         drills += [(kind, role, rank) for role, kind, rank in self.faults.weight_drills_at(step)]
+        drills += [
+            (f"slow:{factor:g}", role, rank) for role, rank, factor in self.faults.slow_at(step)
+        ]
+        if self.faults.episode_latency and "environment" in self.run:  # each step: new procs too
+            self.call_all(self.run.roles["environment"], "set_latency", self.faults.latency())
         for kind, name, target in drills:
             if (kind, name, target, step) in self.drilled:
                 continue
@@ -173,6 +178,10 @@ class Supervisor:
             if kind == "kill":
                 role.slice(procs=target).exit_now.call_one()  # never answers
                 print(f"faults: killed {name}[{target}] at step {step}", flush=True)
+            elif kind.startswith("slow:"):
+                factor = float(kind.split(":")[1])
+                self.wait(role.slice(procs=target).slow_down.call_one(factor), f"{name}.slow_down")
+                print(f"faults: {name}[{target}] slowed {factor:g}x from step {step}", flush=True)
             elif kind in ("corrupt", "unmerged", "skip_pull"):
                 self.wait(role.slice(procs=target).arm.call_one(kind), f"{name}.arm")
                 print(f"faults: {kind} drill armed on {name}[{target}] at step {step}", flush=True)

@@ -1,0 +1,109 @@
+"""Stragglers: 4 policy replicas, one of them 4x slower (a `faults.slow` drill),
+and environment latency with a heavy tail (5% of episodes 20x slower,
+`faults.episode_latency`), trained with today's static split and with work by
+pull, against the same pull run without the slow replica, in one run of this
+script.
+
+    python benchmarks/stragglers.py              # 20 steps each
+    python benchmarks/stragglers.py --steps 40
+
+Prints one JSON line:
+- `step_s_static`: mean step time, each step's batch split evenly over the replicas;
+- `step_s_pull`: mean step time with `rollout.dispatch=pull`
+  (`rollout.overprovision`, late groups kept within `max_staleness=1`);
+- `step_s_no_straggler`: the pull run without the slow replica;
+- `straggler_ratio`: step_s_pull / step_s_no_straggler (goal <= 1.3);
+- `trainer_idle_fraction`: of the pull run's step time, the share the trainer
+  waited for rollouts (`time/rollout_s` / `time/step_s`);
+- `bias_ks`: the largest `rollout/bias_ks_latency` of the pull run after its
+  first `--skip` steps: the KS distance between trained and completed
+  groups' latency (goal <= 0.05).
+
+Every variant runs the same steps of the same config in this process (its
+first steps, while procs boot and the window fills, are left out of the
+means: `--skip`). The replicas sleep to be slow, so the 2 cores of this
+machine are not what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import redirect_stdout
+from io import StringIO
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from meshrl.config import load_config  # noqa: E402
+
+SLOW = "faults.slow=[policy:3x4@0]"
+LATENCY = "faults.episode_latency=0.02,0.05x20"
+
+
+def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
+    cfg = load_config(
+        GRPOConfig,
+        f"{REPO}/algorithms/configs/grpo_default.yaml",
+        [
+            f"steps={steps}",
+            "placement.policy=4",
+            "placement.environment=2",
+            "placement.threads_per_proc=1",
+            "max_staleness=1",
+            LATENCY,
+            *overrides,
+            f"run.dir={run_dir}",
+            f"run.name={name}",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    with redirect_stdout(StringIO()):
+        return GRPO(cfg).run()
+
+
+def mean(history: list[dict], key: str, skip: int) -> float:
+    values = [r[key] for r in history[skip:]]
+    return sum(values) / len(values)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=3, help="first steps left out of the means")
+    parser.add_argument("--overprovision", type=float, default=0.25)
+    args = parser.parse_args()
+    run_dir = tempfile.mkdtemp(prefix="meshrl-stragglers-")
+    pull = ("rollout.dispatch=pull", f"rollout.overprovision={args.overprovision}")
+    static = run(run_dir, "static", args.steps, SLOW)
+    pulled = run(run_dir, "pull", args.steps, SLOW, *pull)
+    even = run(run_dir, "no_straggler", args.steps, *pull)
+    step_s = {name: mean(h, "time/step_s", args.skip) for name, h in
+              (("static", static), ("pull", pulled), ("no_straggler", even))}  # fmt: skip
+    figures = {
+        "step_s_static": round(step_s["static"], 4),
+        "step_s_pull": round(step_s["pull"], 4),
+        "step_s_no_straggler": round(step_s["no_straggler"], 4),
+        "straggler_ratio": round(step_s["pull"] / step_s["no_straggler"], 3),
+        "pull_speedup_over_static": round(step_s["static"] / step_s["pull"], 3),
+        "trainer_idle_fraction": round(
+            mean(pulled, "time/rollout_s", args.skip) / step_s["pull"], 3
+        ),
+        "bias_ks": round(max(r["rollout/bias_ks_latency"] for r in pulled[args.skip :]), 4),
+        "bias_ks_length": round(max(r["rollout/bias_ks_length"] for r in pulled[args.skip :]), 4),
+        "late_groups_trained": sum(r["rollout/late_groups"] for r in pulled),
+        "dropped_pull": pulled[-1]["samples/dropped_total"],
+        "steps": args.steps,
+        "skip": args.skip,
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
