@@ -12,6 +12,7 @@ request), `Supervisor` (deadlines, retries, respawns, drills), `Checkpointer`,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -155,6 +156,9 @@ class Algorithm:
     def close(self) -> None:
         """Stop every proc now (no save)."""
         meshes, self.meshes = self.meshes, None
+        if getattr(self, "dispatcher", None) is not None:
+            with contextlib.suppress(Exception):
+                self.dispatcher.pause()  # its thread sends no more calls
         if getattr(self, "collector", None) is not None:
             self.collector.close()  # the policy's endpoint
         if meshes is not None:

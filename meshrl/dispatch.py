@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +38,8 @@ from typing import Any
 import torch
 
 from meshrl.config import ConfigError
-from meshrl.mesh import POLL_S, RemoteCallError, one_line
+from meshrl.mesh import POLL_S, RemoteCallError
+from meshrl.rollout import Waiter
 
 DISPATCH = ("split", "pull")
 
@@ -54,6 +57,9 @@ class RolloutConfig:
     (0.25: 25% more); the step trains on the first complete ones."""
     groups_per_call: int = 1
     """pull: groups a replica takes per generate call."""
+    calls_per_replica: int = 1
+    """pull: generate calls a replica may have under way: the next one waits in its
+    mailbox while it runs one, so it never idles between calls (1: strictly pull)."""
     bias_window: int = 256
     """pull: completed groups the bias metrics compare over."""
 
@@ -64,10 +70,9 @@ class RolloutConfig:
             )
         if self.overprovision < 0:
             raise ConfigError("config key 'rollout.overprovision': must be >= 0")
-        if self.groups_per_call < 1 or self.bias_window < 2:
-            raise ConfigError(
-                "config key 'rollout.groups_per_call': must be >= 1 (bias_window >= 2)"
-            )
+        for key, least in (("groups_per_call", 1), ("calls_per_replica", 1), ("bias_window", 2)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"config key 'rollout.{key}': must be >= {least}")
 
 
 @dataclass
@@ -83,7 +88,7 @@ class Group:
     rewards: torch.Tensor | None = None
     version: int = -1  # the weight version it was generated with
     latency_s: float = 0.0  # from taken to scored
-    done_at_step: int = -1  # the step during which it completed
+    late: bool = False  # taken by a replica before a step that did not train it
 
 
 def ks_distance(a: list[float], b: list[float]) -> float:
@@ -100,12 +105,16 @@ def ks_distance(a: list[float], b: list[float]) -> float:
 
 @dataclass
 class _Calls:
-    """Calls under way on one role's procs: rank -> (groups, future)."""
+    """Calls under way on one role's procs: (rank, call number) -> (groups, future)."""
 
-    running: dict[int, tuple[list[Group], Any]] = field(default_factory=dict)
+    running: dict[tuple[int, int], tuple[list[Group], Any]] = field(default_factory=dict)
+    sent: int = 0
 
-    def idle(self, size: int) -> list[int]:
-        return [rank for rank in range(size) if rank not in self.running]
+    def free(self, size: int, depth: int) -> list[int]:
+        """Ranks with fewer than `depth` calls under way, once per call they can take
+        (the least busy first)."""
+        busy = [sum(r == rank for r, _ in self.running) for rank in range(size)]
+        return [rank for level in range(depth) for rank in range(size) if busy[rank] <= level]
 
     def groups(self) -> int:
         return sum(len(groups) for groups, _ in self.running.values())
@@ -140,6 +149,9 @@ class Dispatcher:
         self.generated: deque = deque(maxlen=cfg.bias_window)  # (latency, length)
         self.trained: deque = deque(maxlen=cfg.bias_window)
         self.errors = 0
+        self.waiter = Waiter(self.sup.timeout_s)  # a thread per call: no polling delay
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     # --- the step ---------------------------------------------------------------------
 
@@ -147,6 +159,7 @@ class Dispatcher:
         """The first `need` complete groups within the staleness bound (late ones
         first): their completions [need x group_size], rewards and metrics."""
         started, step = time.perf_counter(), self.state.step
+        self.pause()
         self._drop_stale()
         self._top_up(need)
         last = time.monotonic()
@@ -158,31 +171,61 @@ class Dispatcher:
                     f"rollout: no generation or scoring answered within {self.sup.timeout_s:g}s "
                     f"({self._under_way()} groups under way)", "policy",
                 )  # fmt: skip
-            else:
-                time.sleep(POLL_S / 5)
             self._drop_stale()
             self._top_up(need)
-        late = sorted((g for g in self.complete if g.done_at_step < step), key=lambda g: g.id)
-        fresh = [g for g in self.complete if g.done_at_step == step]
+        late = sorted((g for g in self.complete if g.late), key=lambda g: g.id)
+        fresh = [g for g in self.complete if not g.late]
         if not self.cfg.overprovision:  # the same groups in the same order at any pool size
             fresh.sort(key=lambda g: g.id)
         taken = (late + fresh)[:need]
         self.complete = [g for g in self.complete if g not in taken]
-        if self.max_staleness:  # the next step's groups start while this one trains
+        for group in self._taken_not_trained():  # they are trained first, later
+            group.late = True
+        if self.max_staleness:  # the next step's groups go on while this one trains
             self._top_up(need)
-            self._dispatch()
+            self._resume(step)
         self.trained.extend(self._shape(g) for g in taken)
         pad = self.collector.tokenizer.pad_token_id
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
         self.state.ledger.generated += need * self.k
         info = {
             "time/rollout_s": time.perf_counter() - started,
-            "rollout/late_groups": sum(g.done_at_step < step for g in taken),
+            "rollout/late_groups": sum(g.late for g in taken),
             "rollout/groups_queued": len(self.complete) + self._under_way(),
-            "weights/staleness": max(self.sync.published - g.version for g in taken),
+            "weights/staleness": max(self.sync.version - g.version for g in taken),
             **self.bias(),
         }
         return completions, torch.cat([g.rewards for g in taken]), info
+
+    # --- while the trainer trains -------------------------------------------------------
+
+    def _resume(self, step: int) -> None:
+        """Hand groups to free replicas and take answers in a thread of its own
+        until `pause`: the queue flows while the loop trains and syncs weights."""
+        self._running = threading.Event()
+        self._running.set()
+
+        def drive() -> None:
+            try:
+                while self._running.is_set():
+                    self._dispatch()
+                    self._poll(step, POLL_S)
+            except BaseException as error:  # noqa: BLE001 - raised in the loop's thread
+                self._error = error
+
+        self._thread = threading.Thread(target=drive, name="meshrl-dispatch", daemon=True)
+        self._thread.start()
+
+    def pause(self) -> None:
+        """Stop the thread `_resume` started (the loop's thread drives again), and
+        raise what failed in it."""
+        if self._thread is not None:
+            self._running.clear()
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def bias(self) -> dict[str, float]:
         """KS distances between trained and completed groups, by latency and length."""
@@ -193,6 +236,12 @@ class Dispatcher:
         }  # fmt: skip
 
     # --- the queue --------------------------------------------------------------------
+
+    def _taken_not_trained(self) -> list[Group]:
+        """Groups a replica took that no step has trained yet."""
+        running = [g for calls in (self.generating, self.scoring)
+                   for groups, _ in calls.running.values() for g in groups]  # fmt: skip
+        return [*self.complete, *self.to_score, *running]
 
     def _under_way(self) -> int:
         return (
@@ -219,7 +268,7 @@ class Dispatcher:
             self.next_id += 1
 
     def _drop_stale(self) -> None:
-        stale = [g for g in self.complete if self.sync.published - g.version > self.max_staleness]
+        stale = [g for g in self.complete if self.sync.version - g.version > self.max_staleness]
         if stale:
             self.complete = [g for g in self.complete if g not in stale]
             self.state.ledger.generated += len(stale) * self.k
@@ -231,7 +280,7 @@ class Dispatcher:
         """Give queued groups to free replicas and generated ones to free
         environment procs; how many calls were sent."""
         sent = 0
-        for rank in self.generating.idle(self.policy.size):
+        for rank in self.generating.free(self.policy.size, self.cfg.calls_per_replica):
             if not self.pending:
                 break
             groups = [
@@ -243,38 +292,45 @@ class Dispatcher:
                 group.sent = now
             ids = [row for g in groups for row in g.ids]
             seeds = [s for g in groups for s in g.seeds]
-            self.generating.running[rank] = (groups, self.send(rank, ids, seeds))
+            self._start("policy", rank, groups, self.send(rank, ids, seeds))
             sent += 1
-        for rank in self.scoring.idle(self.environment.size):
+        for rank in self.scoring.free(self.environment.size, 1):
             if not self.to_score:
                 break
             group = self.to_score.popleft()
             future = self.score(rank, [group.prompt] * self.k, group.completions.completion_lists())
-            self.scoring.running[rank] = ([group], future)
+            self._start("environment", rank, [group], future)
             sent += 1
         return sent
 
-    def _poll(self, step: int) -> int:
-        """Take the answers that came; how many."""
+    def _start(self, role: str, rank: int, groups: list[Group], future: Any) -> None:
+        calls = self.generating if role == "policy" else self.scoring
+        calls.sent += 1
+        calls.running[rank, calls.sent] = (groups, future)
+        endpoint = "generate" if role == "policy" else "score"
+        self.waiter.add((role, rank, calls.sent), future, f"{role}.{endpoint}[{rank}]")
+
+    def _poll(self, step: int, timeout_s: float = POLL_S) -> int:
+        """Take the answers that came (waiting up to `timeout_s` for the first);
+        how many."""
         came = 0
-        for role, calls in (("policy", self.generating), ("environment", self.scoring)):
-            for rank, (groups, future) in list(calls.running.items()):
-                try:
-                    answer = future.get(timeout=0.001)
-                except TimeoutError:
-                    continue
-                except Exception as error:  # noqa: BLE001 - Monarch's, as `mesh.wait` reads them
-                    del calls.running[rank]
-                    self._failed(role, rank, groups, error)
-                    came += 1
-                    continue
-                del calls.running[rank]
-                came += 1
-                if role == "policy":
-                    self._generated(groups, answer)
-                else:
-                    self._scored(groups[0], answer, step)
-        return came
+        while True:
+            try:
+                (role, rank, number), answer, error = self.waiter.done.get(
+                    timeout=timeout_s if not came else 0
+                )
+            except queue.Empty:
+                return came
+            self.waiter.in_flight -= 1
+            calls = self.generating if role == "policy" else self.scoring
+            groups, _ = calls.running.pop((rank, number))
+            came += 1
+            if error is not None:
+                self._failed(role, rank, groups, error)
+            elif role == "policy":
+                self._generated(groups, answer)
+            else:
+                self._scored(groups[0], answer, step)
 
     def _generated(self, groups: list[Group], completions: Any) -> None:
         for n, group in enumerate(groups):
@@ -290,31 +346,27 @@ class Dispatcher:
             return
         group.rewards = torch.tensor(rewards, dtype=torch.float32)
         group.latency_s = time.monotonic() - group.sent
-        group.done_at_step = step
         self.generated.append(self._shape(group))
         self.complete.append(group)
 
     def _shape(self, group: Group) -> tuple[float, float]:
         return group.latency_s, group.completions.completion_mask.sum().item() / self.k
 
-    def _failed(self, role: str, rank: int, groups: list[Group], error: Exception) -> None:
+    def _failed(self, role: str, rank: int, groups: list[Group], error: RemoteCallError) -> None:
         """A call failed: its groups go back to the queue. A lost proc is replaced
         (what its generation made is counted as `policy_lost`); an error raised
         in the actor is retried per `faults.retry_errors`."""
-        lost = type(error).__name__ == "SupervisionError"
-        failure = RemoteCallError(f"{role}.{'generate' if role == 'policy' else 'score'}[{rank}] "
-                                  f"failed: {one_line(error)}", f"{role}[{rank}]", lost)  # fmt: skip
         if role == "policy":
             self.pending.extendleft(reversed(groups))
         else:
             self.to_score.extendleft(reversed(groups))
-        if lost:
+        if error.proc_lost:
             if role == "policy":
                 self.state.ledger.generated += len(groups) * self.k
                 self.state.ledger.drop("policy_lost", len(groups) * self.k)
-            self.sup.recover(self.policy if role == "policy" else self.environment, failure)
+            self.sup.recover(self.policy if role == "policy" else self.environment, error)
         else:
-            self.sup.retry(failure, self.errors)
+            self.sup.retry(error, self.errors)
             self.errors += 1
 
     def _drain(self, role: str) -> None:
@@ -322,21 +374,21 @@ class Dispatcher:
         calls = self.generating if role == "policy" else self.scoring
         deadline = time.monotonic() + self.sup.timeout_s
         while calls.running and time.monotonic() < deadline:
-            if not self._poll(self.state.step):
-                time.sleep(POLL_S / 5)
+            self._poll(self.state.step)
 
     # --- checkpoints ------------------------------------------------------------------
 
     def settle(self) -> None:
         """Wait until nothing is under way: every taken group generated and scored."""
+        self.pause()
         deadline = time.monotonic() + self.sup.timeout_s
         while self.generating.running or self.scoring.running or self.to_score:
             if time.monotonic() > deadline:
                 raise RemoteCallError(
                     f"the rollout queue did not settle within {self.sup.timeout_s:g}s", "policy"
                 )
-            if not (self._dispatch_scoring() + self._poll(self.state.step)):
-                time.sleep(POLL_S / 5)
+            self._dispatch_scoring()
+            self._poll(self.state.step)
 
     def _dispatch_scoring(self) -> int:
         pending, self.pending = self.pending, deque()  # nothing new is taken while settling
@@ -348,23 +400,15 @@ class Dispatcher:
     def save(self) -> dict:
         """The queue, settled, for a checkpoint: groups drawn and complete."""
         self.settle()
-        behind = self.sync.published
+        behind = self.sync.version
         return {
             "next_id": self.next_id,
             "pending": [(g.id, g.prompt, g.ids, g.seeds) for g in self.pending],
             "complete": [
-                (
-                    g.id,
-                    g.prompt,
-                    g.ids,
-                    g.seeds,
-                    g.completions,
-                    g.rewards,
-                    behind - g.version,
-                    g.latency_s,
-                )
+                (g.id, g.prompt, g.ids, g.seeds, g.completions, g.rewards)
+                + (behind - g.version, g.latency_s, g.late)
                 for g in self.complete
-            ],  # fmt: skip
+            ],
         }
 
     def load(self, saved: dict | None) -> None:
@@ -373,15 +417,17 @@ class Dispatcher:
         self.next_id = saved["next_id"]
         self.pending = deque(Group(*entry) for entry in saved["pending"])
         self.complete = []
-        for gid, prompt, ids, seeds, completions, rewards, behind, latency in saved["complete"]:
+        for gid, prompt, ids, seeds, completions, rewards, behind, latency, late in saved[
+            "complete"
+        ]:
             group = Group(gid, prompt, ids, seeds, 0.0, completions, rewards)
-            group.version, group.latency_s = self.sync.published - behind, latency
-            group.done_at_step = self.state.step - 1  # late: trained first
+            group.version, group.latency_s, group.late = self.sync.version - behind, latency, late
             self.complete.append(group)
 
     def drop_all(self, reason: str) -> int:
         """Forget everything queued and under way (a rewind, the run's end):
         generated samples not trained count as dropped for `reason`."""
+        self.pause()
         self._drain("policy")
         self._drain("environment")
         made = len(self.complete) + len(self.to_score)

@@ -135,7 +135,7 @@ class EpisodeState:
         return self.prompt_ids + self.tokens
 
 
-class _Waiter:
+class Waiter:
     """Wait for whichever of many Monarch futures finishes first (a thread each)."""
 
     def __init__(self, timeout_s: float):
@@ -186,7 +186,7 @@ def run_episodes(
     ready = list(range(len(episodes)))  # waiting for the model
     acted: list[int] = []  # waiting for the environment
     free_policy, free_env = list(range(num_policy)), list(range(num_env))
-    waiter = _Waiter(timeout_s)
+    waiter = Waiter(timeout_s)
     generate_s = 0.0
     while ready or acted or waiter.in_flight:
         while ready and free_policy:

@@ -10,9 +10,11 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from algorithms.grpo import GRPO
+from meshrl import checkpoint
 from meshrl.elastic import REQUEST, check, parse_sizes
 from meshrl.pool import PoolFuture, ScaleError
 from tests.conftest import REPO
@@ -201,3 +203,78 @@ def test_pool_future_answers_in_rank_order_and_asks_each_member_once():
     failing = PoolFuture([_Later("a"), _Later(None, error=RuntimeError("lost"))])
     with pytest.raises(RuntimeError, match="lost"):
         failing.get(timeout=0.01)
+
+
+# --- work by pull ----------------------------------------------------------------------
+
+PULL = ("rollout.dispatch=pull", "rollout.groups_per_call=2", "placement.policy=2")
+# A model whose generation costs more with more rows (the default's hardly does on a
+# CPU: its calls are mostly overhead), one replica 8x slower, nothing overlapped.
+SLOWED = (
+    "placement.threads_per_proc=1",
+    "faults.slow=[policy:1x8@0]",
+    "warm_start.steps=0",
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "generation.max_new_tokens=16",
+    "generation.min_new_tokens=16",
+    "max_staleness=0",
+    "steps=3",
+)
+
+
+def _step_s(history: list[dict]) -> float:
+    rest = history[1:]  # the first step boots the replicas' kernels
+    return sum(r["time/step_s"] for r in rest) / len(rest)
+
+
+class _StopAfter(GRPO):
+    """A run killed after step `stop_at` (its checkpoint written)."""
+
+    stop_at = 2  # in the step after the checkpoint of steps 0-1
+
+    def after_step(self, step, metrics):
+        if step == self.stop_at:
+            raise KeyboardInterrupt
+        super().after_step(step, metrics)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pull_beats_the_static_split_with_a_slow_replica(tmp_path, no_stray_procs):
+    """One replica of two is 8x slower: the static split waits for it every
+    step; by pull the fast one takes more groups."""
+    split = GRPO(configure(tmp_path, "split", *SLOWED, "placement.policy=2")).run()
+    pulled = GRPO(configure(tmp_path, "pull", *SLOWED, *PULL)).run()
+    assert _step_s(pulled) < 0.8 * _step_s(split), (pulled, split)
+    for history in (split, pulled):
+        assert history[-1]["samples/trained_total"] == 3 * 16 * 8
+        assert all(r["samples/dropped"] == 0 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stray_procs):
+    """With `max_staleness=1` the next step's groups are under way while a step
+    trains: a checkpoint waits for them and holds them, and a run stopped there
+    and resumed trains them first, with an exact ledger. (Not bit for bit: which
+    weight version a group generated while the trainer trains gets depends on
+    when its replica takes the new one.)"""
+    ahead = (*PULL, "max_staleness=1", "steps=4", "checkpoint.every=2", "checkpoint.keep=1",
+             "warm_start.steps=0")  # fmt: skip
+    straight = GRPO(configure(tmp_path, "straight", *ahead))
+    history = straight.run()
+    assert history[-1]["samples/trained_total"] == 4 * 16 * 8
+    saved = torch.load(f"{checkpoint.latest(straight.run_dir)}/loop.pt", weights_only=False)
+    queue = saved["loop"]["data"]["rollout_queue"]
+    # The next step's groups: those taken by a replica generated and scored, the rest drawn.
+    assert len(queue["complete"]) + len(queue["pending"]) == 16 and queue["complete"]
+    with pytest.raises(KeyboardInterrupt):
+        _StopAfter(configure(tmp_path, "cut", *ahead)).run()
+    resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
+    after = resumed.run()[2:]  # (its history starts with the records of steps 0-1)
+    assert [r["step"] for r in after] == [2, 3]
+    assert after[0]["weights/staleness"] == 1  # the saved groups, of the version before
+    last = after[-1]
+    assert last["samples/trained_total"] == 4 * 16 * 8
+    assert last["samples/generated_total"] == 4 * 16 * 8 + last["samples/dropped_total"]
