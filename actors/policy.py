@@ -154,11 +154,12 @@ class Policy(Drillable, Actor):
     @endpoint
     def save_state(self, directory: str) -> None:
         """This replica's part of a checkpoint: its sampling stream."""
-        torch.save(self.generator.get_state().cpu(), f"{directory}/policy_rng_{self.rank}.pt")
+        # Its rank now (a standby takes the rank of the replica it replaces).
+        torch.save(self.generator.get_state().cpu(), f"{directory}/policy_rng_{proc_rank()}.pt")
 
     @endpoint
     def load_state(self, directory: str) -> None:
-        path = f"{directory}/policy_rng_{self.rank}.pt"
+        path = f"{directory}/policy_rng_{proc_rank()}.pt"
         if os.path.exists(path):  # else: a replica the pool did not have then keeps its own
             self.generator.set_state(torch.load(path))
 

@@ -215,7 +215,9 @@ class Algorithm:
             collector=self.collector,
         )  # fmt: skip
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
-        self.scaler = Scaler(run, cfg.pool, self.settle, lambda role: sup.catch_up[role]())
+        self.scaler = Scaler(
+            run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
+        )
         self.dispatcher = self.ckpt.queue = self.make_dispatcher()
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")

@@ -7,13 +7,15 @@ replica with the same seed, in one run of this script.
 
 Prints one JSON line:
 - `tokens_per_s`: completion tokens per second of step time, for each phase
-  (before the growth, while grown, after the shrink) of the elastic run, and
-  the same step ranges of the fixed run;
+  (before the growth, while grown, after the shrink; the first 2 steps left
+  out) of the elastic run, and the same step ranges of the fixed run;
 - `scale_s`: the seconds each change took (spawn, load, pull; not in step time);
 - `lost`: samples generated but neither trained nor dropped (must be 0);
 - `duplicated`: samples trained beyond one batch per step (must be 0);
 - `final_params_equal_fixed_pool`: whether the elastic run's final weights
-  equal the fixed run's, bit for bit (each sample's seed is the controller's).
+  equal the fixed run's, bit for bit (each sample's seed is the controller's,
+  and with work by pull every generate call has the same rows at any pool
+  size); `max_param_diff` and `first_step_rewards_differ` say how far apart.
 
 On a machine with fewer cores than replicas, more replicas do not generate
 faster: the figures say what this machine gives, not what a GPU host would.
@@ -37,16 +39,20 @@ sys.path.insert(0, REPO)
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
+SKIP = 2
+
 
 def run(
-    run_dir: str, name: str, steps: int, schedule: list[str], recompute: bool = True
+    run_dir: str, name: str, steps: int, schedule: list[str]
 ) -> tuple[list[dict], str, str, int]:
     overrides = [
         f"steps={steps}",
         "job.max_procs.policy=3",
-        # The trainer's old log-probs: the sampler's come from batches of another
-        # shape at another pool size, equal up to float rounding only.
-        f"trainer.recompute_old_logprobs={'true' if recompute else 'false'}",
+        # Work by pull, two groups a call: every generate call has the same rows
+        # whatever the pool's size, so the sampler's numerics are the same too (a
+        # static split gives each replica a part of another shape).
+        "rollout.dispatch=pull",
+        "rollout.groups_per_call=2",
         f"pool.schedule=[{','.join(schedule)}]",
         f"run.dir={run_dir}",
         f"run.name={name}",
@@ -61,6 +67,7 @@ def run(
 
 
 def tokens_per_s(history: list[dict], first: int, last: int) -> float:
+    first = max(first, SKIP)  # the first steps warm the procs up
     rows = [r for r in history if first <= r["step"] < last]
     return round(sum(r["tokens/generated"] for r in rows) / sum(r["time/step_s"] for r in rows), 1)
 
@@ -101,6 +108,15 @@ def main() -> int:
         "duplicated": last["samples/trained_total"] - batch * args.steps,
         "dropped": dropped,
         "final_params_equal_fixed_pool": a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a),
+        "max_param_diff": max((a[k] - b[k]).abs().max().item() for k in a),
+        "first_step_rewards_differ": next(
+            (
+                x["step"]
+                for x, y in zip(elastic, fixed, strict=True)
+                if x["reward/mean"] != y["reward/mean"]
+            ),
+            None,
+        ),  # fmt: skip
         "steps": args.steps,
     }
     print(json.dumps(figures))

@@ -60,7 +60,44 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--staleness", type=int, default=0, help="max_staleness")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
+    parser.add_argument(
+        "--standby", action="store_true",
+        help="run it twice, without and with a standby policy and environment proc, "
+        "and compare the times to detect a loss and to serve again",
+    )  # fmt: skip
     args = parser.parse_args()
+    if not args.standby:
+        figures, _ = soak(args, standby=0)
+        print(json.dumps(figures))
+        return 0 if figures["samples_lost"] == 0 and figures["steps"] == args.steps else 1
+    cold, cold_times = soak(args, standby=0)
+    warm, warm_times = soak(args, standby=1)
+    figures = {
+        **{f"cold_{k}": v for k, v in cold.items()},
+        **{f"standby_{k}": v for k, v in warm.items()},
+        "detect_p50_s": percentile([t["detect_s"] for t in cold_times + warm_times], 50),
+        "detect_p95_s": percentile([t["detect_s"] for t in cold_times + warm_times], 95),
+        "serve_again_p50_s_cold": percentile([t["serve_s"] for t in cold_times], 50),
+        "serve_again_p95_s_cold": percentile([t["serve_s"] for t in cold_times], 95),
+        "serve_again_p50_s_standby": percentile([t["serve_s"] for t in warm_times], 50),
+        "serve_again_p95_s_standby": percentile([t["serve_s"] for t in warm_times], 95),
+        "recoveries_timed": [len(cold_times), len(warm_times)],
+    }
+    print(json.dumps(figures))
+    lost = cold["samples_lost"] + warm["samples_lost"]
+    return 0 if lost == 0 and cold["steps"] == warm["steps"] == args.steps else 1
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank) of `values`, rounded; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))], 3)
+
+
+def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
+    """One soak run; its figures and the timed recoveries of the elastic roles."""
 
     roles = ["policy", "environment", "reference", "trainer"]
     if args.algo == "ppo":
@@ -83,9 +120,11 @@ def main() -> int:
         "faults.retry_errors=1",
         f"faults.max_recoveries={args.faults + 1}",
         f"run.dir={run_dir}",
-        f"run.name=soak-{args.algo}-{args.seed}",
+        f"run.name=soak-{args.algo}-{args.seed}-standby{standby}",
         "run.progress=false",
         "run.save_final=false",
+        f"faults.standby.policy={standby}",
+        f"faults.standby.environment={standby}",
     ]
     if args.algo == "grpo":
         overrides.append("prompts_per_step=16")
@@ -120,7 +159,8 @@ def main() -> int:
         "wall_s": round(wall, 1),
     }
     print()
-    print(f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, run dir {algo.run_dir}")
+    print(f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, standby {standby}, "
+          f"run dir {algo.run_dir}")  # fmt: skip
     print(f"  kills     {', '.join(kills) or '-'}")
     print(f"  raise_in  {', '.join(raises) or '-'}")
     print(f"{'figure':<22}{'value':>12}")
@@ -130,8 +170,9 @@ def main() -> int:
         elif isinstance(value, float):
             value = f"{value:.3f}"
         print(f"{key:<22}{value!s:>12}")
-    print(json.dumps(figures))
-    return 0 if lost == 0 and len(history) == args.steps else 1
+    times = [t for t in algo.sup.recovery_times if t["role"] in ("policy", "environment")]
+    figures["serve_again_s"] = [round(t["serve_s"], 2) for t in times]
+    return figures, times
 
 
 if __name__ == "__main__":

@@ -55,6 +55,14 @@ def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
             "placement.environment=2",
             "placement.threads_per_proc=1",
             "max_staleness=1",
+            "rollout.groups_per_call=2",
+            # Generation that costs more with more rows (the default model's calls
+            # are mostly overhead on a CPU), as in tests/test_elastic.py.
+            "model.hidden_size=256",
+            "model.intermediate_size=1024",
+            "generation.max_new_tokens=16",
+            "generation.min_new_tokens=16",
+            "warm_start.steps=0",
             LATENCY,
             *overrides,
             f"run.dir={run_dir}",

@@ -112,6 +112,7 @@ class Scaler:
         cfg: PoolConfig,
         settle: Callable[[], None],
         catch_up: Callable[[str], None],
+        standby: dict[str, int] | None = None,
     ):
         self.run, self.cfg, self.settle, self.catch_up = run, cfg, settle, catch_up
         self.group = run.meshes.meshes  # role -> ProcGroup, for the elastic roles
@@ -119,6 +120,10 @@ class Scaler:
         self.limits = {r: (self.group[r].limit, self.group[r].limit_reason) for r in self.roles}
         self.changes = 0
         self.fired: set[tuple[str, int, int]] = set()
+        for role, count in (standby or {}).items():  # spares, now that every actor is spawned
+            if role in self.roles:
+                self.group[role].standby = count
+                self.group[role].fill_standbys()
         self.show()
 
     def size(self, role: str) -> int:

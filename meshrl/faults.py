@@ -81,6 +81,14 @@ class FaultsConfig:
     "0.02,0.05x20": a call sleeps 0.02 s, or 20 times that when one of its
     episodes is among the 5% drawn slow (by a hash of its tokens), as a
     heavy-tailed tool or sandbox would. Empty: none."""
+    standby: dict[str, int] = field(default_factory=dict)
+    """Spare procs to keep per elastic role, e.g. {policy: 1}: spawned with every
+    actor loaded, each replaces a lost proc at once (a policy standby pulls the
+    current version as it does); a new one is then spawned in the background."""
+    detect_s: float = 0.5
+    """How often meshrl checks that the elastic roles' procs live (their pids, on
+    `local` and `process` jobs): a lost one is seen within this, not after
+    Monarch's supervision (about 10 s). 0: Monarch's only."""
     max_recoveries: int = 10
     """Recoveries of lost procs allowed in a run before it gives up with the error."""
     retry_errors: int = 0
@@ -129,6 +137,15 @@ class FaultsConfig:
                 f"config key 'faults.episode_latency': '{self.episode_latency}' is not "
                 "SECONDS,SHARExFACTOR (e.g. 0.02,0.05x20)"
             )
+        for role, count in self.standby.items():
+            if role not in ("policy", "environment"):
+                raise ConfigError(
+                    f"config key 'faults.standby.{role}': standbys are for policy, environment"
+                )
+            if not isinstance(count, int) or count < 0:
+                raise ConfigError(f"config key 'faults.standby.{role}': must be an integer >= 0")
+        if self.detect_s < 0:
+            raise ConfigError("config key 'faults.detect_s': must be >= 0")
         for key in ("max_recoveries", "retry_errors"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key 'faults.{key}': must be >= 0")

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from meshrl.config import ConfigError
+from meshrl.proc_pool import alive
 
 STEPS_SQL = (
     "SELECT CAST(split_part(fields_json, '|', 2) AS BIGINT) AS step, "
@@ -157,21 +158,12 @@ class Observe:
         pid, self._sidecar_pid = self._sidecar_pid, None
         # Monarch's own stop waits 10 s, then kills it: it may still be exiting.
         deadline = time.monotonic() + 5.0
-        while pid is not None and _alive(pid):
+        while pid is not None and alive(pid):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 print(f"Monarch's telemetry sidecar (pid {pid}) outlived its job: killed")
                 return
             time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    """A live process (not one exited and waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def states_from_rows(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:

@@ -15,6 +15,7 @@ job of their own (`add_host`), stopped when their last member leaves.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +119,7 @@ class Member:
     slot: int  # its proc index on that host (its GPU offset there)
     key: tuple | None  # the `ProcPool` key it may be given back under
     actors: list = field(default_factory=list)  # one actor mesh per recorded spawn
+    pid: int | None = None  # its proc's, once its Watch answered
 
 
 @dataclass
@@ -165,6 +167,8 @@ class ProcGroup:
         self.wait = wait  # `meshrl.mesh.wait`
         self.members: list[Member] = []
         self.spawns: list[Spawn] = []
+        self.standby = 0  # spare procs to keep (`faults.standby.<role>`)
+        self.standbys: list[Member] = []  # spawned with every actor, given no rank
         self.epoch = 0
         """Changes with every membership change: ranks are renumbered on a shrink."""
 
@@ -192,13 +196,14 @@ class ProcGroup:
         """A member's Watch answers, and tells its proc its rank in the role (before
         any other actor starts there: they read it, e.g. a replica's seed)."""
         what = f"{self.role}.{self.spawns[0].name}[{rank}]"
-        self.wait(member.actors[0].status.call(), what, self.timeout_s)
+        answer = self.wait(member.actors[0].status.call(), what, self.timeout_s)
+        member.pid = next(status["pid"] for _, status in answer.items())
         self.wait(member.actors[0].set_rank.call(rank), what, self.timeout_s)
 
     # --- growing, shrinking, replacing ------------------------------------------------
 
     def _free_slot(self) -> tuple[int, int]:
-        taken = {(m.host, m.slot) for m in self.members}
+        taken = {(m.host, m.slot) for m in [*self.members, *self.standbys]}
         for host in range(len(self.hosts)):
             for slot in range(self.per_host):
                 if (host, slot) not in taken:
@@ -262,16 +267,40 @@ class ProcGroup:
         self._release_hosts()
 
     def replace(self, ranks: list[int]) -> None:
-        """Fresh procs in place of these members (lost ones), at the same ranks."""
+        """New procs in place of these members (lost ones), at the same ranks: a
+        standby when there is one (spawned and loaded already), else a fresh
+        proc. The standbys are filled up again in the background."""
         for rank in ranks:
             old = self.members[rank]
-            self._stop_members([old], pool=False)
-            self.members[rank] = self._start(old.host, old.slot)
-            self._join(self.members[rank], rank)
+            threading.Thread(target=self._stop_members, args=([old], False), daemon=True).start()
+            proc_pool.lost.pop(f"{self.role}[{rank}]", None)
+            if self.standbys:
+                self.members[rank] = self.standbys.pop(0)
+                self._ready(self.members[rank], rank)
+            else:
+                self.members[rank] = self._start(old.host, old.slot)
+                self._join(self.members[rank], rank)
         self._publish()
+        self.fill_standbys()
+
+    def fill_standbys(self) -> None:
+        """Spawn standbys up to `standby`: their procs boot and their actors load
+        while the run goes (nothing waits for them here)."""
+        while len(self.standbys) < self.standby:
+            host, slot = self._free_slot()
+            member = Member(self.spawn_proc(self.hosts[host].mesh, slot), host, slot, None)
+            for spawn in self.spawns:
+                member.actors.append(
+                    member.mesh.spawn(spawn.name, spawn.cls, *spawn.args, **spawn.kwargs)
+                )
+            self.standbys.append(member)
 
     def dead(self, timeout_s: float = 5.0) -> list[int]:
-        """Ranks of members whose proc is gone (their Watch does not answer)."""
+        """Ranks of members whose proc is gone: by its pid on this machine, else
+        because its Watch does not answer."""
+        gone = [r for r, m in enumerate(self.members) if f"{self.role}[{r}]" in proc_pool.lost]
+        if gone:
+            return gone
         futures = [m.actors[0].status.call() for m in self.members]
         lost = []
         for rank, future in enumerate(futures):
@@ -324,9 +353,11 @@ class ProcGroup:
                 logger.warning("could not stop a joined %s host: %s", self.role, error)
 
     def close(self) -> None:
-        """Stop every member (give the poolable ones back), then the joined hosts."""
+        """Stop every member (give the poolable ones back) and standby, then the
+        joined hosts."""
         members, self.members = self.members, []
-        self._stop_members(members)
+        standbys, self.standbys = self.standbys, []
+        self._stop_members(members + standbys)
         self._release_hosts()
 
 
@@ -341,8 +372,8 @@ def make_group(
 ) -> ProcGroup:
     """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig)."""
     limit, reason = limit_of(job, role, per_host)
-    if job.kind == "local":  # one host: a slot per proc it may have
-        hosts, slots = [Host(host_mesh)], limit
+    if job.kind == "local":  # one host: a slot per proc it may have, and spares
+        hosts, slots = [Host(host_mesh)], limit + 64
     else:
         hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
         slots = per_host
@@ -385,4 +416,33 @@ def limit_of(job: Any, role: str, per_host: int) -> tuple[int, str]:
     if torch.cuda.is_available():  # each takes a GPU: the others' are not known here
         return fixed, f"placement.{role} on a GPU host; job.max_procs.{role} allows more"
     cores = os.cpu_count() or 1
+    if fixed > cores:
+        return fixed, f"placement.{role}; job.max_procs.{role} allows more"
     return cores, f"this host's {cores} cores; job.max_procs.{role} allows more"
+
+
+class Detector:
+    """Sees an elastic role's proc gone within `every_s` (Monarch's supervision
+    says so about 10 s later): every `every_s` it checks each member's pid on
+    this machine (`local` and `process` jobs) and enters the dead ones in
+    `proc_pool.lost`, which fails the calls waiting on them (`meshrl.mesh.wait`)."""
+
+    def __init__(self, groups: Callable[[], dict[str, ProcGroup]], every_s: float):
+        self.groups, self.every_s = groups, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshrl-detect", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for role, group in list(self.groups().items()):
+                for rank, member in enumerate(list(group.members)):
+                    key = f"{role}[{rank}]"
+                    if member.pid and key not in proc_pool.lost and not proc_pool.alive(member.pid):
+                        proc_pool.lost[key] = time.monotonic()
+                        logger.info("%s: proc %d is gone", key, member.pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        proc_pool.lost.clear()

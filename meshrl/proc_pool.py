@@ -82,6 +82,15 @@ def pooled_pids() -> set[int]:
     return pool.pids() if pool is not None else set()
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def monarch_pids() -> set[int]:
     """Pids of live Monarch processes on this machine: mesh procs and the
     subprocess hosts of a `process` job (for checking that nothing leaked)."""
@@ -92,14 +101,28 @@ def monarch_pids() -> set[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
-        if monarch and state != "Z":
+        if monarch and alive(int(entry)):
             pids.add(int(entry))
     return pids
+
+
+lost: dict[str, float] = {}
+"""`role[rank]` -> when meshrl saw that proc gone (`meshrl.pool.Detector`), before
+Monarch's supervision says so (about 10 s later): `meshrl.mesh.wait` fails a
+call to it at once."""
+
+
+def is_lost(what: str) -> bool:
+    """Whether a call named `what` (`policy.generate[1]`, `policy.load_weights`)
+    waits on a proc seen gone."""
+    role, _, rest = what.partition(".")
+    rank = rest[rest.rfind("[") :] if rest.endswith("]") else None
+    if rank is not None:
+        return f"{role}{rank}" in lost
+    return any(key.startswith(f"{role}[") for key in lost)
 
 
 DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"

@@ -31,6 +31,7 @@ from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
 from meshrl.observe import Observe, merge_states
+from meshrl.pool import Detector
 from meshrl.profile import Profiler, take_request
 from meshrl.status import StatusFile
 from meshrl.status import table as status_table
@@ -168,6 +169,13 @@ class Run:
             elastic=elastic,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
+        self.detector: Detector | None = None
+        faults = getattr(cfg, "faults", None)
+        if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
+            groups = self.meshes.meshes
+            self.detector = Detector(
+                lambda: {r: groups[r] for r in self.meshes.elastic if r in groups}, faults.detect_s
+            )
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
         if self.observe is not None:
             self.status.extra = self.observe.urls()
@@ -275,6 +283,8 @@ class Run:
                 print(f"profile not written: {error}", flush=True)
         if self.status is not None:
             self.status.stop()  # before the meshes go: it asks their procs
+        if self.detector is not None:
+            self.detector.close()
         self.meshes.stop()
         if mesh.fault_log == f"{self.dir}/faults.log":
             mesh.fault_log = None

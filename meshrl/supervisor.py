@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from meshrl import proc_pool
 from meshrl.config import ConfigError
 from meshrl.faults import FaultsConfig
 from meshrl.loop import LoopState
@@ -53,6 +54,10 @@ class Supervisor:
         self.timeout_s = run.timeout_s if run is not None else 0.0
         self.catch_up: dict[str, Callable[[], None]] = {}
         self.drilled: set[tuple] = set()
+        self.killed_at: dict[str, float] = {}  # `role[rank]` -> when a drill killed it
+        self.recovery_times: list[dict[str, float]] = []
+        """Per recovery: seconds from the kill (a drill's; else from when the loss
+        was seen) to seeing it (`detect_s`) and to serving again (`serve_s`)."""
 
     def on_respawn(self, role: str, catch_up: Callable[[], None] = lambda: None) -> None:
         """Replace `role`'s procs when one dies, then run `catch_up()` to bring its
@@ -137,10 +142,17 @@ class Supervisor:
             raise RoleLost(error, host)
         self.spend_recovery(name, error)
         started = time.monotonic()
+        seen = min(
+            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
+        )
         log_fault(f"recovering {name}: {error}")
         for again in self.run.respawn(name):
             self.catch_up[again.name]()
         took = time.monotonic() - started
+        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
+        origin = self.killed_at.pop(killed[0]) if killed else seen
+        served = time.monotonic() - origin
+        self.recovery_times.append({"role": host, "detect_s": seen - origin, "serve_s": served})
         log_fault(f"recovered {name} in {took:.1f}s")
         # One console line per recovery; Monarch's failure events are in faults.log.
         print(
@@ -177,6 +189,7 @@ class Supervisor:
             role = self.run.roles[name]
             if kind == "kill":
                 role.slice(procs=target).exit_now.call_one()  # never answers
+                self.killed_at[f"{name}[{target}]"] = time.monotonic()
                 print(f"faults: killed {name}[{target}] at step {step}", flush=True)
             elif kind.startswith("slow:"):
                 factor = float(kind.split(":")[1])
@@ -211,10 +224,12 @@ class Supervisor:
     def metrics(self) -> dict[str, int]:
         """The run's fault counters, as every step logs them."""
         counters = self.state.counters
+        last = self.recovery_times[-1:]  # the newest recovery's times, once there is one
         return {
             "faults/recoveries": len(self.state.recoveries),
             "faults/errors_retried": counters["errors_retried"],
             "faults/nonfinite_steps": counters["nonfinite_steps"],
+            **{f"faults/time_to_{k}": r[k] for r in last for k in ("detect_s", "serve_s")},
         }
 
 

@@ -95,6 +95,15 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["run.profile_steps=[3,1]"], "run.profile_steps"),
         (["run.profile_steps=[2]"], "run.profile_steps"),
         (["policy.dtype=bfloat16", "policy.engine=vllm"], "policy.dtype"),
+        (["pool.schedule=[policy=3]"], "pool.schedule"),
+        (["pool.schedule=[trainer=2@3]"], "trainer cannot be scaled"),
+        (["pool.schedule=[policy=0@3]"], "a pool keeps at least 1 proc"),
+        (["job.max_procs.policy=0"], "job.max_procs.policy"),
+        (["rollout.dispatch=steal"], "rollout.dispatch"),
+        (["rollout.overprovision=-1"], "rollout.overprovision"),
+        (["rollout.dispatch=pull", "task.name=calculator"], "rollout.dispatch"),
+        (["faults.slow=[trainer:0x4@1]"], "faults.slow"),
+        (["faults.episode_latency=slow"], "faults.episode_latency"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):

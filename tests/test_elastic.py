@@ -278,3 +278,35 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
     last = after[-1]
     assert last["samples/trained_total"] == 4 * 16 * 8
     assert last["samples/generated_total"] == 4 * 16 * 8 + last["samples/dropped_total"]
+
+
+# --- recovery in seconds ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_stray_procs):
+    """A policy proc killed at step 2 is seen gone by its pid (not after Monarch's
+    ~10 s), a standby that was spawned and loaded takes its rank, pulls the
+    version and serves, and a new standby is spawned; the run goes on."""
+    cfg = configure(
+        tmp_path, "standby", "steps=5", "warm_start.steps=0", "placement.policy=2",
+        "faults.standby.policy=1", "faults.kill=[policy:0@2]", "run.save_final=false",
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        algo.run(2)
+        group = algo.meshes.meshes.meshes["policy"]
+        spare = group.standbys[0]
+        history = algo.run(3)
+        assert group.members[0] is spare and len(group.standbys) == 1  # refilled
+    finally:
+        algo.close()
+    assert [r["faults/recoveries"] for r in history] == [0, 0, 1, 1, 1]
+    times = algo.sup.recovery_times
+    assert len(times) == 1 and times[0]["detect_s"] < 2.0 and times[0]["serve_s"] < 5.0, times
+    assert history[2]["faults/time_to_serve_s"] == times[0]["serve_s"]
+    batch = cfg.prompts_per_step * cfg.group_size
+    assert history[-1]["samples/trained_total"] == 5 * batch
+    assert history[2]["samples/dropped_policy_lost"] == batch  # the step's generation, redone
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
