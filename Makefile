@@ -2,7 +2,8 @@
 # `make test` : create/update .venv, install, lint, run every test
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
-#                relay fan-out, controller at scale and the scale model; minutes)
+#                relay fan-out, controller at scale, the scale model, stragglers by pull and
+#                elastic pools; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -41,6 +42,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/grpo_vs_trl.py --sweep
 	$(BIN)/python benchmarks/rollout_latency.py
 	$(BIN)/python benchmarks/sandbox.py
+	$(BIN)/python benchmarks/stragglers.py
+	$(BIN)/python benchmarks/elastic.py
 	$(BIN)/python benchmarks/fanout.py --save runs/bench/fanout.json
 	$(BIN)/python benchmarks/controller_scale.py --save runs/bench/controller_scale.json
 	$(BIN)/python benchmarks/scale_model.py --fanout-json runs/bench/fanout.json \
