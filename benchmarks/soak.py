@@ -4,6 +4,7 @@ with random faults of every kind, and the sample accounting at the end.
     python benchmarks/soak.py                       # 300 steps, 24 faults
     python benchmarks/soak.py --steps 1000 --faults 80 --seed 3
     python benchmarks/soak.py --algo grpo           # no critic
+    python benchmarks/soak.py --standby --algo grpo --steps 80 --faults 16
 
 Each fault is a drill from the `faults:` config, at a random step after the
 first checkpoint: a proc of a random role killed (`faults.kill`), or a random
@@ -11,6 +12,11 @@ drillable endpoint made to raise on every proc of its role (`faults.raise_in`,
 retried once). Prints the faults injected and recovered, the samples
 generated, trained and dropped (by reason), and any sample unaccounted for
 ("lost"), then one JSON object of the figures as its last line.
+
+`--standby` runs it twice with the same schedule of kills, of policy and
+environment procs only: without standbys, then with one standby proc for each
+(`faults.standby`). Its JSON line adds the p50/p95 of the seconds from a kill
+to seeing it (`detect_*`, both runs) and to serving again (`serve_again_*`).
 
 Not part of `make test` (it takes minutes); `make soak` runs it.
 """
@@ -38,13 +44,18 @@ PLACEMENT = {"policy": 2, "environment": 2, "trainer": 2, "reference": 1, "criti
 
 
 def fault_schedule(
-    rng: random.Random, steps: int, count: int, first: int, roles: list[str]
+    rng: random.Random,
+    steps: int,
+    count: int,
+    first: int,
+    roles: list[str],
+    kill_share: float = 0.5,
 ) -> tuple[list[str], list[str]]:
     """`count` drills at distinct random steps in [first, steps): (kill, raise_in)."""
     kills, raises = [], []
     for step in sorted(rng.sample(range(first, steps), count)):
         role = rng.choice(roles)
-        if rng.random() < 0.5:
+        if rng.random() < kill_share:
             kills.append(f"{role}:{rng.randrange(PLACEMENT[role])}@{step}")
         else:
             raises.append(f"{role}.{rng.choice(DRILLED_ENDPOINTS[role])}@{step}")
@@ -62,8 +73,9 @@ def main() -> int:
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
     parser.add_argument(
         "--standby", action="store_true",
-        help="run it twice, without and with a standby policy and environment proc, "
-        "and compare the times to detect a loss and to serve again",
+        help="run it twice with the same kills of policy and environment procs, without "
+        "and with a standby for each, and compare the times to detect a loss and to "
+        "serve again",
     )  # fmt: skip
     args = parser.parse_args()
     if not args.standby:
@@ -102,12 +114,15 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
     roles = ["policy", "environment", "reference", "trainer"]
     if args.algo == "ppo":
         roles.append("critic")
+    if args.standby:  # procs the standbys stand in for, killed (the same ones in both runs)
+        roles = ["policy", "environment"]
         algorithm, schema, config = PPO, PPOConfig, "ppo.yaml"
     else:
         algorithm, schema, config = GRPO, GRPOConfig, "grpo_default.yaml"
     kills, raises = fault_schedule(
-        random.Random(args.seed), args.steps, args.faults, args.every, roles
-    )
+        random.Random(args.seed), args.steps, args.faults, args.every, roles,
+        1.0 if args.standby else 0.5,
+    )  # fmt: skip
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="meshrl-soak-")
     overrides = [
         f"steps={args.steps}",

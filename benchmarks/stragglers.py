@@ -9,8 +9,8 @@ script.
 
 Prints one JSON line:
 - `step_s_static`: mean step time, each step's batch split evenly over the replicas;
-- `step_s_pull`: mean step time with `rollout.dispatch=pull`
-  (`rollout.overprovision`, late groups kept within `max_staleness=1`);
+- `step_s_pull`: mean step time with `rollout.dispatch=pull` (`--overprovision`:
+  `rollout.overprovision`; with `--staleness 1` late groups are kept a step);
 - `step_s_no_straggler`: the pull run without the slow replica;
 - `straggler_ratio`: step_s_pull / step_s_no_straggler (goal <= 1.3);
 - `trainer_idle_fraction`: of the pull run's step time, the share the trainer
@@ -46,6 +46,7 @@ LATENCY = "faults.episode_latency=0.02,0.05x20"
 
 
 def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
+    """One GRPO run of the benchmark's config with `overrides`; its history."""
     cfg = load_config(
         GRPOConfig,
         f"{REPO}/algorithms/configs/grpo_default.yaml",
@@ -54,7 +55,6 @@ def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
             "placement.policy=4",
             "placement.environment=2",
             "placement.threads_per_proc=1",
-            "max_staleness=1",
             "rollout.groups_per_call=2",
             # Generation that costs more with more rows (the default model's calls
             # are mostly overhead on a CPU), as in tests/test_elastic.py.
@@ -84,13 +84,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the means")
-    parser.add_argument("--overprovision", type=float, default=0.25)
+    parser.add_argument("--overprovision", type=float, default=0.0)
+    parser.add_argument(
+        "--staleness", type=int, default=0,
+        help="max_staleness of every variant (>= 1: generation overlaps training, and "
+        "over-provisioned groups that complete late are trained next step)",
+    )  # fmt: skip
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="meshrl-stragglers-")
     pull = ("rollout.dispatch=pull", f"rollout.overprovision={args.overprovision}")
-    static = run(run_dir, "static", args.steps, SLOW)
-    pulled = run(run_dir, "pull", args.steps, SLOW, *pull)
-    even = run(run_dir, "no_straggler", args.steps, *pull)
+    staleness = f"max_staleness={args.staleness}"
+    static = run(run_dir, "static", args.steps, SLOW, staleness)
+    pulled = run(run_dir, "pull", args.steps, SLOW, staleness, *pull)
+    even = run(run_dir, "no_straggler", args.steps, staleness, *pull)
     step_s = {name: mean(h, "time/step_s", args.skip) for name, h in
               (("static", static), ("pull", pulled), ("no_straggler", even))}  # fmt: skip
     figures = {
@@ -108,6 +114,8 @@ def main() -> int:
         "dropped_pull": pulled[-1]["samples/dropped_total"],
         "steps": args.steps,
         "skip": args.skip,
+        "max_staleness": args.staleness,
+        "overprovision": args.overprovision,
     }
     print(json.dumps(figures))
     return 0

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     """`meshrl scale RUN_DIR role=N ...`: resize a running run's elastic pools."""
     import argparse
 
-    from meshrl.status import read, run_state
+    from meshrl.status import read, read_running, run_state
 
     parser = argparse.ArgumentParser(prog="meshrl scale", description=main.__doc__)
     parser.add_argument("run_dir")
@@ -205,12 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sizes = parse_sizes(args.sizes)
-        status = read(args.run_dir)
-    except (OSError, ValueError) as error:
+        status = read_running(args.run_dir)
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
-    if run_state(status) != "running":
-        print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
         return 1
     pools = status.get("pool", {})
     limits = {role: (p["limit"], p["reason"]) for role, p in pools.items()}

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from meshrl.status import read, run_state
+    from meshrl.status import read_running
 
     parser = argparse.ArgumentParser(prog="meshrl profile", description=main.__doc__)
     parser.add_argument("run_dir")
@@ -243,12 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
     try:
-        status = read(args.run_dir)
-    except (OSError, ValueError) as error:
+        status = read_running(args.run_dir)
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
-    if run_state(status) != "running":
-        print(f"error: the run in {args.run_dir} has finished", file=sys.stderr)
         return 1
     with open(os.path.join(args.run_dir, REQUEST), "w") as f:
         json.dump({"steps": args.steps}, f)

@@ -145,6 +145,18 @@ def read(run_dir: str) -> dict:
         return json.load(f)
 
 
+def read_running(run_dir: str) -> dict:
+    """The `status.json` of a run still going; ValueError (one line) when there is
+    none, or the run has finished (for commands that talk to a live run)."""
+    try:
+        status = read(run_dir)
+    except OSError as error:
+        raise ValueError(str(error)) from None
+    if run_state(status) != "running":
+        raise ValueError(f"the run in {run_dir} has finished")
+    return status
+
+
 def run_state(status: dict) -> str:
     """`running` or `exited`: the run whose `status.json` this is."""
     return "exited" if status.get("ended") else controller_state(status.get("controller_pid", 0))
