@@ -114,11 +114,11 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
     roles = ["policy", "environment", "reference", "trainer"]
     if args.algo == "ppo":
         roles.append("critic")
-    if args.standby:  # procs the standbys stand in for, killed (the same ones in both runs)
-        roles = ["policy", "environment"]
         algorithm, schema, config = PPO, PPOConfig, "ppo.yaml"
     else:
         algorithm, schema, config = GRPO, GRPOConfig, "grpo_default.yaml"
+    if args.standby:  # procs the standbys stand in for, killed (the same ones in both runs)
+        roles = ["policy", "environment"]
     kills, raises = fault_schedule(
         random.Random(args.seed), args.steps, args.faults, args.every, roles,
         1.0 if args.standby else 0.5,

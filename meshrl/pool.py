@@ -344,7 +344,7 @@ class ProcGroup:
     def _release_hosts(self) -> None:
         """Stop joined hosts that no member uses any more (the last ones only, so
         that host indices stay valid)."""
-        used = {m.host for m in self.members}
+        used = {m.host for m in [*self.members, *self.standbys]}
         while self.hosts and self.hosts[-1].job is not None and len(self.hosts) - 1 not in used:
             host = self.hosts.pop()
             try:
