@@ -21,6 +21,7 @@ from algorithms.command import main  # noqa: F401 - every algorithm's command li
 from algorithms.rl_config import RLConfig  # noqa: F401 - its home for the algorithms
 from meshrl.checkpoint import Checkpointer
 from meshrl.collector import Batch, Collector, decode
+from meshrl.config import ConfigError
 from meshrl.dispatch import Dispatcher
 from meshrl.elastic import Scaler
 from meshrl.envs import make_task
@@ -286,6 +287,11 @@ class Algorithm:
         cfg, policy, environment = self.cfg, self.policy, self.environment
         if getattr(cfg, "rollout", None) is None or cfg.rollout.dispatch != "pull":
             return None
+        if type(self).rollout is not Algorithm.rollout:  # DAPO's filter, distillation's teacher
+            raise ConfigError(
+                f"config key 'rollout.dispatch': pull does not run {self.name}'s own rollout "
+                "hook (not yet); use split"
+            )
         return Dispatcher(
             cfg.rollout, self.collector, policy, environment,
             send=lambda i, ids, seeds: policy.slice(procs=i).generate.call_one(
@@ -332,6 +338,13 @@ class Algorithm:
             order = torch.randperm(batch_size, generator=self.state.torch_rng)
             parts += [order[i * size : (i + 1) * size] for i in range(cfg.minibatches)]
         return parts
+
+    def next_rollout(self) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's rollouts: the batch generated ahead, collected and scored
+        (`rollout`), or by pull the first complete groups of the queue."""
+        if self.dispatcher is not None:
+            return self.dispatcher.step(self.cfg.prompts_per_step)
+        return self.rollout(self.state.ahead.pop(0))
 
     def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
         """This step's batch (`prompts_per_step` prompts x `group_size`, its

@@ -134,10 +134,9 @@ class GRPO(Algorithm):
                                     for i, (ids, seeds) in enumerate(batch.shards)
                                 ]  # fmt: skip
                             state.ahead.append(batch)
-                        if self.dispatcher is not None:  # or by pull: free replicas take groups
-                            completions, rewards, rollout_info = self.dispatcher.step(cfg.prompts_per_step)  # fmt: skip
-                        else:  # collect it, score it on the environment mesh, refill failed groups
-                            completions, rewards, rollout_info = self.rollout(state.ahead.pop(0))
+                        # Collect it, score it on the environment mesh, refill failed groups
+                        # (or, by pull, the groups the free replicas took: `rollout.dispatch`).
+                        completions, rewards, rollout_info = self.next_rollout()
                         batch = TrainBatch.from_completions(completions)
                         with log.timer("reference"):  # rows split over the reference procs
                             if reference is not None:

@@ -147,9 +147,9 @@ class PPO(Algorithm):
                     step = state.step
                     self.before_step(step)  # `faults:` drills, pool sizes (`pool.schedule`)
                     with log.timer("step"):
-                        # Generate this step's batch (and `max_staleness` batches ahead),
-                        # split over the policy replicas; score it on the environment mesh.
-                        while len(state.ahead) <= cfg.max_staleness:
+                        # Generate this step's batch (and `max_staleness` batches ahead), split
+                        # over the policy replicas (or by pull: `rollout.dispatch`); score it.
+                        while self.dispatcher is None and len(state.ahead) <= cfg.max_staleness:
                             batch = self.collector.layout(
                                 self.collector.sample_prompts(cfg.prompts_per_step)
                             )
@@ -159,7 +159,7 @@ class PPO(Algorithm):
                                     for i, (ids, seeds) in enumerate(batch.shards)
                                 ]  # fmt: skip
                             state.ahead.append(batch)
-                        completions, scores, rollout_info = self.rollout(state.ahead.pop(0))
+                        completions, scores, rollout_info = self.next_rollout()
                         batch = TrainBatch.from_completions(completions)
                         with log.timer("reference"):  # rows split over the reference procs
                             if reference is not None:

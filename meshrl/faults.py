@@ -83,8 +83,8 @@ class FaultsConfig:
     heavy-tailed tool or sandbox would. Empty: none."""
     standby: dict[str, int] = field(default_factory=dict)
     """Spare procs to keep per elastic role, e.g. {policy: 1}: spawned with every
-    actor loaded, each replaces a lost proc at once (a policy standby pulls the
-    current version as it does); a new one is then spawned in the background."""
+    actor loaded (a policy standby takes each published version), each replaces a
+    lost proc at once; a new one is then spawned in the background."""
     detect_s: float = 0.5
     """How often meshrl checks that the elastic roles' procs live (their pids, on
     `local` and `process` jobs): a lost one is seen within this, not after

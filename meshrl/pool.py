@@ -84,12 +84,13 @@ class PoolEndpoint:
 
 
 class PoolActors:
-    """One actor mesh per member, addressed as one mesh over `procs`."""
+    """One actor mesh per member, addressed as one mesh over `procs`. `spares()`:
+    the same actors on the role's standbys (not addressed by rank)."""
 
     elastic = True
 
-    def __init__(self, meshes: list):
-        self.meshes = meshes
+    def __init__(self, meshes: list, spares: Callable[[], list] = list):
+        self.meshes, self.spares = meshes, spares
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -185,7 +186,10 @@ class ProcGroup:
         for member in self.members:
             member.actors.append(member.mesh.spawn(name, cls, *args, **kwargs))
             meshes.append(member.actors[-1])
-        actors = PoolActors(meshes)
+        index = len(self.spawns)
+        actors = PoolActors(
+            meshes, lambda: [m.actors[index] for m in self.standbys if len(m.actors) > index]
+        )
         self.spawns.append(Spawn(name, cls, args, kwargs, actors))
         if len(self.spawns) == 1:  # the Watches
             for rank, member in enumerate(self.members):

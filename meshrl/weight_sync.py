@@ -170,6 +170,10 @@ class WeightSync:
         this sync runs ahead, `wait=False`), else level by level."""
         self.wait()
         future = self._send(replicas, handle or self.handle)
+        # Standbys (`faults.standby`) take each version too, unwaited: one that is
+        # still booting takes it late, and the pull as it replaces a replica makes sure.
+        for spare in getattr(getattr(replicas, "actors", None), "spares", list)():
+            spare.load_weights.call_one(handle or self.handle)
         if future is not None:
             self._pulls = (future, replicas, replicas.respawns)
             if self.wait_each:

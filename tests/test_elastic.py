@@ -298,6 +298,15 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
         algo.run(2)
         group = algo.meshes.meshes.meshes["policy"]
         spare = group.standbys[0]
+        # It takes each published version as the replicas do (unwaited: let it land).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            proc = spare.actors[0].status.call_one().get(timeout=30)
+            versions = [a["version"] for a in proc["actors"] if a["actor"] == "policy"]
+            if versions == [algo.sync.version]:
+                break
+            time.sleep(0.2)
+        assert versions == [algo.sync.version], proc
         history = algo.run(3)
         assert group.members[0] is spare and len(group.standbys) == 1  # refilled
     finally:
