@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from algorithms.grpo import GRPO
+from algorithms.ppo import PPO, PPOConfig
 from meshrl import checkpoint
 from meshrl.elastic import REQUEST, check, parse_sizes
 from meshrl.pool import PoolFuture, ScaleError
@@ -319,3 +320,18 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
     assert history[-1]["samples/trained_total"] == 5 * batch
     assert history[2]["samples/dropped_policy_lost"] == batch  # the step's generation, redone
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ppo_trains_by_pull(tmp_path, no_stray_procs):
+    """PPO's loop takes its rollouts from the same queue (its critic values the
+    trained rows after)."""
+    cfg = configure(
+        tmp_path, "ppo", "steps=2", "rollout.dispatch=pull", "rollout.groups_per_call=4",
+        "placement.policy=2", "prompts_per_step=16",
+        schema=PPOConfig, path=f"{REPO}/algorithms/configs/ppo.yaml",
+    )  # fmt: skip
+    history = PPO(cfg).run()
+    assert [r["samples/trained"] for r in history] == [16 * cfg.group_size] * 2
+    assert all(r["samples/dropped"] == 0 and "value/mean" in r for r in history), history[-1]
