@@ -105,9 +105,9 @@ def ks_distance(a: list[float], b: list[float]) -> float:
 
 @dataclass
 class _Calls:
-    """Calls under way on one role's procs: (rank, call number) -> (groups, future)."""
+    """Calls under way on one role's procs: (rank, call number) -> its groups."""
 
-    running: dict[tuple[int, int], tuple[list[Group], Any]] = field(default_factory=dict)
+    running: dict[tuple[int, int], list[Group]] = field(default_factory=dict)
     sent: int = 0
 
     def free(self, size: int, depth: int) -> list[int]:
@@ -117,7 +117,7 @@ class _Calls:
         return [rank for level in range(depth) for rank in range(size) if busy[rank] <= level]
 
     def groups(self) -> int:
-        return sum(len(groups) for groups, _ in self.running.values())
+        return sum(len(groups) for groups in self.running.values())
 
 
 class Dispatcher:
@@ -158,13 +158,13 @@ class Dispatcher:
     def step(self, need: int) -> tuple[Any, torch.Tensor, dict]:
         """The first `need` complete groups within the staleness bound (late ones
         first): their completions [need x group_size], rewards and metrics."""
-        started, step = time.perf_counter(), self.state.step
+        started = time.perf_counter()
         self.pause()
         self._drop_stale()
         self._top_up(need)
         last = time.monotonic()
         while len(self.complete) < need:
-            if self._dispatch() + self._poll(step):
+            if self._dispatch() + self._poll():
                 last = time.monotonic()
             elif time.monotonic() - last > self.sup.timeout_s:
                 raise RemoteCallError(
@@ -183,7 +183,7 @@ class Dispatcher:
             group.late = True
         if self.max_staleness:  # the next step's groups go on while this one trains
             self._top_up(need)
-            self._resume(step)
+            self._resume()
         self.trained.extend(self._shape(g) for g in taken)
         pad = self.collector.tokenizer.pad_token_id
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
@@ -199,7 +199,7 @@ class Dispatcher:
 
     # --- while the trainer trains -------------------------------------------------------
 
-    def _resume(self, step: int) -> None:
+    def _resume(self) -> None:
         """Hand groups to free replicas and take answers in a thread of its own
         until `pause`: the queue flows while the loop trains and syncs weights."""
         self._running = threading.Event()
@@ -209,7 +209,7 @@ class Dispatcher:
             try:
                 while self._running.is_set():
                     self._dispatch()
-                    self._poll(step, POLL_S)
+                    self._poll()
             except BaseException as error:  # noqa: BLE001 - raised in the loop's thread
                 self._error = error
 
@@ -240,7 +240,7 @@ class Dispatcher:
     def _taken_not_trained(self) -> list[Group]:
         """Groups a replica took that no step has trained yet."""
         running = [g for calls in (self.generating, self.scoring)
-                   for groups, _ in calls.running.values() for g in groups]  # fmt: skip
+                   for groups in calls.running.values() for g in groups]  # fmt: skip
         return [*self.complete, *self.to_score, *running]
 
     def _under_way(self) -> int:
@@ -306,11 +306,11 @@ class Dispatcher:
     def _start(self, role: str, rank: int, groups: list[Group], future: Any) -> None:
         calls = self.generating if role == "policy" else self.scoring
         calls.sent += 1
-        calls.running[rank, calls.sent] = (groups, future)
+        calls.running[rank, calls.sent] = groups
         endpoint = "generate" if role == "policy" else "score"
         self.waiter.add((role, rank, calls.sent), future, f"{role}.{endpoint}[{rank}]")
 
-    def _poll(self, step: int, timeout_s: float = POLL_S) -> int:
+    def _poll(self, timeout_s: float = POLL_S) -> int:
         """Take the answers that came (waiting up to `timeout_s` for the first);
         how many."""
         came = 0
@@ -323,14 +323,14 @@ class Dispatcher:
                 return came
             self.waiter.in_flight -= 1
             calls = self.generating if role == "policy" else self.scoring
-            groups, _ = calls.running.pop((rank, number))
+            groups = calls.running.pop((rank, number))
             came += 1
             if error is not None:
                 self._failed(role, rank, groups, error)
             elif role == "policy":
                 self._generated(groups, answer)
             else:
-                self._scored(groups[0], answer, step)
+                self._scored(groups[0], answer)
 
     def _generated(self, groups: list[Group], completions: Any) -> None:
         for n, group in enumerate(groups):
@@ -338,7 +338,7 @@ class Dispatcher:
             group.version = completions.weight_version
             self.to_score.append(group)
 
-    def _scored(self, group: Group, answer: tuple, step: int) -> None:
+    def _scored(self, group: Group, answer: tuple) -> None:
         rewards, failures = answer
         if failures:  # the group is dropped, counted, and a fresh prompt takes its place
             self.collector.count_failures(list(failures.values()), self.k, {}, 0)
@@ -374,7 +374,7 @@ class Dispatcher:
         calls = self.generating if role == "policy" else self.scoring
         deadline = time.monotonic() + self.sup.timeout_s
         while calls.running and time.monotonic() < deadline:
-            self._poll(self.state.step)
+            self._poll()
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -388,7 +388,7 @@ class Dispatcher:
                     f"the rollout queue did not settle within {self.sup.timeout_s:g}s", "policy"
                 )
             self._dispatch_scoring()
-            self._poll(self.state.step)
+            self._poll()
 
     def _dispatch_scoring(self) -> int:
         pending, self.pending = self.pending, deque()  # nothing new is taken while settling

@@ -118,7 +118,6 @@ class Scaler:
         self.group = run.meshes.meshes  # role -> ProcGroup, for the elastic roles
         self.roles = [r for r in ELASTIC if r in run.meshes.elastic]
         self.limits = {r: (self.group[r].limit, self.group[r].limit_reason) for r in self.roles}
-        self.changes = 0
         self.fired: set[tuple[str, int, int]] = set()
         for role, count in (standby or {}).items():  # spares, now that every actor is spawned
             if role in self.roles:
@@ -155,7 +154,6 @@ class Scaler:
             new = self.run.scale(role, size)
             if new:
                 self.catch_up(role)  # before the loop gives them work
-            self.changes += 1
             print(
                 f"scaled {role}: {before} -> {size} procs in {time.monotonic() - started:.1f}s",
                 flush=True,

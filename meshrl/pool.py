@@ -170,15 +170,9 @@ class ProcGroup:
         self.spawns: list[Spawn] = []
         self.standby = 0  # spare procs to keep (`faults.standby.<role>`)
         self.standbys: list[Member] = []  # spawned with every actor, given no rank
-        self.epoch = 0
-        """Changes with every membership change: ranks are renumbered on a shrink."""
 
     def __len__(self) -> int:
         return len(self.members)
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {"procs": len(self.members)}
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> PoolActors:
         """`cls(*args, **kwargs)` on every member, now and on each that joins later."""
@@ -236,7 +230,6 @@ class ProcGroup:
         """Every recorded spawn's facade lists the members' actors in rank order."""
         for i, spawn in enumerate(self.spawns):
             spawn.actors.meshes[:] = [m.actors[i] for m in self.members]
-        self.epoch += 1
 
     def grow(self, count: int) -> list[int]:
         """`count` new members (their procs spawned side by side), each with every
