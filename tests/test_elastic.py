@@ -224,9 +224,9 @@ SLOWED = (
 )
 
 
-def _step_s(history: list[dict]) -> float:
+def _step_s(history: list[dict], key: str = "time/step_s") -> float:
     rest = history[1:]  # the first step boots the replicas' kernels
-    return sum(r["time/step_s"] for r in rest) / len(rest)
+    return sum(r[key] for r in rest) / len(rest)
 
 
 class _StopAfter(GRPO):
@@ -247,7 +247,11 @@ def test_pull_beats_the_static_split_with_a_slow_replica(tmp_path, no_stray_proc
     step; by pull the fast one takes more groups."""
     split = GRPO(configure(tmp_path, "split", *SLOWED, "placement.policy=2")).run()
     pulled = GRPO(configure(tmp_path, "pull", *SLOWED, *PULL)).run()
-    assert _step_s(pulled) < 0.8 * _step_s(split), (pulled, split)
+    # The rollout is where pull wins (measured 0.37-0.42x here); a step adds the same
+    # training to both, whose time on a loaded 2-core CI runner varies by ~0.5 s.
+    rollout = _step_s(pulled, "time/rollout_s"), _step_s(split, "time/rollout_s")
+    assert rollout[0] < 0.7 * rollout[1], rollout
+    assert _step_s(pulled) < _step_s(split), (pulled, split)
     for history in (split, pulled):
         assert history[-1]["samples/trained_total"] == 4 * 16 * 8
         assert all(r["samples/dropped"] == 0 for r in history)
