@@ -73,10 +73,13 @@ class Policy(Drillable, Actor):
         prompt_ids: list[list[int]],
         generation: GenerationConfig,
         seeds: list[int] | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group).
         `seeds`: each row's sampling seed (the controller's, so a sample does not
-        depend on the replica that draws it); None: from this replica's generator."""
+        depend on the replica that draws it); None: from this replica's generator.
+        `images`: the rows' pixels [B, I, C, H, W] and image counts [B]
+        (`meshrl.vision`), returned with the completions for the trainer."""
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
@@ -91,7 +94,7 @@ class Policy(Drillable, Actor):
         stats: dict = {}
         tokens, logprobs, completion_mask = self.engine.generate(
             ids.to(self.device), mask.to(self.device), prompt_ids, generation, self.generator,
-            stats, seeds,
+            stats, seeds, None if images is None else tuple(t.to(self.device) for t in images),
         )  # fmt: skip
         tokens_out = completion_mask.sum().item()
         if math.isfinite(stats["entropy_sum"]):
@@ -110,6 +113,8 @@ class Policy(Drillable, Actor):
             logprobs=logprobs.cpu(),
             weight_version=self.weights.version,
             routes=stats.get("routes"),
+            images=None if images is None else images[0],
+            image_counts=None if images is None else images[1],
         )
 
     def check_intact(self) -> None:

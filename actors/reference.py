@@ -62,5 +62,7 @@ class Reference(Drillable, Actor):
                 batch.num_completion_tokens,
                 temperature,
                 self.layout,
+                images=None if batch.images is None else batch.images.to(self.device),
+                image_counts=batch.image_counts,
             )
         return logprobs.cpu()

@@ -122,6 +122,8 @@ class Trainer(Drillable, Actor):
             self.layout,
             self.routing,
             batch.routes,
+            batch.images,
+            batch.image_counts,
         )
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:

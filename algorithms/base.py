@@ -30,7 +30,7 @@ from meshrl.export import start_from
 from meshrl.loop import LoopState
 from meshrl.losses import mismatch_metrics, mismatch_weights
 from meshrl.mesh import RemoteCallError
-from meshrl.models import context_length, load_tokenizer
+from meshrl.models import context_length, load_tokenizer, vision_format
 from meshrl.steplog import StepLog, run_faults, weight_paths
 from meshrl.supervised import demonstrations, supervised_steps
 from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
@@ -81,6 +81,7 @@ class Algorithm:
         self.meshes: Any = None  # the `Run`, once spawned
         self.log: Any = None
         self.tokenizer = load_tokenizer(cfg.model)
+        self.vision = vision_format(cfg.model)  # None: a text model
         self.context = context_length(cfg.model)
         self.task = make_task(cfg.task) if hasattr(cfg, "task") else None
 
@@ -204,7 +205,7 @@ class Algorithm:
         self.sync = sync = WeightSync.from_config(sup, cfg.weights, wait=not cfg.max_staleness)
         self.collector = Collector(
             cfg, state, sup, sync, self.tokenizer, self.task, self.context,
-            policy, self.environment, self.reward_model,
+            policy, self.environment, self.reward_model, self.vision,
         )  # fmt: skip
         if cfg.policy.serve_port:
             print(f"policy endpoint: {self.collector.endpoint(cfg.policy.serve_port).base_url}")
@@ -287,6 +288,10 @@ class Algorithm:
         cfg, policy, environment = self.cfg, self.policy, self.environment
         if getattr(cfg, "rollout", None) is None or cfg.rollout.dispatch != "pull":
             return None
+        if self.vision is not None:
+            raise ConfigError(
+                "config key 'rollout.dispatch': pull carries no images yet; use split"
+            )
         if type(self).rollout is not Algorithm.rollout:  # DAPO's filter, distillation's teacher
             raise ConfigError(
                 f"config key 'rollout.dispatch': pull does not run {self.name}'s own rollout "

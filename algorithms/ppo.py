@@ -155,8 +155,8 @@ class PPO(Algorithm):
                             )
                             if not self.task.multi_turn:  # (episodes are played in `rollout`)
                                 batch.calls = [
-                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation, seeds)
-                                    for i, (ids, seeds) in enumerate(batch.shards)
+                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation, seeds, images)
+                                    for i, (ids, seeds, images) in enumerate(batch.shards)
                                 ]  # fmt: skip
                             state.ahead.append(batch)
                         completions, scores, rollout_info = self.next_rollout()

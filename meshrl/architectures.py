@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     import transformers
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
+VISION_ARCHITECTURES = ("llava",)
+"""Embedded vision-language models (`meshrl.vision`): LLaVA, a CLIP vision tower
+and projector in front of the Llama above."""
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 GEMMA_WINDOW = 8
 

@@ -24,6 +24,7 @@ import torch
 from meshrl.mesh import split, start_each
 from meshrl.rollout import ChatFormat, run_episodes, to_completions
 from meshrl.types import Completions, Prompt
+from meshrl.vision import ImageError, stack
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Batch:
 
     prompts: list[Prompt]
     group: list[Prompt]  # each prompt group_size times
-    shards: list[tuple[list[list[int]], list[int]]]
-    """Per replica: its prompts' token ids and each row's sampling seed."""
+    shards: list[tuple[list[list[int]], list[int], Any]]
+    """Per replica: its prompts' token ids, each row's sampling seed, and its rows'
+    (pixels [B, I, C, H, W], image counts [B]) (`meshrl.vision`), or None."""
     published: int  # weight versions published when it was sent
     calls: list | None = None  # per replica: the generate future
     respawns: int = 0  # policy mesh replacements when it was sent
@@ -62,10 +64,12 @@ class Collector:
     """Times in a row failed episodes' groups are sampled again before the run stops."""
 
     def __init__(self, cfg, state, sup, sync, tokenizer, task, context, policy, environment,
-                 reward_model=None):  # fmt: skip
+                 reward_model=None, vision=None):  # fmt: skip
         self.cfg, self.state, self.sup, self.sync = cfg, state, sup, sync
         self.tokenizer, self.task, self.context = tokenizer, task, context
         self.format = ChatFormat(tokenizer)  # the chat template, when it has one
+        self.vision = vision
+        """A VLM's `meshrl.vision.VisionFormat`: prompts with images; None: text only."""
         self.policy, self.environment, self.reward_model = policy, environment, reward_model
         self.last_episodes: list = []
         self.held_out: set[str] = set()
@@ -87,7 +91,7 @@ class Collector:
         message = "every prompt drawn is held out for evaluation (eval.sets)"
         for _ in range(100):  # draws of a batch, before concluding nothing fits
             drawn = self.task.sample(num_prompts - len(prompts), rng)
-            lengths = map(len, self.format.prompts([p.text for p in drawn]))  # one batch call
+            lengths = map(len, self.encode(drawn)[0])  # one batch call
             for prompt, length in zip(drawn, lengths, strict=True):
                 if prompt.text in self.held_out:
                     continue
@@ -106,6 +110,21 @@ class Collector:
                 return prompts
         raise PromptTooLong(f"no prompt fits: {message}")
 
+    def encode(self, prompts: list[Prompt]) -> tuple[list[list[int]], list]:
+        """The prompts' token ids and each one's pixels (None without images):
+        where an episode is built, image placeholders are expanded, once."""
+        if not any(p.images for p in prompts):
+            return self.format.prompts([p.text for p in prompts]), [None] * len(prompts)
+        if self.vision is None:
+            raise ImageError(
+                f"task '{self.cfg.task.name}' gives images and the model takes none: set "
+                "config key 'model.arch' to llava or 'model.path' to a vision-language model"
+            )
+        if self.task.multi_turn:
+            raise ImageError(f"task '{self.cfg.task.name}': multi-turn episodes with images "
+                             "are not supported yet")  # fmt: skip
+        return self.vision.prompts(prompts)
+
     def layout(self, prompts: list[Prompt], draw: bool = True) -> Batch:
         """`group_size` copies of each prompt, their token ids split evenly over
         the replicas (`Batch.shards`), nothing sent yet.
@@ -115,17 +134,21 @@ class Collector:
         that generates it: the same at any number of replicas, after a pool
         grows or shrinks (`draw=False`: a restored batch, already generated)."""
         k = self.cfg.group_size
-        ids = [i for i in self.format.prompts([p.text for p in prompts]) for _ in range(k)]
+        encoded, pixels = self.encode(prompts)
+        ids = [i for i in encoded for _ in range(k)]
+        pixels = [x for x in pixels for _ in range(k)]
         seeds = [0] * len(ids)
         if draw:
             seeds = torch.randint(
                 -(2**62), 2**62, (len(ids),), generator=self.state.torch_rng
             ).tolist()
         n = self.policy.size
+        images = [stack(part) if any(x is not None for x in part) else None
+                  for part in split(pixels, n)]  # fmt: skip
         return Batch(
             prompts,
             [p for p in prompts for _ in range(k)],
-            list(zip(split(ids, n), split(seeds, n), strict=True)),
+            list(zip(split(ids, n), split(seeds, n), images, strict=True)),
             self.sync.published,
             respawns=self.policy.respawns,
         )
@@ -139,7 +162,7 @@ class Collector:
 
     def generate_args(self, batch: Batch) -> list[tuple]:
         """`Policy.generate`'s arguments for each replica's shard of `batch`."""
-        return [(ids, self.cfg.generation, seeds) for ids, seeds in batch.shards]
+        return [(ids, self.cfg.generation, seeds, images) for ids, seeds, images in batch.shards]
 
     # --- collecting and scoring -----------------------------------------------------------
 

@@ -14,11 +14,12 @@ import os
 from dataclasses import dataclass, field
 
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
-from meshrl.architectures import ARCHITECTURES
+from meshrl.architectures import ARCHITECTURES, VISION_ARCHITECTURES
 from meshrl.config_files import ConfigError, load_config, parse_cli, save_config  # noqa: F401
 from meshrl.config_files import check as _check
 from meshrl.config_policy import PolicyConfig  # noqa: F401
 from meshrl.config_trainer import TrainerConfig  # noqa: F401
+from meshrl.config_vision import VisionConfig
 
 # --- shared sections -------------------------------------------------------------
 
@@ -81,7 +82,8 @@ class ModelConfig:
     character tokenizer."""
     arch: str = "llama"
     """Embedded model only: its architecture, one of llama, qwen2, qwen3,
-    qwen3_moe, gemma2, gemma3, phi3, gpt2 (`meshrl.architectures`)."""
+    qwen3_moe, gemma2, gemma3, phi3, gpt2 (`meshrl.architectures`), or llava:
+    a vision-language model (`meshrl.vision`)."""
     hidden_size: int = 64
     """Embedded model only: width of the residual stream."""
     num_layers: int = 2
@@ -96,6 +98,8 @@ class ModelConfig:
     """Embedded model only: its context window in tokens."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA on the trainer (rank 0: off)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """Images (vision-language models)."""
 
     @staticmethod
     def sized(hidden: int, layers: int, max_positions: int) -> ModelConfig:
@@ -129,10 +133,10 @@ class ModelConfig:
                     "a meshrl run directory or one of its checkpoints)",
                 )
         self.lora.validate(f"{prefix}.lora")
+        self.vision.validate(f"{prefix}.vision")
+        known = ARCHITECTURES + VISION_ARCHITECTURES
         _check(
-            self.arch in ARCHITECTURES,
-            f"{prefix}.arch",
-            f"'{self.arch}' is not one of {', '.join(ARCHITECTURES)}",
+            self.arch in known, f"{prefix}.arch", f"'{self.arch}' is not one of {', '.join(known)}"
         )
         for name in (
             "hidden_size",

@@ -259,8 +259,8 @@ class Dispatcher:
             return
         prompts = self.collector.sample_prompts(missing)
         batch = self.collector.layout(prompts)  # its ids and seeds, in one replica's order
-        ids = [i for shard, _ in batch.shards for i in shard]
-        seeds = [s for _, shard in batch.shards for s in shard]
+        ids = [i for shard, _, _ in batch.shards for i in shard]
+        seeds = [s for _, shard, _ in batch.shards for s in shard]
         k = self.k
         for n, prompt in enumerate(prompts):
             rows = slice(n * k, (n + 1) * k)

@@ -60,7 +60,10 @@ class HFEngine:
         generator: torch.Generator,
         stats: dict,
         seeds: list[int] | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None."""
+        pixels, counts = images if images is not None else (None, None)
         return sample(
             self.model,
             ids,
@@ -77,6 +80,8 @@ class HFEngine:
             share_prefix=self.share_prefix,
             drop_finished=self.drop_finished,
             record_routes=self.record_routes,
+            images=pixels,
+            image_counts=counts,
         )
 
     def weights_changed(self) -> None:
@@ -132,8 +137,12 @@ class VLLMEngine:
         generator: torch.Generator,
         stats: dict,
         seeds: list[int] | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import vllm
+
+        if images is not None:
+            raise EngineUnavailable("config key 'policy.engine': vllm takes no images yet; use hf")
 
         if seeds is None:  # one per request from the replica's generator: reproducible
             seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()

@@ -20,7 +20,7 @@ import torch
 
 from meshrl import checkpoint, lora
 from meshrl.config import ConfigError, ModelConfig
-from meshrl.models import load_model, load_tokenizer
+from meshrl.models import load_model, load_processor, load_tokenizer
 
 
 def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=None) -> None:
@@ -29,7 +29,7 @@ def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=Non
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep the console to the run's own bar
-    load_tokenizer(model_cfg).save_pretrained(path)
+    (load_processor(model_cfg) or load_tokenizer(model_cfg)).save_pretrained(path)
     if not lora.is_lora(model):
         model.save_pretrained(path, state_dict=state)
         return

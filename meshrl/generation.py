@@ -14,6 +14,7 @@ import inspect
 
 import torch
 
+from meshrl import vision
 from meshrl.models import Cache, DynamicLayer, sequence_positions
 from meshrl.packing import takes_logits_to_keep
 from meshrl.routing import Recorder
@@ -67,9 +68,14 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.size(-1) - 1)
 
 
-def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct prompt [U], each row's distinct prompt [B])."""
+def distinct_prompts(
+    ids: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt [U], each row's distinct prompt [B]);
+    `extra` [B]: rows differ also where it does (their images)."""
     keys = torch.where(mask.bool(), ids, -1)
+    if extra is not None:
+        keys = torch.cat([keys, extra[:, None].to(keys)], 1)
     _, inverse = torch.unique(keys, dim=0, return_inverse=True)
     first = torch.full((int(inverse.max()) + 1,), ids.size(0), dtype=torch.long, device=ids.device)
     first = first.scatter_reduce(0, inverse, torch.arange(ids.size(0), device=ids.device), "amin")
@@ -141,16 +147,22 @@ def _growing_cache(model) -> dict:
     return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
 
 
-def _prefill(model, ids, mask, positions, share: bool) -> tuple[torch.Tensor, object, object]:
+def _prefill(model, ids, mask, positions, share: bool, images=None, counts=None):
     """The last logits [B, V] and the KV cache of the prompts, and with `share`
     (each distinct prompt computed once, its cache copied to its rows) each
-    row's distinct prompt (else None)."""
-    first, inverse = distinct_prompts(ids, mask) if share else (None, None)
+    row's distinct prompt (else None). `images`, `counts`: the rows' pixels
+    (`meshrl.vision`), which prompts must also share to share a prefill."""
+    keys = None if images is None else vision.row_keys(images, counts)
+    first, inverse = distinct_prompts(ids, mask, keys) if share else (None, None)
     rows = first if share else slice(None)
+    pixels = {}
+    if images is not None:
+        pixels = vision.inputs(images[rows], counts[rows], next(model.parameters()).dtype)
     out = model(
         input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True,
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
+        **pixels,
     )  # fmt: skip
     logits, cache = out.logits[:, -1], _cache_of(out)
     if share:
@@ -195,8 +207,11 @@ def sample(
     share_prefix: bool = True,
     drop_finished: bool = True,
     record_routes: bool = False,
+    images: torch.Tensor | None = None,
+    image_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample completions for left-padded prompts.
+    """Sample completions for left-padded prompts (with `images` [B, I, C, H, W]
+    and `image_counts` [B]: the rows' pixels, `meshrl.vision`).
 
     prompt_ids, prompt_mask [B, P] -> (completion_ids [B, T], logprobs [B, T],
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
@@ -227,7 +242,7 @@ def sample(
     positions = sequence_positions(attention_mask)
     with Recorder.of(model, B, P + max_new_tokens, record_routes) as recorder:
         logits, cache, inverse = _prefill(
-            model, prompt_ids, attention_mask, positions, share_prefix
+            model, prompt_ids, attention_mask, positions, share_prefix, images, image_counts
         )
         if recorder is not None:
             recorder.put(torch.arange(B), 0, attention_mask, inverse)
@@ -235,6 +250,11 @@ def sample(
         live = torch.arange(B, device=device)  # the original row of each decode row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stop = torch.tensor(eos_token_id, device=device).reshape(-1)
+        # A VLM's image placeholder is the processor's to place, never the model's
+        # to sample: one sampled would have no pixels behind it.
+        never = None
+        if images is not None:
+            never = torch.tensor([model.config.image_token_id], device=device)
         tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)
         masks = torch.zeros(B, max_new_tokens, device=device)
@@ -243,6 +263,8 @@ def sample(
         for step in range(max_new_tokens):
             steps = step + 1
             banned = stop if step < min_new_tokens else None
+            if never is not None:
+                banned = never if banned is None else torch.cat([banned, never])
             token, logp, probs = _next_tokens(logits, step, temperature, banned, top_p, seeds[live])
             if stats is not None:
                 entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here

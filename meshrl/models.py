@@ -13,6 +13,7 @@ import contextlib
 import os
 import string
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,9 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -33,7 +36,8 @@ from transformers import (
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
-from meshrl.architectures import saved_tokenizer, tiny_config
+from meshrl import vision
+from meshrl.architectures import VISION_ARCHITECTURES, saved_tokenizer, tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
 from meshrl.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
@@ -89,7 +93,8 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if cfg.path is None:
-        return build_char_tokenizer()
+        tokenizer = build_char_tokenizer()
+        return vision.with_image_token(tokenizer) if cfg.arch in VISION_ARCHITECTURES else tokenizer
     tokenizer = saved_tokenizer(cfg.path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -103,7 +108,28 @@ def context_length(cfg: ModelConfig) -> int:
         return cfg.max_positions
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(cfg.path).max_position_embeddings
+    config = AutoConfig.from_pretrained(cfg.path)
+    return getattr(config, "text_config", config).max_position_embeddings
+
+
+def vision_format(cfg: ModelConfig) -> vision.VisionFormat | None:
+    """The controller's `VisionFormat` for a vision-language model (its processor
+    checked against the model's config); None for a text model."""
+    processor = load_processor(cfg)
+    if processor is None:
+        return None
+    if cfg.path is not None:
+        vision.check_pair(processor, AutoConfig.from_pretrained(cfg.path), "model.path")
+    return vision.VisionFormat(processor, cfg.vision.max_pixels)
+
+
+def load_processor(cfg: ModelConfig):
+    """A vision-language model's processor (`meshrl.vision`); None for a text model."""
+    if cfg.path is None:
+        if cfg.arch not in VISION_ARCHITECTURES:
+            return None
+        return vision.build_processor(cfg, load_tokenizer(cfg))
+    return vision.saved_processor(cfg.path)
 
 
 _INIT_LOCK = threading.Lock()
@@ -125,7 +151,19 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """The policy architecture with its initial weights (seeded for the tiny model)."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        config = AutoConfig.from_pretrained(cfg.path)
+        auto = AutoModelForImageTextToText if vision.is_vision(config) else AutoModelForCausalLM
+        model = auto.from_pretrained(cfg.path, dtype=dtype)
+    elif cfg.arch in VISION_ARCHITECTURES:
+        tokenizer = load_tokenizer(cfg)
+        with seeded_init(seed):
+            text = embedded_config(
+                replace(cfg, arch="llama"), len(tokenizer), pad_token_id=tokenizer.pad_token_id
+            )
+            config = vision.tiny_vlm_config(
+                cfg, text, tokenizer.convert_tokens_to_ids(vision.IMAGE_TOKEN)
+            )
+            model = AutoModelForImageTextToText.from_config(config).to(dtype)
     else:
         vocab_size = len(build_char_tokenizer())
         with seeded_init(seed):
@@ -133,6 +171,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
             model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.config.use_cache = True
     without_dropout(model)
+    if vision.is_vision(model.config) and not cfg.vision.train:
+        vision.freeze_vision(model)
     return model
 
 
@@ -193,6 +233,8 @@ def completion_logprobs(
     layout: str = "padded",
     replay: Replay | None = None,
     routes: torch.Tensor | None = None,
+    images: torch.Tensor | None = None,
+    image_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs of the last `num_completion_tokens` tokens of each sequence.
 
@@ -201,9 +243,14 @@ def completion_logprobs(
     `layout` (`meshrl.packing`): padded, packed or tree; the same values (0 on
     padding unless padded). With `replay` and the sampler's `routes` [B, P + T,
     layers, top_k] (MoE models), the forward's routers are measured against
-    them and, if the replay is on, made to use them (`meshrl.routing`).
+    them and, if the replay is on, made to use them (`meshrl.routing`). With
+    `images` and `image_counts` (`meshrl.vision`) the rows' pixels go in too,
+    laid out padded.
     """
     T = num_completion_tokens
+    pixels = vision.inputs(images, image_counts, model_dtype(model))
+    if pixels:
+        layout = "padded"  # packing would cut rows apart from their images
     if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
         packed = pack(input_ids, attention_mask, T, share=layout == "tree")
         with _routed(replay, routes, packed.gather):
@@ -218,8 +265,12 @@ def completion_logprobs(
             position_ids=sequence_positions(attention_mask),
             use_cache=False,
             **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
+            **pixels,
         )
     logits = out.logits[:, -T - 1 : -1]
+    if pixels:  # the sampler never draws the image placeholder (meshrl.generation)
+        logits = logits.clone()
+        logits[..., hf_config(model).image_token_id] = -float("inf")
     return token_logprobs(logits, input_ids[:, -T:], temperature)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from meshrl.types import TrainBatch
+from meshrl.vision import stack
 
 
 def supervised_batch(
@@ -69,8 +70,10 @@ def demonstrations(collector: Any, batch_size: int) -> TrainBatch:
         target, mask = demonstration_tokens(collector.task, fmt, prompt)
         targets.append(target)
         masks.append(mask)
-    return supervised_batch(fmt.prompts([p.text for p in prompts]), targets,
-                            tokenizer.pad_token_id, masks)  # fmt: skip
+    ids, pixels = collector.encode(prompts)
+    batch = supervised_batch(ids, targets, tokenizer.pad_token_id, masks)
+    batch.images, batch.image_counts = stack(pixels)
+    return batch
 
 
 def demonstration_tokens(task: Any, fmt: Any, prompt: Any) -> tuple[list[int], list[int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from meshrl.losses import LossScale
+from meshrl.vision import pad_images
 
 
 @dataclass
@@ -22,6 +23,9 @@ class Prompt:
     data: dict | None = None
     """Anything else the environment needs (a dataset row's other fields: the
     tests of a coding task, the numbers of a countdown)."""
+    images: list | None = None
+    """Pictures the model sees with the text (vision-language models,
+    `meshrl.vision`): file paths, PIL images or [H, W, 3] uint8 arrays."""
 
 
 @dataclass
@@ -42,6 +46,10 @@ class Completions:
     routes: torch.Tensor | None = None
     """[B, P + T, layers, top_k] int16: the experts each token was computed with
     (`policy.record_routes`, MoE models; -1 where none), else None."""
+    images: torch.Tensor | None = None
+    """[B, I, C, H, W] the pixels the rows were generated from (`meshrl.vision`):
+    the trainer's forward takes these, not a second processing of the images."""
+    image_counts: torch.Tensor | None = None  # [B] images of each row
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
@@ -89,7 +97,21 @@ class Completions:
         if any(p.routes is not None for p in parts):
             assert all(p.routes is not None for p in parts), "routes from some replicas only"
             routes = torch.cat([_pad_routes(p, P, T) for p in parts])
+        images, counts = None, None
+        if any(p.images is not None for p in parts):
+            some = [p.images for p in parts if p.images is not None]
+            width, shape = max(x.size(1) for x in some), some[0].shape[2:]
+            images = torch.cat([
+                pad_images(p.images, width) if p.images is not None
+                else torch.zeros(len(p), width, *shape) for p in parts
+            ])  # fmt: skip
+            counts = torch.cat([
+                p.image_counts if p.image_counts is not None
+                else torch.zeros(len(p), dtype=torch.long) for p in parts
+            ])  # fmt: skip
         return Completions(
+            images=images,
+            image_counts=counts,
             routes=routes,
             completion_attention=torch.cat([pad(p.attention, T, 0, False) for p in parts])
             if multi_turn
@@ -143,6 +165,9 @@ class TrainBatch:
     routes: torch.Tensor | None = None
     """[B, P + T, layers, top_k] the sampler's experts per token (MoE models,
     `policy.record_routes`), which the trainer measures and may replay."""
+    images: torch.Tensor | None = None
+    """[B, I, C, H, W] the rows' pixels, as the sampler had them (`meshrl.vision`)."""
+    image_counts: torch.Tensor | None = None  # [B] images of each row
     paired: bool = False
     """Rows are [first; second] of the same items (DPO's chosen; rejected): a
     split keeps each item's two rows together."""
@@ -165,6 +190,8 @@ class TrainBatch:
             advantages=advantages,
             ref_logprobs=ref_logprobs,
             routes=completions.routes,
+            images=completions.images,
+            image_counts=completions.image_counts,
         )
 
     def apply(self, fn) -> TrainBatch:

@@ -1,7 +1,7 @@
 """Environments: task instances, their episodes and rewards (`meshrl.envs.base`).
 
 Single-turn tasks score one completion (`reverse_digits`, `math`, `countdown`,
-`code`); multi-turn environments answer each model turn until the episode is
+`code`, and `vision_count` with pictures); multi-turn environments answer each model turn until the episode is
 done (`calculator`, `slow_tool`). `task.name` is a name in `TASKS` or the import
 path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
 """
@@ -13,6 +13,7 @@ from meshrl.envs.code import Code
 from meshrl.envs.digits import ReverseDigits, Task
 from meshrl.envs.math import Countdown, MathAnswer
 from meshrl.envs.tools import Calculator, SlowTool
+from meshrl.envs.vision import VisionCount
 
 TASKS: dict[str, type[Env]] = {
     "reverse_digits": ReverseDigits,
@@ -21,6 +22,7 @@ TASKS: dict[str, type[Env]] = {
     "code": Code,
     "calculator": Calculator,
     "slow_tool": SlowTool,
+    "vision_count": VisionCount,
 }
 
 

@@ -100,11 +100,14 @@ class Env:
 
     def from_row(self, row: dict) -> Prompt:
         """A dataset row -> Prompt, by the field names in task.prompt_field and
-        task.answer_field; the whole row travels as `data`."""
+        task.answer_field; the whole row travels as `data`, and its `images`
+        (file paths) go to a vision-language model with the text."""
+        images = row.get("images")
         return Prompt(
             text=str(row[self.cfg.prompt_field]),
             answer=str(row.get(self.cfg.answer_field, "")),
             data=row,
+            images=[images] if isinstance(images, str) else images,
         )
 
     def sample(self, num_prompts: int, rng: random.Random) -> list[Prompt]:

@@ -1,0 +1,275 @@
+"""Images in the loop: vision-language models, their processor, pixels as tensors.
+
+Placeholders are expanded once, where an episode is built: the controller's
+`VisionFormat` runs the model's processor on each prompt (its text and its
+images), which loads the pictures, turns each image placeholder into the
+model's image tokens and the pictures into pixel tensors. The policy replicas
+generate from those ids and pixels and hand them back with the completions;
+the trainer and the reference compute their log-probs from the very same
+tensors. Nothing expands a placeholder a second time, which is how the
+sampler and the trainer came to disagree elsewhere (sglang #26555, verl #3960).
+
+Pixels travel per row, as the batch's other tensors do: `images` [B, I, C, H, W]
+holds a row's images in order (zeros after its `image_counts[b]`), so rows
+slice, shard and concatenate like ids and masks.
+
+The embedded VLM (`model.arch: llava`) is HF's LLaVA: a CLIP vision tower and
+projector in front of the embedded Llama, with the character tokenizer plus an
+`<image>` token and a CLIP image processor, built here in code and saved and
+loaded by transformers' auto classes like any checkpoint. Any image-text-to-text
+model whose processor gives fixed-size images loads by `model.path`. Models
+with M-RoPE (Qwen2-VL and its successors) compute positions from the image
+grids and are refused with one line, not yet supported.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+IMAGE_TOKEN = "<image>"
+MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+"""Model types whose positions depend on the image grids (not yet supported)."""
+
+
+class ImageError(ValueError):
+    """An image or a vision setting that cannot be used; one line naming it."""
+
+
+# --- the model and its processor ----------------------------------------------------
+
+
+def is_vision(config: Any) -> bool:
+    """Whether an HF config is a vision-language model's."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def with_image_token(tokenizer: Any) -> Any:
+    """`tokenizer` with the embedded VLM's image placeholder as one more token."""
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    return tokenizer
+
+
+def tiny_vlm_config(cfg: Any, text_config: Any, image_token_id: int) -> Any:
+    """The embedded LLaVA: `text_config` (the embedded Llama) behind a CLIP tower
+    of `cfg.vision` (`meshrl.config_vision.VisionConfig`)."""
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    vision = cfg.vision
+    return LlavaConfig(
+        text_config=text_config,
+        vision_config=CLIPVisionConfig(
+            hidden_size=vision.hidden_size,
+            intermediate_size=4 * vision.hidden_size,
+            num_hidden_layers=vision.num_layers,
+            num_attention_heads=max(1, vision.hidden_size // 16),
+            image_size=vision.image_size,
+            patch_size=vision.patch_size,
+        ),
+        image_token_id=image_token_id,
+        vision_feature_select_strategy="full",  # every patch and CLS
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+
+
+def build_processor(cfg: Any, tokenizer: Any) -> Any:
+    """The embedded VLM's processor: `tokenizer` (with `<image>`) and a CLIP image
+    processor resizing to `model.vision.image_size`."""
+    from transformers import LlavaProcessor
+    from transformers.utils import logging as hf_logging
+
+    side = cfg.vision.image_size
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its note that torchvision is absent (PIL serves)
+    try:
+        from transformers import CLIPImageProcessor
+
+        images = CLIPImageProcessor(
+            size={"shortest_edge": side},
+            crop_size={"height": side, "width": side},
+            image_mean=[0.5, 0.5, 0.5],
+            image_std=[0.5, 0.5, 0.5],
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=cfg.vision.patch_size,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=1,  # CLS
+        image_token=IMAGE_TOKEN,
+    )
+
+
+def saved_processor(path: str) -> Any | None:
+    """The processor saved in `path`, or None when there is none (a text model)."""
+    names = ("processor_config.json", "preprocessor_config.json")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoProcessor.from_pretrained(path)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_pair(processor: Any, config: Any, key: str) -> None:
+    """One line naming `key` when the processor cannot feed the model: a text
+    model, an M-RoPE model, or a processor whose image token or image size is
+    not the model's."""
+    if not is_vision(config):
+        raise ImageError(f"config key '{key}': a {config.model_type} model takes no images")
+    if config.model_type in MROPE:
+        raise ImageError(
+            f"config key '{key}': {config.model_type} (M-RoPE positions from image grids) "
+            "is not supported yet; LLaVA-style models are"
+        )
+    token = getattr(processor, "image_token_id", None)
+    if token is None:
+        token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    if token != config.image_token_id:
+        raise ImageError(
+            f"config key '{key}': the processor's image token is id {token}, the model's "
+            f"image_token_id is {config.image_token_id}: a processor of another model"
+        )
+    crop = getattr(processor.image_processor, "crop_size", None) or {}
+    size = getattr(config.vision_config, "image_size", None)
+    if size is not None and crop.get("height", size) != size:
+        raise ImageError(
+            f"config key '{key}': the processor makes {crop['height']}px images, the "
+            f"model's vision tower takes {size}px: a processor of another model"
+        )
+
+
+def freeze_vision(model: torch.nn.Module) -> None:
+    """Stop the vision tower and its projector from training (`model.vision.train`)."""
+    for name, parameter in model.named_parameters():
+        if "vision_tower" in name or "multi_modal_projector" in name:
+            parameter.requires_grad_(False)
+
+
+# --- images and pixels ----------------------------------------------------------------
+
+
+def load_image(image: Any, max_pixels: int, where: str) -> Any:
+    """A PIL RGB image from a file path, a PIL image or an [H, W, 3] uint8 array;
+    one line naming `where` (and the file) when it cannot be read or has more
+    than `max_pixels` pixels (`model.vision.max_pixels`)."""
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            with Image.open(image) as opened:
+                opened.load()
+                picture = opened.convert("RGB")
+        except (OSError, UnidentifiedImageError, SyntaxError) as error:
+            raise ImageError(f"{where}: cannot read image {image}: {error}") from None
+    elif isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ImageError(f"{where}: an image array must be [H, W, 3] uint8, got "
+                             f"{list(image.shape)} {image.dtype}")  # fmt: skip
+        picture = Image.fromarray(image)
+    elif isinstance(image, Image.Image):
+        picture = image.convert("RGB")
+    else:
+        raise ImageError(f"{where}: an image must be a path, a PIL image or an array, "
+                         f"not {type(image).__name__}")  # fmt: skip
+    width, height = picture.size
+    if width * height > max_pixels:
+        raise ImageError(
+            f"{where}: image {image if isinstance(image, str) else ''}is {width}x{height}, "
+            f"more than model.vision.max_pixels={max_pixels}"
+        )
+    return picture
+
+
+class VisionFormat:
+    """Prompts with images to token ids and pixels, through the model's processor:
+    a prompt's images go before its text (as the model's chat template puts
+    them, when it has one), unless the text places `processor.image_token`s
+    itself."""
+
+    def __init__(self, processor: Any, max_pixels: int):
+        self.processor, self.max_pixels = processor, max_pixels
+        self.chat = bool(getattr(processor, "chat_template", None))
+
+    def text(self, prompt_text: str, count: int) -> str:
+        token = self.processor.image_token
+        if token in prompt_text:
+            return prompt_text
+        if not self.chat:
+            return token * count + prompt_text
+        content = [{"type": "image"}] * count + [{"type": "text", "text": prompt_text}]
+        return self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    def encode(self, text: str, images: list, where: str) -> tuple[list[int], torch.Tensor | None]:
+        """One prompt's ids (placeholders expanded) and its pixels [I, C, H, W]."""
+        pictures = [load_image(image, self.max_pixels, where) for image in images or []]
+        if not pictures:
+            ids = self.processor.tokenizer(text).input_ids
+            return ids, None
+        rendered = self.text(text, len(pictures))
+        found = rendered.count(self.processor.image_token)
+        if found != len(pictures):
+            raise ImageError(f"{where}: {found} image placeholders for {len(pictures)} images")
+        out = self.processor(text=[rendered], images=pictures, return_tensors="pt")
+        return out["input_ids"][0].tolist(), out["pixel_values"].float()
+
+    def prompts(self, prompts: list) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        encoded = [self.encode(p.text, p.images, f"prompt {p.text[:30]!r}") for p in prompts]
+        return [ids for ids, _ in encoded], [pixels for _, pixels in encoded]
+
+
+def stack(images: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Rows' images ([I_b, C, H, W] or None) as `images` [B, I, C, H, W] (zeros
+    after a row's own) and `image_counts` [B]; (None, None) without images."""
+    present = [x for x in images if x is not None]
+    if not present:
+        return None, None
+    shape = present[0].shape[1:]
+    width = max(len(x) for x in present)
+    out = torch.zeros(len(images), width, *shape)
+    counts = torch.zeros(len(images), dtype=torch.long)
+    for row, pixels in enumerate(images):
+        if pixels is not None:
+            out[row, : len(pixels)] = pixels
+            counts[row] = len(pixels)
+    return out, counts
+
+
+def pad_images(images: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, I, ...] padded with zero images to [B, width, ...]."""
+    extra = width - images.size(1)
+    if extra <= 0:
+        return images
+    return torch.cat([images, images.new_zeros(images.size(0), extra, *images.shape[2:])], 1)
+
+
+def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None) -> dict:
+    """The model's image arguments for rows with `images` and `image_counts`:
+    `pixel_values` [N, C, H, W], every row's images in row order (the order of
+    the image tokens in the ids); {} when the rows have none."""
+    if images is None or counts is None or int(counts.sum()) == 0:
+        return {}
+    present = torch.arange(images.size(1), device=counts.device) < counts[:, None]
+    pixels = images[present.to(images.device)]
+    return {"pixel_values": pixels if dtype is None else pixels.to(dtype)}
+
+
+def row_keys(images: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[B] an id per distinct image set (rows with the same ids and images share
+    a prefill: `meshrl.generation`)."""
+    flat = torch.cat([counts[:, None].to(images.dtype), images.flatten(1)], 1)
+    return torch.unique(flat, dim=0, return_inverse=True)[1]
