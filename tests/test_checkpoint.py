@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.ppo import PPO, PPOConfig
@@ -130,8 +130,18 @@ def metrics(path):
             ["steps=6", "placement.trainer=2", "placement.sharding=fsdp"],
             3,
         ),
+        # Images in every batch (the tiny LLaVA), with a reference: the resumed
+        # batches carry their pixels and the final weights are the same bits.
+        (
+            CountingGRPO,
+            StopAtStep,
+            GRPOConfig,
+            "grpo_vision.yaml",
+            ["steps=6", "kl_coef=0.01", "max_staleness=1", "warm_start.steps=2"],
+            3,
+        ),
     ],
-    ids=["grpo_reference_one_version_ahead", "ppo_with_critic", "grpo_fsdp_sharded"],
+    ids=["grpo_reference_one_version_ahead", "ppo_with_critic", "grpo_fsdp_sharded", "grpo_vision"],
 )
 def test_resumed_run_equals_uninterrupted_run(
     algorithm, interrupted, schema, config, overrides, stop, tmp_path, no_stray_procs
@@ -159,6 +169,8 @@ def test_resumed_run_equals_uninterrupted_run(
     # `meshrl export RUN_DIR OUT`: its newest checkpoint (the last step's; FSDP
     # shards gathered in this process) as an HF directory, equal to the final model.
     assert export.main([str(tmp_path / "straight"), str(tmp_path / "exported")]) == 0
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
-    assert exported.state_dict().keys() == straight.keys()
-    assert all(torch.equal(t, straight[k]) for k, t in exported.state_dict().items())
+    auto = AutoModelForImageTextToText if "vision" in config else AutoModelForCausalLM
+    exported = auto.from_pretrained(tmp_path / "exported").state_dict()
+    final = auto.from_pretrained(tmp_path / "straight" / "final").state_dict()
+    assert exported.keys() == final.keys() and len(final) >= len(straight)
+    assert all(torch.equal(t, final[k]) for k, t in exported.items())

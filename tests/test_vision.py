@@ -1,0 +1,183 @@
+"""Vision-language RL: images in prompts go through the loop as tensors, with the
+placeholders expanded once; the sampler and the trainer see the same ids and
+pixels; the embedded tiny LLaVA saves and loads with transformers' auto classes."""
+
+import os
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.collector import Collector
+from meshrl.config import ModelConfig, VisionConfig, load_config
+from meshrl.envs import make_task
+from meshrl.envs.vision import VisionCount
+from meshrl.generation import sample
+from meshrl.loop import LoopState
+from meshrl.models import (
+    completion_logprobs,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    vision_format,
+)
+from meshrl.types import Prompt, TrainBatch
+from meshrl.vision import ImageError, VisionFormat, stack
+from tests.conftest import REPO
+from tests.test_recovery import configure
+
+VISION_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_vision.yaml")
+LLAVA = ModelConfig(arch="llava")
+
+
+def _prompts(n: int, seed: int = 0) -> list[Prompt]:
+    return [VisionCount(None).generate(random.Random(seed + i)) for i in range(n)]
+
+
+def _left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, ids))
+    out = torch.full((len(ids), width), pad)
+    mask = torch.zeros(len(ids), width)
+    for row, x in enumerate(ids):
+        out[row, width - len(x) :], mask[row, width - len(x) :] = torch.tensor(x), 1
+    return out, mask
+
+
+def _generate(model, fmt, prompts, seeds, share_prefix=True):
+    """Sample with `model` from `prompts` (ids and pixels by `fmt`): the tokens,
+    their log-probs and mask, and the prompt ids, mask and pixels."""
+    ids, pixels = fmt.prompts(prompts)
+    prompt_ids, prompt_mask = _left_padded(ids, fmt.processor.tokenizer.pad_token_id)
+    images, counts = stack(pixels)
+    tokens, logprobs, mask = sample(
+        model, prompt_ids, prompt_mask, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
+        seeds=torch.tensor(seeds), share_prefix=share_prefix, images=images, image_counts=counts,
+    )  # fmt: skip
+    return tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts
+
+
+@pytest.mark.unit
+def test_the_sampler_and_the_trainer_agree_on_rows_with_images():
+    """Rows of one text with other pictures share no prefill; the trainer's
+    forward over prompt + completion with the same pixels gives the sampler's
+    log-probs (float32), and other pixels give other ones."""
+    model, fmt = load_model(LLAVA).eval(), vision_format(LLAVA)
+    prompts = [p for p in _prompts(3) for _ in range(2)]  # same text; 3 pictures, 2 rows each
+    seeds = list(range(len(prompts)))
+    shared = _generate(model, fmt, prompts, seeds)
+    alone = _generate(model, fmt, prompts, seeds, share_prefix=False)
+    assert torch.equal(shared[0], alone[0])
+    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = shared
+    with torch.no_grad():
+        full = torch.cat([prompt_ids, tokens], 1)
+        attention = torch.cat([prompt_mask, mask], 1)
+        T = tokens.size(1)
+        trained = completion_logprobs(model, full, attention, T, images=images, image_counts=counts)
+        other = completion_logprobs(
+            model, full, attention, T, images=images.flip(0), image_counts=counts
+        )
+    assert ((trained - logprobs).abs() * mask).max() < 1e-4
+    assert ((other - logprobs).abs() * mask).max() > 1e-3
+
+
+@pytest.mark.unit
+def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(tmp_path):
+    model, processor = load_model(LLAVA), load_processor(LLAVA)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    fmt, saved = vision_format(LLAVA), vision_format(ModelConfig(path=str(tmp_path)))
+    prompts = _prompts(2)
+    (ids, pixels), (ids2, pixels2) = fmt.prompts(prompts), saved.prompts(prompts)
+    assert ids == ids2 and all(torch.equal(a, b) for a, b in zip(pixels, pixels2, strict=True))
+    assert type(AutoProcessor.from_pretrained(tmp_path)).__name__ == "LlavaProcessor"
+    got = _generate(loaded.eval(), saved, prompts, [1, 2])
+    want = _generate(model.eval(), fmt, prompts, [1, 2])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Whether the vision tower trains is a config key.
+    frozen = load_model(replace(LLAVA, vision=VisionConfig(train=False)))
+    still = {n for n, p in frozen.named_parameters() if not p.requires_grad}
+    assert still and all("vision_tower" in n or "multi_modal_projector" in n for n in still)
+
+
+@pytest.mark.unit
+def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
+    fmt = VisionFormat(load_processor(LLAVA), max_pixels=64 * 64)
+    corrupt = tmp_path / "broken.png"
+    corrupt.write_bytes(b"\x89PNG not really")
+    with pytest.raises(ImageError, match="broken.png"):
+        fmt.prompts([Prompt("How many red?", "1", images=[str(corrupt)])])
+    with pytest.raises(ImageError, match=r"100x100, more than model.vision.max_pixels=4096"):
+        fmt.prompts([Prompt("x", "1", images=[np.zeros((100, 100, 3), dtype=np.uint8)])])
+    # Images for a text-only model: one line naming the keys that pick the model.
+    cfg = load_config(GRPOConfig, VISION_CONFIG, ["model.arch=llama"])
+    task = make_task(cfg.task)
+    collector = Collector(cfg, LoopState(), None, None, load_tokenizer(cfg.model), task, 256,
+                          None, None, vision=vision_format(cfg.model))  # fmt: skip
+    with pytest.raises(ImageError, match="model.arch' to llava or 'model.path'"):
+        collector.sample_prompts(2)
+    # A processor of another model: the tiny VLM saved beside a 64px processor.
+    load_model(LLAVA).save_pretrained(tmp_path / "vlm")
+    load_processor(replace(LLAVA, vision=VisionConfig(image_size=64))).save_pretrained(
+        tmp_path / "vlm"
+    )
+    with pytest.raises(ImageError, match=r"'model.path'.*64px images.*32px"):
+        vision_format(ModelConfig(path=str(tmp_path / "vlm")))
+    # A text model with a processor saved beside it.
+    load_model(ModelConfig()).save_pretrained(tmp_path / "text")
+    load_processor(LLAVA).save_pretrained(tmp_path / "text")
+    with pytest.raises(ImageError, match="'model.path': a llama model takes no images"):
+        vision_format(ModelConfig(path=str(tmp_path / "text")))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
+    """Two policy replicas (the pixels split and concatenated with the rows), the
+    trainer's own old log-probs measured against the sampler's every step."""
+    cfg = configure(
+        tmp_path, "vision", "steps=3", "warm_start.steps=2", "prompts_per_step=4",
+        "placement.policy=2", "trainer.recompute_old_logprobs=true", path=VISION_CONFIG,
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        history = algo.run(3)
+        assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+        # The generator hands back the ids and pixels it generated from, element by
+        # element; the trainer's log-probs of them are the sampler's.
+        prompts = algo.collector.sample_prompts(2)
+        ids, seeds, images = algo.collector.layout(prompts).shards[1]
+        out = algo.policy.slice(procs=1).generate.call_one(ids, cfg.generation, seeds, images)
+        out = out.get()
+        assert [
+            row[mask.bool()].tolist()
+            for row, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)
+        ] == ids
+        assert torch.equal(out.images, images[0]) and torch.equal(out.image_counts, images[1])
+        batch = TrainBatch.from_completions(out)
+        trained = algo.trainer.logprobs.call_one(batch).get()
+        assert ((trained - out.logprobs).abs() * out.completion_mask).max() < 1e-4
+        # Weight sync covers the vision tower: every replica holds the trainer's bits.
+        want = algo.trainer.parameters.call_one().get()
+        assert any("vision_tower" in name for name in want)
+        for i in range(2):
+            got = algo.policy.slice(procs=i).parameters.call_one().get()
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        algo.stop()  # writes final/
+    finally:
+        algo.close()
+    final = os.path.join(algo.run_dir, "final")
+    exported = AutoModelForImageTextToText.from_pretrained(final).eval()
+    fmt = VisionFormat(AutoProcessor.from_pretrained(final), cfg.model.vision.max_pixels)
+    assert fmt.prompts(prompts)[0][1] == ids[0]  # shard 1: the second prompt's group
+    prompt_ids, prompt_mask = _left_padded(ids, 0)
+    tokens, _, _ = sample(
+        exported, prompt_ids, prompt_mask, max_new_tokens=cfg.generation.max_new_tokens,
+        eos_token_id=2, pad_token_id=0, seeds=torch.tensor(seeds), images=images[0],
+        image_counts=images[1],
+    )  # fmt: skip
+    assert torch.equal(tokens, out.completion_ids[:, : tokens.size(1)])
