@@ -45,6 +45,7 @@ from meshrl.parallel import (
 from meshrl.routing import Replay, routers
 from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
+from meshrl.vision import FROZEN_VISION
 from meshrl.weights import WeightHandle, WeightPublisher
 
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -78,7 +79,8 @@ class Trainer(Drillable, Actor):
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
         if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
-            self.model = lora.wrap(self.model, model_cfg.lora, seed)
+            frozen = None if model_cfg.vision.train else FROZEN_VISION  # no adapters there
+            self.model = lora.wrap(self.model, model_cfg.lora, seed, frozen)
         # MoE routers: measured against a batch's recorded routes, replayed if asked.
         self.routing = Replay(self.model, routing_replay) if routers(self.model) else None
         self.module = data_parallel(

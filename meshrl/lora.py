@@ -19,8 +19,11 @@ from meshrl.models import seeded_init
 ADAPTER = "default"  # peft's name for the one adapter meshrl trains
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
-    """`model` with LoRA adapters (peft `PeftModel`); the base weights frozen."""
+def wrap(
+    model: torch.nn.Module, cfg: LoraConfig, seed: int = 0, exclude: str | None = None
+) -> torch.nn.Module:
+    """`model` with LoRA adapters (peft `PeftModel`); the base weights frozen.
+    `exclude`: a regex of module names that get none (a frozen vision tower)."""
     import peft
 
     peft_cfg = peft.LoraConfig(
@@ -28,6 +31,7 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Mod
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
+        exclude_modules=exclude,
         bias="none",
     )
     with seeded_init(seed):  # the adapters' init, the same on every rank

@@ -25,6 +25,7 @@ grids and are refused with one line, not yet supported.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -150,10 +151,14 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
         )
 
 
+FROZEN_VISION = r".*(vision_tower|multi_modal_projector).*"
+"""The modules `model.vision.train: false` freezes (and LoRA leaves alone)."""
+
+
 def freeze_vision(model: torch.nn.Module) -> None:
     """Stop the vision tower and its projector from training (`model.vision.train`)."""
     for name, parameter in model.named_parameters():
-        if "vision_tower" in name or "multi_modal_projector" in name:
+        if re.fullmatch(FROZEN_VISION, name):
             parameter.requires_grad_(False)
 
 

@@ -181,3 +181,33 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
         image_counts=images[1],
     )  # fmt: skip
     assert torch.equal(tokens, out.completion_ids[:, : tokens.size(1)])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "overrides",
+    [("placement.trainer=2", "placement.sharding=fsdp"), ("model.lora.rank=4",)],
+    ids=["fsdp", "lora"],
+)
+def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_stray_procs):
+    """The vision tower trains (its FSDP shards; its LoRA adapters, merged) and
+    reaches the replicas bit for bit."""
+    cfg = configure(
+        tmp_path, "vision", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
+        "trainer.recompute_old_logprobs=true", *overrides, path=VISION_CONFIG,
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        history = algo.run(2)
+        want = algo.sup.call_all(algo.trainer, "parameters")[0]  # every rank: FSDP gathers
+        got = algo.policy.slice(procs=0).parameters.call_one().get()
+    finally:
+        algo.close()
+    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    initial = dict(load_model(cfg.model, cfg.run.seed).named_parameters())
+    tower = [k for k in want if "vision_tower" in k and "q_proj.weight" in k]
+    assert tower and all(not torch.equal(want[k], initial[k]) for k in tower)
+    embeddings = "model.language_model.embed_tokens.weight"  # LoRA leaves it as it was
+    assert torch.equal(want[embeddings], initial[embeddings]) == ("model.lora.rank=4" in overrides)
