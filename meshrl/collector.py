@@ -120,9 +120,6 @@ class Collector:
                 f"task '{self.cfg.task.name}' gives images and the model takes none: set "
                 "config key 'model.arch' to llava or 'model.path' to a vision-language model"
             )
-        if self.task.multi_turn:
-            raise ImageError(f"task '{self.cfg.task.name}': multi-turn episodes with images "
-                             "are not supported yet")  # fmt: skip
         return self.vision.prompts(prompts)
 
     def layout(self, prompts: list[Prompt], draw: bool = True) -> Batch:
@@ -275,6 +272,7 @@ class Collector:
                     self.sup.timeout_s,
                     on_lost=self.sup.recover,
                     key_prefix=key_prefix,
+                    vision=self.vision,
                 )
             self.state.ledger.generated += len(episodes)
             failed = {i // k for i, e in enumerate(episodes) if e.failed}

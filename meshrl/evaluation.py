@@ -240,6 +240,7 @@ class Evaluator:
             c.sup.timeout_s,
             on_lost=c.sup.recover,
             key_prefix=f"eval.{name}.",
+            vision=c.vision,
         )
         return [0.0 if e.failed else e.reward for e in episodes]
 

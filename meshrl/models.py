@@ -268,10 +268,16 @@ def completion_logprobs(
             **pixels,
         )
     logits = out.logits[:, -T - 1 : -1]
-    if pixels:  # the sampler never draws the image placeholder (meshrl.generation)
-        logits = logits.clone()
-        logits[..., hf_config(model).image_token_id] = -float("inf")
-    return token_logprobs(logits, input_ids[:, -T:], temperature)
+    targets = input_ids[:, -T:]
+    if not pixels:
+        return token_logprobs(logits, targets, temperature)
+    # The sampler never draws the image placeholder (meshrl.generation); the
+    # placeholders of a tool's picture in the completion are the environment's
+    # tokens (out of the loss), given 0 rather than log 0.
+    image = hf_config(model).image_token_id
+    logits = logits.clone()
+    logits[..., image] = -float("inf")
+    return token_logprobs(logits, targets, temperature).masked_fill(targets == image, 0.0)
 
 
 def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):

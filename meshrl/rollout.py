@@ -38,6 +38,7 @@ import torch
 
 from meshrl.mesh import RemoteCallError, wait
 from meshrl.types import Completions, Prompt
+from meshrl.vision import ImageError, VisionFormat, stack
 
 
 class ChatFormat:
@@ -130,6 +131,8 @@ class EpisodeState:
     last_action: str = ""
     last_turn: list[int] = field(default_factory=list)
     final: bool = False
+    images: list = field(default_factory=list)
+    """[C, H, W] pixels of the episode's images, in the order of their tokens."""
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.tokens
@@ -170,18 +173,21 @@ def run_episodes(
     timeout_s: float,
     on_lost: Callable[[str, RemoteCallError], None] | None = None,
     key_prefix: str = "",
+    vision: VisionFormat | None = None,
 ) -> tuple[list[EpisodeState], dict[str, float]]:
     """Play one episode per prompt; returns the episodes (in prompt order) and
     timing metrics. `actors(role)` gives the current actor mesh of `policy` and
     `environment`; `on_lost(role, error)` is told of a lost proc (the caller
-    replaces its mesh, and later calls go to the new one)."""
+    replaces its mesh, and later calls go to the new one). `vision`: a VLM's
+    format, for images in prompts and replies (`meshrl.vision`)."""
     started = time.perf_counter()
     tokenizer = fmt.tokenizer
+    ids, pixels = fmt.prompts([p.text for p in prompts]), [None] * len(prompts)
+    if vision is not None and any(p.images for p in prompts):
+        ids, pixels = vision.prompts(prompts)
     episodes = [
-        EpisodeState(f"{key_prefix}{i}", p, ids)
-        for i, (p, ids) in enumerate(
-            zip(prompts, fmt.prompts([p.text for p in prompts]), strict=True)
-        )
+        EpisodeState(f"{key_prefix}{i}", p, x, images=[] if px is None else list(px))
+        for i, (p, x, px) in enumerate(zip(prompts, ids, pixels, strict=True))
     ]
     ready = list(range(len(episodes)))  # waiting for the model
     acted: list[int] = []  # waiting for the environment
@@ -193,7 +199,10 @@ def run_episodes(
             rank = free_policy.pop(0)
             chunk, ready = share(ready, len(free_policy) + 1)
             contexts = [episodes[i].context() for i in chunk]
-            future = actors("policy").slice(procs=rank).generate.call_one(contexts, generation)
+            images = _pixels([episodes[i] for i in chunk])  # (): none in these episodes
+            future = (
+                actors("policy").slice(procs=rank).generate.call_one(contexts, generation, *images)
+            )
             waiter.add(("policy", rank, chunk, time.perf_counter()), future, "policy.generate")
         while acted and free_env:
             rank = free_env.pop(0)
@@ -241,12 +250,17 @@ def run_episodes(
                 if step.done or episode.final:
                     episode.reward, episode.done = step.reward, True
                     continue
-                reply = fmt.reply(step.observation, episode.last_turn)
+                try:
+                    reply, shown = _reply(fmt, vision, step, episode)
+                except ImageError as error:  # a corrupt or oversized picture: this episode
+                    _fail(episode, str(error))
+                    continue
                 if len(episode.context()) + len(reply) + generation.max_new_tokens > context:
                     # The reply would not leave room for another turn: the episode ends here.
                     episode.reward, episode.done, episode.truncated = step.reward, True, True
                     continue
                 episode.replies.append(step.observation)
+                episode.images += shown
                 episode.tokens += reply
                 episode.loss_mask += [0] * len(reply)
                 episode.logprobs += [0.0] * len(reply)
@@ -256,6 +270,23 @@ def run_episodes(
         "time/episodes_s": time.perf_counter() - started,
         "time/episode_generate_s": generate_s,
     }
+
+
+def _pixels(episodes: list[EpisodeState]) -> tuple:
+    """`Policy.generate`'s trailing (seeds, images) for `episodes`: () without images."""
+    if not any(e.images for e in episodes):
+        return ()
+    return None, stack([torch.stack(e.images) if e.images else None for e in episodes])
+
+
+def _reply(fmt: ChatFormat, vision: VisionFormat | None, step: Any, episode: EpisodeState):
+    """An environment reply's ids and pixels (placeholders expanded here, once)."""
+    if not step.images:
+        return fmt.reply(step.observation, episode.last_turn), []
+    where = f"the environment's reply in episode {episode.key}"
+    if vision is None:
+        raise ImageError(f"{where} has images and the model takes none")
+    return vision.reply(step.observation, step.images, where)
 
 
 def share(items: list, workers: int) -> tuple[list, list]:
@@ -291,7 +322,10 @@ def to_completions(episodes: list[EpisodeState], pad_id: int) -> tuple[Completio
             logprobs[row, :length] = torch.tensor(e.logprobs)
             versions[row, :length] = torch.tensor(e.versions)
     model_versions = versions[versions >= 0]
+    images, counts = stack([torch.stack(e.images) if e.images else None for e in episodes])
     completions = Completions(
+        images=images,
+        image_counts=counts,
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=ids,

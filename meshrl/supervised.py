@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from meshrl.types import TrainBatch
-from meshrl.vision import stack
+from meshrl.vision import ImageError, stack
 
 
 def supervised_batch(
@@ -98,6 +98,9 @@ def demonstration_tokens(task: Any, fmt: Any, prompt: Any) -> tuple[list[int], l
                 f"{type(task).__name__}.demonstration: the episode ended after turn {i + 1} "
                 f"of {len(turns)} ({turn!r})"
             )
+        if step.images:
+            raise ImageError(f"{type(task).__name__}.demonstration: replies with images "
+                             "are not supported in supervised batches yet")  # fmt: skip
         reply = fmt.reply(step.observation, ids)
         target += reply
         mask += [0] * len(reply)

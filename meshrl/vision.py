@@ -232,6 +232,19 @@ class VisionFormat:
         out = self.processor(text=[rendered], images=pictures, return_tensors="pt")
         return out["input_ids"][0].tolist(), out["pixel_values"].float()
 
+    def reply(self, text: str, images: list, where: str) -> tuple[list[int], list[torch.Tensor]]:
+        """An environment reply's ids (its images first, placeholders expanded; no
+        BOS: it continues the episode) and its pixels, one [C, H, W] per image."""
+        if self.chat:
+            raise ImageError(f"{where}: image replies through a chat template are not "
+                             "supported yet")  # fmt: skip
+        pictures = [load_image(image, self.max_pixels, where) for image in images]
+        rendered = self.processor.image_token * len(pictures) + text
+        out = self.processor(
+            text=[rendered], images=pictures, return_tensors="pt", add_special_tokens=False
+        )
+        return out["input_ids"][0].tolist(), list(out["pixel_values"].float())
+
     def prompts(self, prompts: list) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         encoded = [self.encode(p.text, p.images, f"prompt {p.text[:30]!r}") for p in prompts]
         return [ids for ids, _ in encoded], [pixels for _, pixels in encoded]

@@ -2,10 +2,13 @@
 (`task.name=tests.envs_for_tests:Flaky`)."""
 
 import itertools
+import os
+import tempfile
 import time
 
 from meshrl.envs import Env, Episode, Step
 from meshrl.envs.digits import ReverseDigits
+from meshrl.envs.vision import VisionZoom
 
 
 class Flaky(ReverseDigits):
@@ -65,4 +68,29 @@ class FailsAtCall130(FlakyScore):
     fail_at = 130
 
 
-__all__ = ["Env", "FailsAtCall130", "FailsAtCall520", "Flaky", "FlakyScore"]
+class BrokenZoom(VisionZoom):
+    """`vision_zoom` whose tool, the first time it zooms on each environment
+    proc, returns a corrupt image file (the controller cannot read it)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.zooms = itertools.count()
+
+    def episode(self, prompt):
+        episode = super().episode(prompt)
+        step = episode.step
+
+        def broken_step(action):
+            out = step(action)
+            if out.images and next(self.zooms) == 0:
+                path = os.path.join(tempfile.gettempdir(), "meshrl_corrupt_zoom.png")
+                with open(path, "wb") as f:
+                    f.write(b"\x89PNG but not really")
+                out.images = [path]
+            return out
+
+        episode.step = broken_step
+        return episode
+
+
+__all__ = ["BrokenZoom", "Env", "FailsAtCall130", "FailsAtCall520", "Flaky", "FlakyScore"]

@@ -211,3 +211,29 @@ def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_s
     assert tower and all(not torch.equal(want[k], initial[k]) for k in tower)
     embeddings = "model.language_model.embed_tokens.weight"  # LoRA leaves it as it was
     assert torch.equal(want[embeddings], initial[embeddings]) == ("model.lora.rank=4" in overrides)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_tool_returns_a_picture_mid_episode(tmp_path, caplog, no_stray_procs):
+    """`vision_zoom`: the tool's crop joins the episode as a second image; the
+    trainer's log-probs of the turn after it are the sampler's. A corrupt picture
+    from the tool fails its episode, which is counted and replaced."""
+    cfg = configure(
+        tmp_path, "zoom", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
+        "task.name=tests.envs_for_tests:BrokenZoom", "trainer.recompute_old_logprobs=true",
+        path=VISION_CONFIG,
+    )  # fmt: skip
+    algo = GRPO(cfg)
+    try:
+        history = algo.run(2)
+        episodes = algo.last_episodes
+    finally:
+        algo.close()
+    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    assert all(r["episodes/turns_mean"] == 2 for r in history)
+    assert len(episodes) == 4 * 8 and all(len(e.images) == 2 for e in episodes)
+    assert history[0]["episodes/failed"] == 1  # the one environment proc's first zoom
+    assert "meshrl_corrupt_zoom.png" in caplog.text
+    last = history[-1]
+    assert last["samples/trained_total"] == 2 * 4 * 8

@@ -2,7 +2,7 @@
 
 Single-turn tasks score one completion (`reverse_digits`, `math`, `countdown`,
 `code`, and `vision_count` with pictures); multi-turn environments answer each model turn until the episode is
-done (`calculator`, `slow_tool`). `task.name` is a name in `TASKS` or the import
+done (`calculator`, `slow_tool`, `vision_zoom`, whose tool returns a picture). `task.name` is a name in `TASKS` or the import
 path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
 """
 
@@ -13,7 +13,7 @@ from meshrl.envs.code import Code
 from meshrl.envs.digits import ReverseDigits, Task
 from meshrl.envs.math import Countdown, MathAnswer
 from meshrl.envs.tools import Calculator, SlowTool
-from meshrl.envs.vision import VisionCount
+from meshrl.envs.vision import VisionCount, VisionZoom
 
 TASKS: dict[str, type[Env]] = {
     "reverse_digits": ReverseDigits,
@@ -23,6 +23,7 @@ TASKS: dict[str, type[Env]] = {
     "calculator": Calculator,
     "slow_tool": SlowTool,
     "vision_count": VisionCount,
+    "vision_zoom": VisionZoom,
 }
 
 

@@ -49,6 +49,9 @@ class Step:
     done: bool = True
     info: dict[str, Any] = field(default_factory=dict)
     """Numbers to report (summed over the episode's steps, e.g. tool_calls)."""
+    images: list | None = None
+    """Pictures that come with the observation (a tool's screenshot or crop), for
+    a vision-language model: paths, PIL images or [H, W, 3] uint8 arrays."""
 
 
 class Episode:

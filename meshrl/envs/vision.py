@@ -1,4 +1,6 @@
-"""A visual task with a verifiable answer: count the red shapes in a picture.
+"""Visual tasks with verifiable answers: count the red shapes in a picture
+(`vision_count`, one turn), or first zoom into a quarter of it, which a tool
+returns as a new picture (`vision_zoom`, two turns).
 
 Each prompt is an image drawn here in code (no files, nothing downloaded): a
 `GRID` x `GRID` board of `CELL`-pixel cells on a grey ground, with one to
@@ -14,6 +16,7 @@ import random
 
 import numpy as np
 
+from meshrl.envs.base import Episode, Step
 from meshrl.envs.digits import Task
 from meshrl.types import Prompt
 
@@ -61,3 +64,47 @@ class VisionCount(Task):
 
     def demonstration(self, prompt: Prompt) -> str:
         return prompt.answer
+
+
+ZOOM_QUESTION = "How many red? Zoom 1-4 first."
+
+
+def quarter(board: np.ndarray, which: int) -> np.ndarray:
+    """Quarter `which` (1 top left, 2 top right, 3 bottom left, 4 bottom right) of
+    `board`, enlarged 2x to the board's size (each pixel repeated)."""
+    half = board.shape[0] // 2
+    row, column = divmod(which - 1, 2)
+    part = board[row * half : (row + 1) * half, column * half : (column + 1) * half]
+    return part.repeat(2, axis=0).repeat(2, axis=1)
+
+
+class VisionZoom(VisionCount):
+    """`task.name: vision_zoom` (two turns): the model names a quarter (its first
+    digit 1-4; 1 otherwise), the tool answers with that quarter enlarged as a new
+    picture, and the model's second turn gives the count of the whole board."""
+
+    max_turns = 2
+
+    def generate(self, rng: random.Random) -> Prompt:
+        prompt = super().generate(rng)
+        prompt.text = ZOOM_QUESTION
+        return prompt
+
+    def episode(self, prompt: Prompt) -> Episode:
+        return _Zoom(self, prompt)
+
+    def demonstration(self, prompt: Prompt) -> list[str]:
+        return ["1", prompt.answer]
+
+
+class _Zoom(Episode):
+    def __init__(self, task: VisionZoom, prompt: Prompt):
+        self.task, self.prompt, self.zoomed = task, prompt, False
+
+    def step(self, action: str) -> Step:
+        if self.zoomed:
+            return Step(reward=self.task.reward(self.prompt, action), done=True)
+        self.zoomed = True
+        which = next((int(ch) for ch in action if ch in "1234"), 1)
+        board = np.asarray(self.prompt.images[0])
+        return Step(observation=f" zoom {which}:", done=False, images=[quarter(board, which)])
