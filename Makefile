@@ -3,7 +3,7 @@
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
-#                elastic pools; minutes)
+#                elastic pools, what images cost a step; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sandbox.py
 	$(BIN)/python benchmarks/stragglers.py
 	$(BIN)/python benchmarks/elastic.py
+	$(BIN)/python benchmarks/vision.py
 	$(BIN)/python benchmarks/fanout.py --save runs/bench/fanout.json
 	$(BIN)/python benchmarks/controller_scale.py --save runs/bench/controller_scale.json
 	$(BIN)/python benchmarks/scale_model.py --fanout-json runs/bench/fanout.json \

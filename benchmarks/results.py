@@ -36,6 +36,7 @@ ROWS = [  # (algorithm, module, config)
     ("GRPO, calculator tool", "grpo", "grpo_calculator.yaml"),
     ("GRPO, calculator disabled (ablation)", "grpo", "grpo_calculator_notool.yaml"),
     ("GRPO, code", "grpo", "grpo_code.yaml"),
+    ("GRPO, vision (tiny LLaVA)", "grpo", "grpo_vision.yaml"),
     ("DPO", "dpo", "dpo.yaml"),
     ("On-policy distillation", "distill", "distill.yaml"),
     ("SFT", "sft", "sft.yaml"),

@@ -189,6 +189,21 @@ def _next_tokens(
     return draw(top_p_filter(probs, top_p), row_uniforms(seeds, step)), logp, probs
 
 
+def _banned(model, stop: torch.Tensor, min_new_tokens: int, images: bool):
+    """step -> the ids that cannot be drawn then (or None): the stop ids before
+    `min_new_tokens`, and with `images` a VLM's image placeholder, which is the
+    processor's to place: one sampled would have no pixels behind it."""
+    never = torch.tensor([model.config.image_token_id], device=stop.device) if images else None
+
+    def at(step: int) -> torch.Tensor | None:
+        banned = stop if step < min_new_tokens else None
+        if never is None:
+            return banned
+        return never if banned is None else torch.cat([banned, never])
+
+    return at
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -210,8 +225,7 @@ def sample(
     images: torch.Tensor | None = None,
     image_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample completions for left-padded prompts (with `images` [B, I, C, H, W]
-    and `image_counts` [B]: the rows' pixels, `meshrl.vision`).
+    """Sample completions for left-padded prompts (and their `images`: `meshrl.vision`).
 
     prompt_ids, prompt_mask [B, P] -> (completion_ids [B, T], logprobs [B, T],
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
@@ -224,15 +238,12 @@ def sample(
     Row b's randomness is `seeds[b]` alone (drawn from `generator` when None),
     so a row's tokens do not depend on the rows beside it. `share_prefix`:
     each distinct prompt is prefilled once and its KV cache copied to its rows.
-    `drop_finished`: rows leave the decode batch when they end. Both leave
-    every row's distribution as it is; with the same seeds they give the same
-    tokens (unless a draw falls within rounding of a boundary between two
-    tokens' probability mass), and log-probs equal up to float rounding
-    (other batch shapes run other matmul blockings): tests/test_packing.py.
-
-    `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
-    position's experts (`meshrl.routing`); -1 on padding and the unfed last token.
-    """
+    `drop_finished`: rows leave the decode batch when they end. Both leave every
+    row's distribution as it is: the same seeds give the same tokens (unless a draw
+    falls within rounding of a boundary between two tokens' probability mass) and
+    log-probs equal up to float rounding (other batch shapes, other matmul
+    blockings): tests/test_packing.py. `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
+    position's experts (`meshrl.routing`); -1 on padding and the unfed last token."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
         on = generator.device if generator else "cpu"
@@ -250,11 +261,7 @@ def sample(
         live = torch.arange(B, device=device)  # the original row of each decode row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stop = torch.tensor(eos_token_id, device=device).reshape(-1)
-        # A VLM's image placeholder is the processor's to place, never the model's
-        # to sample: one sampled would have no pixels behind it.
-        never = None
-        if images is not None:
-            never = torch.tensor([model.config.image_token_id], device=device)
+        banned_at = _banned(model, stop, min_new_tokens, images is not None)
         tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)
         masks = torch.zeros(B, max_new_tokens, device=device)
@@ -262,10 +269,9 @@ def sample(
         steps = 0
         for step in range(max_new_tokens):
             steps = step + 1
-            banned = stop if step < min_new_tokens else None
-            if never is not None:
-                banned = never if banned is None else torch.cat([banned, never])
-            token, logp, probs = _next_tokens(logits, step, temperature, banned, top_p, seeds[live])
+            token, logp, probs = _next_tokens(
+                logits, step, temperature, banned_at(step), top_p, seeds[live]
+            )
             if stats is not None:
                 entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
                 entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()

@@ -241,35 +241,45 @@ def run_episodes(
                 episode.final = episode.turns >= max_turns or room <= 0
                 acted.append(i)
         else:
+            room = context - generation.max_new_tokens  # for the episode and a reply
             for i, (_, step, failure) in zip(chunk, result, strict=True):
-                episode = episodes[i]
-                if failure:
-                    _fail(episode, failure)
-                    continue
-                episode.info.update(step.info)
-                if step.done or episode.final:
-                    episode.reward, episode.done = step.reward, True
-                    continue
-                try:
-                    reply, shown = _reply(fmt, vision, step, episode)
-                except ImageError as error:  # a corrupt or oversized picture: this episode
-                    _fail(episode, str(error))
-                    continue
-                if len(episode.context()) + len(reply) + generation.max_new_tokens > context:
-                    # The reply would not leave room for another turn: the episode ends here.
-                    episode.reward, episode.done, episode.truncated = step.reward, True, True
-                    continue
-                episode.replies.append(step.observation)
-                episode.images += shown
-                episode.tokens += reply
-                episode.loss_mask += [0] * len(reply)
-                episode.logprobs += [0.0] * len(reply)
-                episode.versions += [-1] * len(reply)
-                ready.append(i)
+                if _take_reply(episodes[i], step, failure, fmt, vision, room):
+                    ready.append(i)
     return episodes, {
         "time/episodes_s": time.perf_counter() - started,
         "time/episode_generate_s": generate_s,
     }
+
+
+def _take_reply(
+    episode: EpisodeState, step: Any, failure: str, fmt: ChatFormat, vision: Any, room: int
+) -> bool:
+    """Append the environment's answer to the model's turn to `episode`; whether
+    the model takes another turn (no: it failed, ended, or the reply would leave
+    fewer than `room` tokens for the episode)."""
+    if failure:
+        _fail(episode, failure)
+        return False
+    episode.info.update(step.info)
+    if step.done or episode.final:
+        episode.reward, episode.done = step.reward, True
+        return False
+    try:
+        reply, shown = _reply(fmt, vision, step, episode)
+    except ImageError as error:  # a corrupt or oversized picture: this episode fails
+        _fail(episode, str(error))
+        return False
+    if len(episode.context()) + len(reply) > room:
+        # The reply would not leave room for another turn: the episode ends here.
+        episode.reward, episode.done, episode.truncated = step.reward, True, True
+        return False
+    episode.replies.append(step.observation)
+    episode.images += shown
+    episode.tokens += reply
+    episode.loss_mask += [0] * len(reply)
+    episode.logprobs += [0.0] * len(reply)
+    episode.versions += [-1] * len(reply)
+    return True
 
 
 def _pixels(episodes: list[EpisodeState]) -> tuple:

@@ -191,8 +191,9 @@ def load_image(image: Any, max_pixels: int, where: str) -> Any:
                          f"not {type(image).__name__}")  # fmt: skip
     width, height = picture.size
     if width * height > max_pixels:
+        name = f"{image} " if isinstance(image, (str, os.PathLike)) else ""
         raise ImageError(
-            f"{where}: image {image if isinstance(image, str) else ''}is {width}x{height}, "
+            f"{where}: image {name}is {width}x{height}, "
             f"more than model.vision.max_pixels={max_pixels}"
         )
     return picture
