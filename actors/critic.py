@@ -75,6 +75,8 @@ class Critic(Drillable, Actor):
                 batch.attention_mask.to(self.device),
                 batch.num_completion_tokens,
                 self.layout,
+                None if batch.images is None else batch.images.to(self.device),
+                batch.image_counts,
             )
         return values.cpu()
 
@@ -106,6 +108,8 @@ class Critic(Drillable, Actor):
             part.attention_mask,
             part.num_completion_tokens,
             self.layout,
+            part.images,
+            part.image_counts,
         )
         return value_loss(
             values, part.old_values, part.returns, part.completion_mask, self.value_clip, part.scale

@@ -74,7 +74,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
     from actors.environment import Environment
     from actors.policy import Policy
     from meshrl.collector import Collector
-    from meshrl.models import context_length, load_tokenizer
+    from meshrl.models import context_length, load_tokenizer, vision_format
     from meshrl.run import Run
     from meshrl.supervisor import Supervisor
 
@@ -90,7 +90,10 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
         sup.on_respawn("policy")  # its weights are the saved model's: loaded again
         sup.on_respawn("environment")
         task = make_task(cfg.task)
-        collector = Collector(cfg, state, sup, None, tokenizer, task, context, policy, environment)
+        collector = Collector(
+            cfg, state, sup, None, tokenizer, task, context, policy, environment,
+            vision=vision_format(cfg.model),
+        )  # fmt: skip
         try:
             figures = Evaluator(cfg.eval, collector, cfg.run.seed).evaluate()
         finally:

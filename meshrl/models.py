@@ -302,7 +302,8 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.backbone = lm.base_model
         self.backbone_prefix = f"{lm.base_model_prefix}."
-        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, dtype=lm.dtype)
+        width = lm.config.get_text_config().hidden_size  # a VLM's: its language model's
+        self.value_head = torch.nn.Linear(width, 1, dtype=lm.dtype)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
@@ -311,9 +312,10 @@ class ValueModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        **pixels: torch.Tensor,
     ) -> torch.Tensor:
         """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
-        4D mask with its positions."""
+        4D mask with its positions; `pixels`: a VLM's image inputs (`meshrl.vision`)."""
         if position_ids is None:
             position_ids = sequence_positions(attention_mask)
         hidden = self.backbone(
@@ -321,6 +323,7 @@ class ValueModel(torch.nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **pixels,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
@@ -336,15 +339,18 @@ def completion_values(
     attention_mask: torch.Tensor,
     T: int,
     layout: str = "padded",
+    images: torch.Tensor | None = None,
+    image_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Value of the state before each of the last T tokens: [B, P + T] -> [B, T].
 
     Aligned like `completion_logprobs`: position i's hidden state scores the
     prefix that token i + 1 is sampled from (0 on padding unless `layout` is
-    padded).
+    padded). With `images` (`meshrl.vision`) the rows' pixels go in, padded.
     """
-    if layout == "padded" or not len(input_ids):
-        return model(input_ids, attention_mask)[:, -T - 1 : -1]
+    pixels = vision.inputs(images, image_counts, model_dtype(model))
+    if layout == "padded" or not len(input_ids) or pixels:
+        return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)

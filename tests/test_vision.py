@@ -20,9 +20,11 @@ from meshrl.generation import sample
 from meshrl.loop import LoopState
 from meshrl.models import (
     completion_logprobs,
+    completion_values,
     load_model,
     load_processor,
     load_tokenizer,
+    load_value_model,
     vision_format,
 )
 from meshrl.types import Prompt, TrainBatch
@@ -82,6 +84,13 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images():
         )
     assert ((trained - logprobs).abs() * mask).max() < 1e-4
     assert ((other - logprobs).abs() * mask).max() > 1e-3
+    # PPO's critic sees the pictures too.
+    critic = load_value_model(LLAVA)
+    torch.nn.init.normal_(critic.value_head.weight)
+    with torch.no_grad():
+        values = [completion_values(critic, full, attention, T, "padded", x, counts)
+                  for x in (images, images.flip(0))]  # fmt: skip
+    assert not torch.allclose(values[0], values[1])
 
 
 @pytest.mark.unit
