@@ -288,10 +288,6 @@ class Algorithm:
         cfg, policy, environment = self.cfg, self.policy, self.environment
         if getattr(cfg, "rollout", None) is None or cfg.rollout.dispatch != "pull":
             return None
-        if self.vision is not None:
-            raise ConfigError(
-                "config key 'rollout.dispatch': pull carries no images yet; use split"
-            )
         if type(self).rollout is not Algorithm.rollout:  # DAPO's filter, distillation's teacher
             raise ConfigError(
                 f"config key 'rollout.dispatch': pull does not run {self.name}'s own rollout "
@@ -299,8 +295,8 @@ class Algorithm:
             )
         return Dispatcher(
             cfg.rollout, self.collector, policy, environment,
-            send=lambda i, ids, seeds: policy.slice(procs=i).generate.call_one(
-                ids, cfg.generation, seeds
+            send=lambda i, ids, seeds, images: policy.slice(procs=i).generate.call_one(
+                ids, cfg.generation, seeds, images
             ),
             score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
                 prompts, texts

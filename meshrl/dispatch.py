@@ -40,6 +40,7 @@ import torch
 from meshrl.config import ConfigError
 from meshrl.mesh import POLL_S, RemoteCallError
 from meshrl.rollout import Waiter
+from meshrl.vision import stack, unstack
 
 DISPATCH = ("split", "pull")
 
@@ -89,6 +90,7 @@ class Group:
     version: int = -1  # the weight version it was generated with
     latency_s: float = 0.0  # from taken to scored
     late: bool = False  # taken by a replica before a step that did not train it
+    pixels: list | None = None  # its rows' images, [I, C, H, W] each (`meshrl.vision`)
 
 
 def ks_distance(a: list[float], b: list[float]) -> float:
@@ -124,7 +126,7 @@ class Dispatcher:
     """The queue of groups and the calls under way (see the module docstring).
 
     `collector` lays out prompts and keeps the ledger; `send(rank, ids,
-    seeds)` starts a generation on policy replica `rank`; `score(rank,
+    seeds, images)` starts a generation on policy replica `rank`; `score(rank,
     prompts, completions)` starts scoring on environment proc `rank`."""
 
     def __init__(
@@ -261,10 +263,12 @@ class Dispatcher:
         batch = self.collector.layout(prompts)  # its ids and seeds, in one replica's order
         ids = [i for shard, _, _ in batch.shards for i in shard]
         seeds = [s for _, shard, _ in batch.shards for s in shard]
+        pixels = [row for shard in batch.shards for row in unstack(shard[2], len(shard[0]))]
         k = self.k
         for n, prompt in enumerate(prompts):
             rows = slice(n * k, (n + 1) * k)
-            self.pending.append(Group(self.next_id, prompt, ids[rows], seeds[rows]))
+            group = Group(self.next_id, prompt, ids[rows], seeds[rows], pixels=pixels[rows])
+            self.pending.append(group)
             self.next_id += 1
 
     def _drop_stale(self) -> None:
@@ -292,7 +296,9 @@ class Dispatcher:
                 group.sent = now
             ids = [row for g in groups for row in g.ids]
             seeds = [s for g in groups for s in g.seeds]
-            self._start("policy", rank, groups, self.send(rank, ids, seeds))
+            pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
+            images = stack(pixels) if any(x is not None for x in pixels) else None
+            self._start("policy", rank, groups, self.send(rank, ids, seeds, images))
             sent += 1
         for rank in self.scoring.free(self.environment.size, 1):
             if not self.to_score:
@@ -403,7 +409,7 @@ class Dispatcher:
         behind = self.sync.version
         return {
             "next_id": self.next_id,
-            "pending": [(g.id, g.prompt, g.ids, g.seeds) for g in self.pending],
+            "pending": [(g.id, g.prompt, g.ids, g.seeds, g.pixels) for g in self.pending],
             "complete": [
                 (g.id, g.prompt, g.ids, g.seeds, g.completions, g.rewards)
                 + (behind - g.version, g.latency_s, g.late)
@@ -415,7 +421,10 @@ class Dispatcher:
         """The queue as `save` left it (None: empty), e.g. after a resume."""
         saved = saved or {"next_id": 0, "pending": [], "complete": []}
         self.next_id = saved["next_id"]
-        self.pending = deque(Group(*entry) for entry in saved["pending"])
+        self.pending = deque(
+            Group(*entry[:4], pixels=entry[4] if len(entry) > 4 else None)
+            for entry in saved["pending"]
+        )
         self.complete = []
         for gid, prompt, ids, seeds, completions, rewards, behind, latency, late in saved[
             "complete"

@@ -268,6 +268,14 @@ def stack(images: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch
     return out, counts
 
 
+def unstack(images: tuple | None, rows: int) -> list[torch.Tensor | None]:
+    """`stack`'s (images, counts) back to each row's [I_b, C, H, W] (None for none)."""
+    if images is None:
+        return [None] * rows
+    pixels, counts = images
+    return [pixels[b, :n] if n else None for b, n in enumerate(counts.tolist())]
+
+
 def pad_images(images: torch.Tensor, width: int) -> torch.Tensor:
     """[B, I, ...] padded with zero images to [B, width, ...]."""
     extra = width - images.size(1)

@@ -21,6 +21,7 @@ SHIPPED = {
     "grpo_calculator": ("algorithms.grpo", "GRPOConfig"),
     "grpo_calculator_notool": ("algorithms.grpo", "GRPOConfig"),
     "grpo_code": ("algorithms.grpo", "GRPOConfig"),
+    "grpo_vision": ("algorithms.grpo", "GRPOConfig"),
     "dr_grpo": ("algorithms.grpo", "GRPOConfig"),
     "gspo": ("algorithms.grpo", "GRPOConfig"),
     "rloo": ("algorithms.rloo", "GRPOConfig"),

@@ -246,3 +246,19 @@ def test_a_tool_returns_a_picture_mid_episode(tmp_path, caplog, no_stray_procs):
     assert "meshrl_corrupt_zoom.png" in caplog.text
     last = history[-1]
     assert last["samples/trained_total"] == 2 * 4 * 8
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pictures_go_by_pull(tmp_path, no_stray_procs):
+    """Work by pull: each group's pixels travel with it to whichever replica
+    takes it, two groups a call, and come back with its completions."""
+    pull = (
+        "rollout.dispatch=pull", "rollout.groups_per_call=2", "placement.policy=2",
+        "trainer.recompute_old_logprobs=true", "warm_start.steps=2", "prompts_per_step=4",
+        "steps=4", "checkpoint.every=2", "checkpoint.keep=1",
+    )  # fmt: skip
+    history = GRPO(configure(tmp_path, "pull", *pull, path=VISION_CONFIG)).run()
+    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    assert history[-1]["samples/trained_total"] == 4 * 4 * 8
+    assert all(r["samples/dropped"] == 0 for r in history)
