@@ -69,12 +69,12 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplo
         in summary
     )
     assert not [r for r in caplog.records if "mesh failure" in r.getMessage()]
+    # Each failure in full: the call that found the proc gone (the pid check is
+    # first, in well under Monarch's ~10 s; its supervision event, when it still
+    # comes, is written here too as a `mesh failure:` line), then the recovery.
     log = (tmp_path / "drill" / "faults.log").read_text()
-    assert (
-        "mesh failure: " in log
-        and "recovered environment in" in log
-        and "recovered policy in" in log
-    )
+    for role in ("environment", "policy"):
+        assert f"recovering {role}: " in log and f"recovered {role} in" in log, log
 
 
 def test_an_exception_in_an_actor_is_not_recovered_but_reported():
