@@ -142,7 +142,7 @@ class Distill(GRPO):
         cfg = self.cfg
         rng = random.Random(f"eval-{cfg.run.seed}")
         self.eval_set = self.collector.sample_prompts(cfg.eval_prompts, rng)
-        self.collector.held_out |= {p.text for p in self.eval_set}
+        self.collector.held_out |= {p.key for p in self.eval_set}
         return super().spawn_evaluator(run)
 
     def compose(self, run: Any, stateful: list) -> None:

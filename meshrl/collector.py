@@ -73,7 +73,7 @@ class Collector:
         self.policy, self.environment, self.reward_model = policy, environment, reward_model
         self.last_episodes: list = []
         self.held_out: set[str] = set()
-        """Prompt texts training never draws (the held-out evaluation sets')."""
+        """Prompts training never draws, by `Prompt.key` (the held-out sets')."""
         self.server = None
         """The policy's OpenAI-compatible endpoint (`endpoint()`), once started."""
 
@@ -93,7 +93,7 @@ class Collector:
             drawn = self.task.sample(num_prompts - len(prompts), rng)
             lengths = map(len, self.encode(drawn)[0])  # one batch call
             for prompt, length in zip(drawn, lengths, strict=True):
-                if prompt.text in self.held_out:
+                if prompt.key in self.held_out:
                     continue
                 if length <= room:
                     prompts.append(prompt)

@@ -27,6 +27,7 @@ from typing import Any
 from meshrl.config_files import ConfigError
 from meshrl.mesh import split, start_each
 from meshrl.types import Completions, Prompt
+from meshrl.vision import stack
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -126,7 +127,7 @@ class Evaluator:
                 rng = random.Random(f"eval-{name}-{seed}")
                 prompts = collector.sample_prompts(spec.prompts, rng)
             self.sets[name] = prompts
-            collector.held_out |= {p.text for p in prompts}
+            collector.held_out |= {p.key for p in prompts}
 
     def due(self, step: int, last: int) -> bool:
         every = self.cfg.every
@@ -184,10 +185,14 @@ class Evaluator:
         spec, collector = self.cfg.sets[name], self.collector
         if collector.task.multi_turn:
             return role, [], [], role.respawns
-        prompts = collector.format.prompts([p.text for p in self.sets[name]])
+        prompts, pixels = collector.encode(self.sets[name])  # a VLM's pictures too
         ids = [row for row in prompts for _ in range(spec.k)]
+        pixels = [x for x in pixels for _ in range(spec.k)]
         generation = replace(collector.cfg.generation, temperature=spec.temperature)
-        args = [(shard, generation) for shard in split(ids, role.size)]
+        args = [
+            (shard, generation, None, stack(part) if any(x is not None for x in part) else None)
+            for shard, part in zip(split(ids, role.size), split(pixels, role.size), strict=True)
+        ]
         return role, args, start_each(role, "generate", args), role.respawns
 
     def _score(

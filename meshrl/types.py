@@ -27,6 +27,20 @@ class Prompt:
     """Pictures the model sees with the text (vision-language models,
     `meshrl.vision`): file paths, PIL images or [H, W, 3] uint8 arrays."""
 
+    @property
+    def key(self) -> str:
+        """What tells this prompt from others (held-out sets are kept apart by it):
+        its text, and a digest of its pictures when it has some."""
+        if not self.images:
+            return self.text
+        import hashlib
+
+        digest = hashlib.sha1()
+        for image in self.images:
+            data = image.tobytes() if hasattr(image, "tobytes") else str(image).encode()
+            digest.update(data)
+        return f"{self.text}\x00{digest.hexdigest()}"
+
 
 @dataclass
 class Completions:

@@ -150,12 +150,19 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
     trainer's own old log-probs measured against the sampler's every step."""
     cfg = configure(
         tmp_path, "vision", "steps=3", "warm_start.steps=2", "prompts_per_step=4",
-        "placement.policy=2", "trainer.recompute_old_logprobs=true", path=VISION_CONFIG,
+        "placement.policy=2", "trainer.recompute_old_logprobs=true", "eval.every=2",
+        "eval.sets.heldout.prompts=4", "eval.sets.heldout.k=2", path=VISION_CONFIG,
     )  # fmt: skip
     algo = GRPO(cfg)
     try:
         history = algo.run(3)
         assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+        assert "eval/heldout/reward" in history[1]
+        # The held-out set is generated from its pictures too.
+        image = algo.tokenizer.convert_tokens_to_ids("<image>")
+        sent = algo.evaluator._send("heldout", algo.policy)
+        assert all(a[3] is not None and image in a[0][0] for a in sent[1])
+        assert len(algo.evaluator._score("heldout", *sent)) == 4
         # The generator hands back the ids and pixels it generated from, element by
         # element; the trainer's log-probs of them are the sampler's.
         prompts = algo.collector.sample_prompts(2)
