@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from meshrl.mesh import split, start_each
-from meshrl.rollout import ChatFormat, run_episodes, to_completions
+from meshrl.rollout import ChatFormat, encode_prompts, run_episodes, to_completions
 from meshrl.types import Completions, Prompt
-from meshrl.vision import ImageError, stack
+from meshrl.vision import shard
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +113,7 @@ class Collector:
     def encode(self, prompts: list[Prompt]) -> tuple[list[list[int]], list]:
         """The prompts' token ids and each one's pixels (None without images):
         where an episode is built, image placeholders are expanded, once."""
-        if not any(p.images for p in prompts):
-            return self.format.prompts([p.text for p in prompts]), [None] * len(prompts)
-        if self.vision is None:
-            raise ImageError(
-                f"task '{self.cfg.task.name}' gives images and the model takes none: set "
-                "config key 'model.arch' to llava or 'model.path' to a vision-language model"
-            )
-        return self.vision.prompts(prompts)
+        return encode_prompts(self.format, self.vision, prompts, f"task '{self.cfg.task.name}'")
 
     def layout(self, prompts: list[Prompt], draw: bool = True) -> Batch:
         """`group_size` copies of each prompt, their token ids split evenly over
@@ -140,8 +133,7 @@ class Collector:
                 -(2**62), 2**62, (len(ids),), generator=self.state.torch_rng
             ).tolist()
         n = self.policy.size
-        images = [stack(part) if any(x is not None for x in part) else None
-                  for part in split(pixels, n)]  # fmt: skip
+        images = [shard(part) for part in split(pixels, n)]
         return Batch(
             prompts,
             [p for p in prompts for _ in range(k)],

@@ -40,7 +40,7 @@ import torch
 from meshrl.config import ConfigError
 from meshrl.mesh import POLL_S, RemoteCallError
 from meshrl.rollout import Waiter
-from meshrl.vision import stack, unstack
+from meshrl.vision import shard, unstack
 
 DISPATCH = ("split", "pull")
 
@@ -297,8 +297,7 @@ class Dispatcher:
             ids = [row for g in groups for row in g.ids]
             seeds = [s for g in groups for s in g.seeds]
             pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
-            images = stack(pixels) if any(x is not None for x in pixels) else None
-            self._start("policy", rank, groups, self.send(rank, ids, seeds, images))
+            self._start("policy", rank, groups, self.send(rank, ids, seeds, shard(pixels)))
             sent += 1
         for rank in self.scoring.free(self.environment.size, 1):
             if not self.to_score:

@@ -27,7 +27,7 @@ from typing import Any
 from meshrl.config_files import ConfigError
 from meshrl.mesh import split, start_each
 from meshrl.types import Completions, Prompt
-from meshrl.vision import stack
+from meshrl.vision import shard
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -190,8 +190,8 @@ class Evaluator:
         pixels = [x for x in pixels for _ in range(spec.k)]
         generation = replace(collector.cfg.generation, temperature=spec.temperature)
         args = [
-            (shard, generation, None, stack(part) if any(x is not None for x in part) else None)
-            for shard, part in zip(split(ids, role.size), split(pixels, role.size), strict=True)
+            (rows, generation, None, shard(part))
+            for rows, part in zip(split(ids, role.size), split(pixels, role.size), strict=True)
         ]
         return role, args, start_each(role, "generate", args), role.respawns
 

@@ -16,7 +16,7 @@ import torch
 
 from meshrl import vision
 from meshrl.models import Cache, DynamicLayer, sequence_positions
-from meshrl.packing import takes_logits_to_keep
+from meshrl.packing import model_dtype, takes_logits_to_keep
 from meshrl.routing import Recorder
 
 
@@ -157,7 +157,7 @@ def _prefill(model, ids, mask, positions, share: bool, images=None, counts=None)
     rows = first if share else slice(None)
     pixels = {}
     if images is not None:
-        pixels = vision.inputs(images[rows], counts[rows], next(model.parameters()).dtype)
+        pixels = vision.inputs(images[rows], counts[rows], model_dtype(model))
     out = model(
         input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True,
         **_growing_cache(model),

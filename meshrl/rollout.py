@@ -38,7 +38,7 @@ import torch
 
 from meshrl.mesh import RemoteCallError, wait
 from meshrl.types import Completions, Prompt
-from meshrl.vision import ImageError, VisionFormat, stack
+from meshrl.vision import ImageError, VisionFormat, shard, stack
 
 
 class ChatFormat:
@@ -182,9 +182,7 @@ def run_episodes(
     format, for images in prompts and replies (`meshrl.vision`)."""
     started = time.perf_counter()
     tokenizer = fmt.tokenizer
-    ids, pixels = fmt.prompts([p.text for p in prompts]), [None] * len(prompts)
-    if vision is not None and any(p.images for p in prompts):
-        ids, pixels = vision.prompts(prompts)
+    ids, pixels = encode_prompts(fmt, vision, prompts)
     episodes = [
         EpisodeState(f"{key_prefix}{i}", p, x, images=[] if px is None else list(px))
         for i, (p, x, px) in enumerate(zip(prompts, ids, pixels, strict=True))
@@ -282,11 +280,26 @@ def _take_reply(
     return True
 
 
+def encode_prompts(
+    fmt: ChatFormat, vision: VisionFormat | None, prompts: list[Prompt], what: str = "the task"
+) -> tuple[list[list[int]], list]:
+    """The prompts' token ids and each one's pixels (None without images), through
+    `vision` (a VLM's processor: placeholders expanded here, once) when they
+    have images, else through `fmt`; one line when images meet a text model."""
+    if not any(p.images for p in prompts):
+        return fmt.prompts([p.text for p in prompts]), [None] * len(prompts)
+    if vision is None:
+        raise ImageError(
+            f"{what} gives images and the model takes none: set config key "
+            "'model.arch' to llava or 'model.path' to a vision-language model"
+        )
+    return vision.prompts(prompts)
+
+
 def _pixels(episodes: list[EpisodeState]) -> tuple:
     """`Policy.generate`'s trailing (seeds, images) for `episodes`: () without images."""
-    if not any(e.images for e in episodes):
-        return ()
-    return None, stack([torch.stack(e.images) if e.images else None for e in episodes])
+    images = shard([torch.stack(e.images) if e.images else None for e in episodes])
+    return () if images is None else (None, images)
 
 
 def _reply(fmt: ChatFormat, vision: VisionFormat | None, step: Any, episode: EpisodeState):

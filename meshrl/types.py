@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from meshrl.losses import LossScale
-from meshrl.vision import pad_images
+from meshrl.vision import stack, unstack
 
 
 @dataclass
@@ -111,18 +111,9 @@ class Completions:
         if any(p.routes is not None for p in parts):
             assert all(p.routes is not None for p in parts), "routes from some replicas only"
             routes = torch.cat([_pad_routes(p, P, T) for p in parts])
-        images, counts = None, None
-        if any(p.images is not None for p in parts):
-            some = [p.images for p in parts if p.images is not None]
-            width, shape = max(x.size(1) for x in some), some[0].shape[2:]
-            images = torch.cat([
-                pad_images(p.images, width) if p.images is not None
-                else torch.zeros(len(p), width, *shape) for p in parts
-            ])  # fmt: skip
-            counts = torch.cat([
-                p.image_counts if p.image_counts is not None
-                else torch.zeros(len(p), dtype=torch.long) for p in parts
-            ])  # fmt: skip
+        images, counts = stack(
+            [row for p in parts for row in unstack((p.images, p.image_counts), len(p))]
+        )
         return Completions(
             images=images,
             image_counts=counts,

@@ -268,20 +268,17 @@ def stack(images: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch
     return out, counts
 
 
+def shard(images: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Policy.generate`'s `images` for rows' images (`stack`); None when none has any."""
+    return stack(images) if any(x is not None for x in images) else None
+
+
 def unstack(images: tuple | None, rows: int) -> list[torch.Tensor | None]:
     """`stack`'s (images, counts) back to each row's [I_b, C, H, W] (None for none)."""
-    if images is None:
+    if images is None or images[0] is None:
         return [None] * rows
     pixels, counts = images
     return [pixels[b, :n] if n else None for b, n in enumerate(counts.tolist())]
-
-
-def pad_images(images: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, I, ...] padded with zero images to [B, width, ...]."""
-    extra = width - images.size(1)
-    if extra <= 0:
-        return images
-    return torch.cat([images, images.new_zeros(images.size(0), extra, *images.shape[2:])], 1)
 
 
 def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None) -> dict:

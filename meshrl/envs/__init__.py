@@ -1,9 +1,10 @@
 """Environments: task instances, their episodes and rewards (`meshrl.envs.base`).
 
 Single-turn tasks score one completion (`reverse_digits`, `math`, `countdown`,
-`code`, and `vision_count` with pictures); multi-turn environments answer each model turn until the episode is
-done (`calculator`, `slow_tool`, `vision_zoom`, whose tool returns a picture). `task.name` is a name in `TASKS` or the import
-path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
+`code`, and `vision_count` with pictures); multi-turn environments answer each
+model turn until the episode is done (`calculator`, `slow_tool`, and
+`vision_zoom`, whose tool returns a picture). `task.name` is a name in `TASKS`
+or the import path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
 """
 
 from __future__ import annotations
