@@ -221,6 +221,8 @@ class Algorithm:
             run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
         )
         self.dispatcher = self.ckpt.queue = self.make_dispatcher()
+        if self.dispatcher is not None:  # each group generated with the version it was drawn at
+            sync.before_pull = self.dispatcher.hand_out
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")
         sup.on_respawn("reference", self.reload_reference)

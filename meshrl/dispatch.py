@@ -15,6 +15,10 @@ a fast replica does more and a slow one no longer sets the step time.
   Kolmogorov-Smirnov distance between the trained groups and all completed
   groups of the last `rollout.bias_window` groups, by latency and by length.
   Near 0: the trainer sees no bias toward fast or short episodes.
+- Each group is generated with the weight version current when it was drawn,
+  also while the trainer trains: the loop hands out the drawn groups before it
+  sends a weight pull (`hand_out`). Over-provisioning with that overlap wants
+  `max_staleness: 2` (a late group is trained two versions on).
 - Groups in the queue are part of the run's state: a checkpoint waits for
   those under way and saves them with the rest, so a resumed run trains on
   exactly these samples (`save`, `load`).
@@ -151,6 +155,8 @@ class Dispatcher:
         self.generated: deque = deque(maxlen=cfg.bias_window)  # (latency, length)
         self.trained: deque = deque(maxlen=cfg.bias_window)
         self.errors = 0
+        self.hand_out_s = 0.0  # the loop's waits in `hand_out` since the last step
+        self._taking = threading.Lock()
         self.waiter = Waiter(self.sup.timeout_s)  # a thread per call: no polling delay
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -195,8 +201,10 @@ class Dispatcher:
             "rollout/late_groups": sum(g.late for g in taken),
             "rollout/groups_queued": len(self.complete) + self._under_way(),
             "weights/staleness": max(self.sync.version - g.version for g in taken),
+            "time/hand_out_s": self.hand_out_s,
             **self.bias(),
         }
+        self.hand_out_s = 0.0
         return completions, torch.cat([g.rewards for g in taken]), info
 
     # --- while the trainer trains -------------------------------------------------------
@@ -228,6 +236,29 @@ class Dispatcher:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def hand_out(self) -> None:
+        """Before a weight pull, while the queue flows as the trainer trains
+        (`max_staleness` >= 1): wait until a replica has taken every group drawn.
+        The pull then reaches each replica after those groups' calls (a proc's
+        calls run in the order sent), so each group is generated with the version
+        current when it was drawn, whatever the timing: a run, and a run resumed
+        from its checkpoint, are the same bit for bit. (A group handed back by a
+        lost proc is generated again with the version its new replica holds.)"""
+        if self._thread is None:
+            return
+        started = time.monotonic()
+        while self._thread.is_alive():  # (an error in it is raised by `pause`)
+            with self._taking:
+                if not self.pending:
+                    break
+            if time.monotonic() - started > self.sup.timeout_s:
+                raise RemoteCallError(
+                    f"rollout: {len(self.pending)} groups not taken by a replica within "
+                    f"{self.sup.timeout_s:g}s", "policy",
+                )  # fmt: skip
+            time.sleep(POLL_S / 5)
+        self.hand_out_s += time.monotonic() - started
 
     def bias(self) -> dict[str, float]:
         """KS distances between trained and completed groups, by latency and length."""
@@ -285,19 +316,20 @@ class Dispatcher:
         environment procs; how many calls were sent."""
         sent = 0
         for rank in self.generating.free(self.policy.size, self.cfg.calls_per_replica):
-            if not self.pending:
-                break
-            groups = [
-                self.pending.popleft()
-                for _ in range(min(self.cfg.groups_per_call, len(self.pending)))
-            ]
-            now = time.monotonic()
-            for group in groups:
-                group.sent = now
-            ids = [row for g in groups for row in g.ids]
-            seeds = [s for g in groups for s in g.seeds]
-            pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
-            self._start("policy", rank, groups, self.send(rank, ids, seeds, shard(pixels)))
+            with self._taking:  # taken and sent as one, for `hand_out`
+                if not self.pending:
+                    break
+                groups = [
+                    self.pending.popleft()
+                    for _ in range(min(self.cfg.groups_per_call, len(self.pending)))
+                ]
+                now = time.monotonic()
+                for group in groups:
+                    group.sent = now
+                ids = [row for g in groups for row in g.ids]
+                seeds = [s for g in groups for s in g.seeds]
+                pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
+                self._start("policy", rank, groups, self.send(rank, ids, seeds, shard(pixels)))
             sent += 1
         for rank in self.scoring.free(self.environment.size, 1):
             if not self.to_score:

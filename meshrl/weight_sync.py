@@ -27,6 +27,7 @@ version).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,9 @@ class WeightSync:
         self._hosts: dict[int, str] = {}  # replica rank -> host
         self._hosts_of: tuple = ()  # (respawns, resizes) of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
+        self.before_pull: Callable[[], None] = lambda: None
+        """Runs as `pull` begins: work by pull hands out its drawn groups first
+        (`meshrl.dispatch.Dispatcher.hand_out`)."""
 
     @property
     def version(self) -> int:
@@ -168,6 +172,7 @@ class WeightSync:
         """Every replica of `replicas` pulls `handle` (the newest by default): all
         at once from the trainer when the tree has one level (waited for unless
         this sync runs ahead, `wait=False`), else level by level."""
+        self.before_pull()
         self.wait()
         future = self._send(replicas, handle or self.handle)
         # Standbys (`faults.standby`) take each version too, unwaited: one that is

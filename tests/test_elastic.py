@@ -262,9 +262,9 @@ def test_pull_beats_the_static_split_with_a_slow_replica(tmp_path, no_stray_proc
 def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stray_procs):
     """With `max_staleness=1` the next step's groups are under way while a step
     trains: a checkpoint waits for them and holds them, and a run stopped there
-    and resumed trains them first, with an exact ledger. (Not bit for bit: which
-    weight version a group generated while the trainer trains gets depends on
-    when its replica takes the new one.)"""
+    and resumed trains them first and ends bit for bit as the run never stopped
+    (each group is generated with the version current when it was drawn:
+    `Dispatcher.hand_out`)."""
     ahead = (*PULL, "max_staleness=1", "steps=4", "checkpoint.every=2", "checkpoint.keep=1",
              "warm_start.steps=0")  # fmt: skip
     straight = GRPO(configure(tmp_path, "straight", *ahead))
@@ -279,10 +279,33 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
     resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
     after = resumed.run()[2:]  # (its history starts with the records of steps 0-1)
     assert [r["step"] for r in after] == [2, 3]
-    assert after[0]["weights/staleness"] == 1  # the saved groups, of the version before
-    last = after[-1]
-    assert last["samples/trained_total"] == 4 * 16 * 8
-    assert last["samples/generated_total"] == 4 * 16 * 8 + last["samples/dropped_total"]
+    assert all(r["weights/staleness"] == 1 for r in history[1:] + after)
+    keys = ("reward/mean", "train/loss", "samples/trained_total", "samples/generated_total")
+    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
+    final, again = _final(straight.run_dir), _final(resumed.run_dir)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_pull_resumes_with_late_groups_pending(tmp_path, no_stray_procs):
+    """Over-provisioned: the groups that completed after a step had its batch are
+    late; the checkpoint holds them, and the resumed run trains them first."""
+    late = (*PULL, "max_staleness=2", "rollout.overprovision=0.5", "steps=3",
+            "checkpoint.every=2", "warm_start.steps=0", "run.save_final=false")  # fmt: skip
+    cut = _StopAfter(configure(tmp_path, "late", *late))
+    with pytest.raises(KeyboardInterrupt):
+        cut.run()
+    saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
+    queue = saved["loop"]["data"]["rollout_queue"]
+    pending = sum(entry[-1] for entry in queue["complete"])  # each group's `late`
+    assert pending > 0, queue
+    resumed = GRPO(configure(tmp_path, "late", *late, "checkpoint.resume=auto"))
+    step = resumed.run()[-1]
+    assert step["step"] == 2 and step["rollout/late_groups"] >= min(pending, 16)
+    assert step["samples/trained_total"] == 3 * 16 * 8
+    ledger = step["samples/trained_total"] + step["samples/dropped_total"]
+    assert step["samples/generated_total"] == ledger
 
 
 # --- recovery in seconds ----------------------------------------------------------------
