@@ -18,7 +18,7 @@ The algorithm script does not change between kinds.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshrl.config import ConfigError
@@ -39,9 +39,10 @@ class JobConfig:
     max_procs: dict[str, int] = field(default_factory=dict)
     """Procs an elastic role (policy, environment) may be scaled to, e.g. {policy: 4}.
     Unset: what it starts with on `process`, `slurm` and `kubernetes` jobs, and
-    this host's cores (GPUs) on `local`. On `process`, procs past the job's
-    hosts go on hosts that join it; `slurm` and `kubernetes` keep the hosts
-    submitted (Monarch 0.7 adds none to a running job)."""
+    this host's cores (GPUs) on `local`. On `process`, `slurm` and
+    `kubernetes`, procs past the job's hosts go on hosts that join the run:
+    each a one-host job of the same kind (an sbatch allocation, a pod), since
+    Monarch 0.7 adds no host to a running job; it is stopped with its last proc."""
     name: str = "meshrl"
     """Job name: the SLURM job name; on Kubernetes the prefix of each role's mesh
     name (`meshrltrainer`), so lowercase letters and digits only there."""
@@ -157,6 +158,18 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
             image = ImageSpec(cfg.image, resources=resources)
         job.add_mesh(name, count, image_spec=image)
     return job
+
+
+def joining_job(cfg: JobConfig, role: str, index: int) -> tuple[Any, str]:
+    """A one-host job of `cfg`'s kind for a proc of `role` past the run's hosts
+    (its host `index`), and the name of its host mesh; nothing is started yet."""
+    if cfg.kind == "local":
+        raise ValueError("a local job has one host")
+    name = f"{role}joined{index}"  # (Kubernetes: lowercase letters and digits)
+    one = replace(cfg, hosts={name: 1})
+    if cfg.kind == "slurm":
+        one.name = f"{cfg.name}-{name}"
+    return _job(one, [name], False), mesh_name(one, name)
 
 
 def host_meshes(cfg: JobConfig, job: Any, roles: list[str], observe: Any = None) -> dict[str, Any]:

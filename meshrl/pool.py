@@ -8,8 +8,9 @@ proc mesh of one proc, that looks like one proc mesh to the rest of meshrl.
 one dimension, `procs` (`slice(procs=i)`, `endpoint.call()` with its answers
 in rank order). Each spawn is recorded and done again on every member that
 joins later, so a new replica has the same actors as the others. On a
-`process` job, members past its hosts go on hosts that join through a Monarch
-job of their own (`add_host`), stopped when their last member leaves.
+`process`, `slurm` or `kubernetes` job, members past its hosts go on hosts that
+join through a one-host Monarch job of the same kind (`add_host`), stopped when
+their last member leaves.
 """
 
 from __future__ import annotations
@@ -374,17 +375,16 @@ def make_group(
     else:
         hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
         slots = per_host
-    add = (lambda index: join_host(role, index)) if job.kind == "process" else None
+    add = (lambda index: join_host(job, role, index)) if job.kind != "local" else None
     return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
 
 
-def join_host(role: str, index: int) -> Host:
-    """A host that joins a `process` job: a Monarch `ProcessJob` of its own (a
-    running job takes no new hosts in Monarch 0.7), stopped with its last member."""
-    from monarch.job import ProcessJob
+def join_host(job_cfg: Any, role: str, index: int) -> Host:
+    """A host that joins the run for `role`: a one-host Monarch job of the run's
+    kind (`meshrl.job.joining_job`), stopped with its last member."""
+    from meshrl.job import joining_job
 
-    name = f"{role}_joined{index}"
-    job = ProcessJob({name: 1})
+    job, name = joining_job(job_cfg, role, index)
     try:
         return Host(getattr(job.state(cached_path=None), name), job)
     except BaseException:
@@ -394,21 +394,17 @@ def join_host(role: str, index: int) -> Host:
 
 def limit_of(job: Any, role: str, per_host: int) -> tuple[int, str]:
     """How many procs `role` may be scaled to on this job, and why: `job.max_procs`
-    when given (on `slurm` and `kubernetes` no more than the hosts submitted
-    hold); else the hosts x procs per host it started with, or on one local
-    host without GPUs its cores."""
+    when given (past the job's hosts, hosts join: `join_host`); else the hosts x
+    procs per host it started with, or on one local host without GPUs its cores."""
     import os
 
     import torch
 
     fixed = job.hosts_for(role) * per_host
     given = job.max_procs.get(role)
-    if job.kind in ("slurm", "kubernetes"):
-        reason = f"job.hosts.{role} x placement.{role}: Monarch 0.7 adds no hosts to a running job"
-        return (min(given, fixed) if given else fixed), reason
     if given:
         return given, f"job.max_procs.{role}={given}"
-    if job.kind == "process":
+    if job.kind != "local":
         return fixed, f"job.hosts.{role} x placement.{role}; job.max_procs.{role} allows more"
     if torch.cuda.is_available():  # each takes a GPU: the others' are not known here
         return fixed, f"placement.{role} on a GPU host; job.max_procs.{role} allows more"

@@ -94,9 +94,21 @@ print(json.dumps({k: v for k, v in vars(job).items() if isinstance(v, (str, int,
 """
 
 
-def build(config, *overrides):
+# A host joining a running job for a policy replica past its hosts (`job.max_procs`).
+JOIN = """
+import json, sys
+from algorithms.grpo import GRPOConfig
+from meshrl.config import load_config
+from meshrl.job import joining_job
+cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
+job, name = joining_job(cfg.job, "policy", 3)
+print(json.dumps({"mesh": name, **{k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}}, default=str))
+"""
+
+
+def build(config, *overrides, script=BUILD):
     result = subprocess.run(
-        [sys.executable, "-c", BUILD, os.path.join(REPO, "docs", "examples", config), *overrides],
+        [sys.executable, "-c", script, os.path.join(REPO, "docs", "examples", config), *overrides],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -130,3 +142,19 @@ def test_kubernetes_job_is_built_from_config():
     assert specs["meshrlgrpoenvironment"]["num_replicas"] == 1
     trainer = str(specs["meshrlgrpotrainer"])
     assert "ghcr.io/example/meshrl:latest" in trainer and "nvidia.com/gpu" in trainer
+
+
+@pytest.mark.unit
+def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_kind():
+    """(On `process` jobs the same path runs for real: tests/test_elastic.py.)"""
+    job = build("grpo_slurm.yaml", script=JOIN)
+    assert job["mesh"] == "policyjoined3" and job["_meshes"] == {"policyjoined3": 1}
+    assert job["_job_name"] == "meshrl-grpo-policyjoined3" and job["_partition"] == "gpu"
+    assert job["_slurm_args"] == ["--constraint=h100"] and job["_gpus_per_node"] == 8
+    job = build("grpo_kubernetes.yaml", script=JOIN)
+    assert job["mesh"] == "meshrlgrpopolicyjoined3"
+    assert (
+        job["_namespace"] == "research"
+        and job["_meshes"]["meshrlgrpopolicyjoined3"]["num_replicas"] == 1
+    )
+    assert "ghcr.io/example/meshrl:latest" in str(job["_meshes"]["meshrlgrpopolicyjoined3"])
