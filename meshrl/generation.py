@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from meshrl import vision
-from meshrl.models import Cache, DynamicLayer, sequence_positions
+from meshrl.models import Cache, DynamicLayer, model_positions
 from meshrl.packing import model_dtype, takes_logits_to_keep
 from meshrl.routing import Recorder
 
@@ -147,28 +147,32 @@ def _growing_cache(model) -> dict:
     return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
 
 
-def _prefill(model, ids, mask, positions, share: bool, images=None, counts=None):
-    """The last logits [B, V] and the KV cache of the prompts, and with `share`
-    (each distinct prompt computed once, its cache copied to its rows) each
-    row's distinct prompt (else None). `images`, `counts`: the rows' pixels
-    (`meshrl.vision`), which prompts must also share to share a prefill."""
+def _prefill(model, ids, mask, share: bool, images=None, counts=None):
+    """The last logits [B, V] and the KV cache of the prompts, with `share` (each
+    distinct prompt computed once, its cache copied to its rows) each row's
+    distinct prompt (else None), and each row's next position [B, 1].
+    `images`, `counts`: the rows' pixels (`meshrl.vision`), which prompts must
+    also share to share a prefill; an M-RoPE model's positions come from them."""
     keys = None if images is None else vision.row_keys(images, counts)
     first, inverse = distinct_prompts(ids, mask, keys) if share else (None, None)
     rows = first if share else slice(None)
     pixels = {}
     if images is not None:
         pixels = vision.inputs(images[rows], counts[rows], model_dtype(model))
+    positions = model_positions(model, ids[rows], mask[rows], pixels)  # [3, B, P] for M-RoPE
     out = model(
-        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows], use_cache=True,
+        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions, use_cache=True,
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
         **pixels,
     )  # fmt: skip
     logits, cache = out.logits[:, -1], _cache_of(out)
+    # Text goes on after the largest position (M-RoPE: an image's last row or column).
+    after = (positions.amax(0) if positions.dim() == 3 else positions)[:, -1:] + 1
     if share:
-        logits = logits[inverse]
+        logits, after = logits[inverse], after[inverse]
         cache.reorder_cache(inverse)
-    return logits, cache, inverse
+    return logits, cache, inverse, after
 
 
 def _next_tokens(
@@ -193,7 +197,9 @@ def _banned(model, stop: torch.Tensor, min_new_tokens: int, images: bool):
     """step -> the ids that cannot be drawn then (or None): the stop ids before
     `min_new_tokens`, and with `images` a VLM's image placeholder, which is the
     processor's to place: one sampled would have no pixels behind it."""
-    never = torch.tensor([model.config.image_token_id], device=stop.device) if images else None
+    never = (
+        torch.tensor(vision.placeholder_ids(model.config), device=stop.device) if images else None
+    )
 
     def at(step: int) -> torch.Tensor | None:
         banned = stop if step < min_new_tokens else None
@@ -250,14 +256,12 @@ def sample(
         seeds = torch.randint(-(2**62), 2**62, (B,), generator=generator, device=on)
     seeds = seeds.to(device)
     attention_mask = prompt_mask.long()
-    positions = sequence_positions(attention_mask)
     with Recorder.of(model, B, P + max_new_tokens, record_routes) as recorder:
-        logits, cache, inverse = _prefill(
-            model, prompt_ids, attention_mask, positions, share_prefix, images, image_counts
+        logits, cache, inverse, next_position = _prefill(
+            model, prompt_ids, attention_mask, share_prefix, images, image_counts
         )
         if recorder is not None:
             recorder.put(torch.arange(B), 0, attention_mask, inverse)
-        next_position = positions[:, -1:] + 1
         live = torch.arange(B, device=device)  # the original row of each decode row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stop = torch.tensor(eos_token_id, device=device).reshape(-1)

@@ -36,7 +36,7 @@ from transformers import (
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
-from meshrl import vision
+from meshrl import mrope, vision
 from meshrl.architectures import VISION_ARCHITECTURES, saved_tokenizer, tiny_config
 from meshrl.config import ModelConfig
 from meshrl.mesh import DEVICE_OFFSET_ENV
@@ -94,7 +94,9 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if cfg.path is None:
         tokenizer = build_char_tokenizer()
-        return vision.with_image_token(tokenizer) if cfg.arch in VISION_ARCHITECTURES else tokenizer
+        if cfg.arch in VISION_ARCHITECTURES:
+            return vision.with_image_token(tokenizer, cfg.arch)
+        return tokenizer
     tokenizer = saved_tokenizer(cfg.path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -160,9 +162,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
             text = embedded_config(
                 replace(cfg, arch="llama"), len(tokenizer), pad_token_id=tokenizer.pad_token_id
             )
-            config = vision.tiny_vlm_config(
-                cfg, text, tokenizer.convert_tokens_to_ids(vision.IMAGE_TOKEN)
-            )
+            config = vision.tiny_vlm_config(cfg, text, tokenizer)
             model = AutoModelForImageTextToText.from_config(config).to(dtype)
     else:
         vocab_size = len(build_char_tokenizer())
@@ -224,6 +224,13 @@ def sequence_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def model_positions(model: torch.nn.Module, ids, attention_mask, pixels: dict) -> torch.Tensor:
+    """Position ids of left-padded rows: [B, L], skipping the padding, or with
+    images an M-RoPE model's [3, B, L] from their grids (`meshrl.mrope`)."""
+    found = mrope.positions(model, ids, attention_mask, pixels.get("image_grid_thw"))
+    return sequence_positions(attention_mask) if found is None else found
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -262,7 +269,7 @@ def completion_logprobs(
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=sequence_positions(attention_mask),
+            position_ids=model_positions(model, input_ids, attention_mask, pixels),
             use_cache=False,
             **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
             **pixels,
@@ -274,10 +281,11 @@ def completion_logprobs(
     # The sampler never draws the image placeholder (meshrl.generation); the
     # placeholders of a tool's picture in the completion are the environment's
     # tokens (out of the loss), given 0 rather than log 0.
-    image = hf_config(model).image_token_id
+    placed = torch.tensor(vision.placeholder_ids(hf_config(model)), device=logits.device)
     logits = logits.clone()
-    logits[..., image] = -float("inf")
-    return token_logprobs(logits, targets, temperature).masked_fill(targets == image, 0.0)
+    logits[..., placed] = -float("inf")
+    picked = token_logprobs(logits, targets, temperature)
+    return picked.masked_fill(torch.isin(targets, placed), 0.0)
 
 
 def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):
@@ -317,7 +325,7 @@ class ValueModel(torch.nn.Module):
         """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
         4D mask with its positions; `pixels`: a VLM's image inputs (`meshrl.vision`)."""
         if position_ids is None:
-            position_ids = sequence_positions(attention_mask)
+            position_ids = model_positions(self.backbone, input_ids, attention_mask, pixels)
         hidden = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,

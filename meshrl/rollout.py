@@ -38,7 +38,7 @@ import torch
 
 from meshrl.mesh import RemoteCallError, wait
 from meshrl.types import Completions, Prompt
-from meshrl.vision import ImageError, VisionFormat, shard, stack
+from meshrl.vision import ImageError, VisionFormat, pile, shard, stack
 
 
 class ChatFormat:
@@ -298,7 +298,7 @@ def encode_prompts(
 
 def _pixels(episodes: list[EpisodeState]) -> tuple:
     """`Policy.generate`'s trailing (seeds, images) for `episodes`: () without images."""
-    images = shard([torch.stack(e.images) if e.images else None for e in episodes])
+    images = shard([pile(e.images) if e.images else None for e in episodes])
     return () if images is None else (None, images)
 
 
@@ -345,7 +345,7 @@ def to_completions(episodes: list[EpisodeState], pad_id: int) -> tuple[Completio
             logprobs[row, :length] = torch.tensor(e.logprobs)
             versions[row, :length] = torch.tensor(e.versions)
     model_versions = versions[versions >= 0]
-    images, counts = stack([torch.stack(e.images) if e.images else None for e in episodes])
+    images, counts = stack([pile(e.images) if e.images else None for e in episodes])
     completions = Completions(
         images=images,
         image_counts=counts,

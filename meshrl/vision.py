@@ -16,10 +16,12 @@ slice, shard and concatenate like ids and masks.
 The embedded VLM (`model.arch: llava`) is HF's LLaVA: a CLIP vision tower and
 projector in front of the embedded Llama, with the character tokenizer plus an
 `<image>` token and a CLIP image processor, built here in code and saved and
-loaded by transformers' auto classes like any checkpoint. Any image-text-to-text
-model whose processor gives fixed-size images loads by `model.path`. Models
-with M-RoPE (Qwen2-VL and its successors) compute positions from the image
-grids and are refused with one line, not yet supported.
+loaded by transformers' auto classes like any checkpoint. `model.arch: qwen2_vl`
+is a tiny Qwen2-VL, whose images are patch lists with their grids and whose
+positions come from those grids (M-RoPE: `meshrl.mrope`). Any image-text-to-text
+model whose processor gives fixed-size images, and Qwen2-VL at any resolution,
+load by `model.path`. Later M-RoPE models (Qwen2.5-VL, Qwen3-VL, GLM-4V) are
+refused with one line, not yet supported.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import Any
 import torch
 
 IMAGE_TOKEN = "<image>"
-MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
-"""Model types whose positions depend on the image grids (not yet supported)."""
+GRIDS = ("qwen2_vl",)
+"""Model types whose images are patch lists and positions M-RoPE (`meshrl.mrope`)."""
+MROPE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+"""Later M-RoPE model types (not yet supported)."""
 
 
 class ImageError(ValueError):
@@ -47,17 +51,29 @@ def is_vision(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def with_image_token(tokenizer: Any) -> Any:
-    """`tokenizer` with the embedded VLM's image placeholder as one more token."""
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+def with_image_token(tokenizer: Any, arch: str = "llava") -> Any:
+    """`tokenizer` with the embedded VLM's image placeholder (Qwen2-VL: its image
+    tokens) as more tokens."""
+    if arch in GRIDS:
+        from meshrl.mrope import QWEN_TOKENS
+
+        tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    else:
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     return tokenizer
 
 
-def tiny_vlm_config(cfg: Any, text_config: Any, image_token_id: int) -> Any:
-    """The embedded LLaVA: `text_config` (the embedded Llama) behind a CLIP tower
-    of `cfg.vision` (`meshrl.config_vision.VisionConfig`)."""
+def tiny_vlm_config(cfg: Any, text_config: Any, tokenizer: Any) -> Any:
+    """The embedded VLM of `model.arch`: `text_config` (the embedded Llama's) behind
+    a vision tower of `cfg.vision` (`meshrl.config_vision.VisionConfig`): LLaVA's
+    CLIP tower and projector, or Qwen2-VL's (`meshrl.mrope`)."""
     from transformers import CLIPVisionConfig, LlavaConfig
 
+    if cfg.arch in GRIDS:
+        from meshrl import mrope
+
+        return mrope.tiny_config(cfg, text_config, tokenizer)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = cfg.vision
     return LlavaConfig(
         text_config=text_config,
@@ -79,10 +95,14 @@ def tiny_vlm_config(cfg: Any, text_config: Any, image_token_id: int) -> Any:
 
 def build_processor(cfg: Any, tokenizer: Any) -> Any:
     """The embedded VLM's processor: `tokenizer` (with `<image>`) and a CLIP image
-    processor resizing to `model.vision.image_size`."""
+    processor resizing to `model.vision.image_size` (Qwen2-VL: `meshrl.mrope`)."""
     from transformers import LlavaProcessor
     from transformers.utils import logging as hf_logging
 
+    if cfg.arch in GRIDS:
+        from meshrl import mrope
+
+        return mrope.build_processor(cfg.vision, tokenizer)
     side = cfg.vision.image_size
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its note that torchvision is absent (PIL serves)
@@ -112,12 +132,16 @@ def saved_processor(path: str) -> Any | None:
     names = ("processor_config.json", "preprocessor_config.json")
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoProcessor
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
+        if AutoConfig.from_pretrained(path).model_type in GRIDS:  # its video part needs torchvision
+            from meshrl.mrope import ImageQwen2VLProcessor
+
+            return ImageQwen2VLProcessor.from_pretrained(path)
         return AutoProcessor.from_pretrained(path)
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -132,7 +156,7 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
     if config.model_type in MROPE:
         raise ImageError(
             f"config key '{key}': {config.model_type} (M-RoPE positions from image grids) "
-            "is not supported yet; LLaVA-style models are"
+            "is not supported yet; LLaVA-style models and qwen2_vl are"
         )
     token = getattr(processor, "image_token_id", None)
     if token is None:
@@ -142,6 +166,17 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
             f"config key '{key}': the processor's image token is id {token}, the model's "
             f"image_token_id is {config.image_token_id}: a processor of another model"
         )
+    if config.model_type in GRIDS:
+        tower, images = config.vision_config, processor.image_processor
+        for name, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                             ("temporal_patch_size", "temporal_patch_size")):  # fmt: skip
+            if getattr(images, name, None) != getattr(tower, theirs):
+                raise ImageError(
+                    f"config key '{key}': the processor's {name} is {getattr(images, name, None)}, "
+                    f"the model's vision tower's {theirs} is {getattr(tower, theirs)}: "
+                    "a processor of another model"
+                )
+        return
     crop = getattr(processor.image_processor, "crop_size", None) or {}
     size = getattr(config.vision_config, "image_size", None)
     if size is not None and crop.get("height", size) != size:
@@ -151,7 +186,7 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
         )
 
 
-FROZEN_VISION = r".*(vision_tower|multi_modal_projector).*"
+FROZEN_VISION = r".*(vision_tower|multi_modal_projector|\bvisual)\..*"
 """The modules `model.vision.train: false` freezes (and LoRA leaves alone)."""
 
 
@@ -163,6 +198,13 @@ def freeze_vision(model: torch.nn.Module) -> None:
 
 
 # --- images and pixels ----------------------------------------------------------------
+
+
+def placeholder_ids(config: Any) -> list[int]:
+    """The ids only the processor places (an image's, a video's): the sampler never
+    draws them, and the trainer's softmax leaves them out the same way."""
+    ids = [config.image_token_id, getattr(config, "video_token_id", None)]
+    return [i for i in ids if i is not None]
 
 
 def load_image(image: Any, max_pixels: int, where: str) -> Any:
@@ -203,18 +245,22 @@ class VisionFormat:
     """Prompts with images to token ids and pixels, through the model's processor:
     a prompt's images go before its text (as the model's chat template puts
     them, when it has one), unless the text places `processor.image_token`s
-    itself."""
+    itself. A Qwen2-VL processor's images come as patch lists with their grids
+    (`meshrl.mrope.patches`)."""
 
     def __init__(self, processor: Any, max_pixels: int):
         self.processor, self.max_pixels = processor, max_pixels
         self.chat = bool(getattr(processor, "chat_template", None))
+        self.grids = hasattr(processor.image_processor, "merge_size")
+        token = processor.image_token
+        self.slot = f"<|vision_start|>{token}<|vision_end|>" if self.grids else token
 
     def text(self, prompt_text: str, count: int) -> str:
         token = self.processor.image_token
         if token in prompt_text:
             return prompt_text
         if not self.chat:
-            return token * count + prompt_text
+            return self.slot * count + prompt_text
         content = [{"type": "image"}] * count + [{"type": "text", "text": prompt_text}]
         return self.processor.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
@@ -231,7 +277,16 @@ class VisionFormat:
         if found != len(pictures):
             raise ImageError(f"{where}: {found} image placeholders for {len(pictures)} images")
         out = self.processor(text=[rendered], images=pictures, return_tensors="pt")
-        return out["input_ids"][0].tolist(), out["pixel_values"].float()
+        return out["input_ids"][0].tolist(), self._pixels(out)
+
+    def _pixels(self, out: Any) -> torch.Tensor:
+        """The processor's pixels, one tensor per image: [I, C, H, W], or with grids
+        [I, 1 + N, D] (`meshrl.mrope.patches`)."""
+        if not self.grids:
+            return out["pixel_values"].float()
+        from meshrl.mrope import patches
+
+        return patches(out["pixel_values"].float(), out["image_grid_thw"])
 
     def reply(self, text: str, images: list, where: str) -> tuple[list[int], list[torch.Tensor]]:
         """An environment reply's ids (its images first, placeholders expanded; no
@@ -240,11 +295,11 @@ class VisionFormat:
             raise ImageError(f"{where}: image replies through a chat template are not "
                              "supported yet")  # fmt: skip
         pictures = [load_image(image, self.max_pixels, where) for image in images]
-        rendered = self.processor.image_token * len(pictures) + text
+        rendered = self.slot * len(pictures) + text
         out = self.processor(
             text=[rendered], images=pictures, return_tensors="pt", add_special_tokens=False
         )
-        return out["input_ids"][0].tolist(), list(out["pixel_values"].float())
+        return out["input_ids"][0].tolist(), list(self._pixels(out))
 
     def prompts(self, prompts: list) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         encoded = [self.encode(p.text, p.images, f"prompt {p.text[:30]!r}") for p in prompts]
@@ -257,15 +312,20 @@ def stack(images: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch
     present = [x for x in images if x is not None]
     if not present:
         return None, None
-    shape = present[0].shape[1:]
-    width = max(len(x) for x in present)
-    out = torch.zeros(len(images), width, *shape)
-    counts = torch.zeros(len(images), dtype=torch.long)
-    for row, pixels in enumerate(images):
-        if pixels is not None:
-            out[row, : len(pixels)] = pixels
-            counts[row] = len(pixels)
+    out = pile([x if x is not None else present[0][:0] for x in images])
+    counts = torch.tensor([0 if x is None else len(x) for x in images], dtype=torch.long)
     return out, counts
+
+
+def pile(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack` of tensors whose sizes may differ: each padded with zeros to
+    the largest size in every dimension (rows of fewer images; patch lists of
+    fewer patches, `meshrl.mrope.patches`)."""
+    shape = [max(x.shape[d] for x in tensors) for d in range(tensors[0].dim())]
+    out = torch.zeros(len(tensors), *shape)
+    for row, tensor in enumerate(tensors):
+        out[row][tuple(slice(0, n) for n in tensor.shape)] = tensor
+    return out
 
 
 def shard(images: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -284,11 +344,16 @@ def unstack(images: tuple | None, rows: int) -> list[torch.Tensor | None]:
 def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None) -> dict:
     """The model's image arguments for rows with `images` and `image_counts`:
     `pixel_values` [N, C, H, W], every row's images in row order (the order of
-    the image tokens in the ids); {} when the rows have none."""
+    the image tokens in the ids), or a Qwen2-VL's patches and `image_grid_thw`
+    (`meshrl.mrope.unpatched`); {} when the rows have none."""
     if images is None or counts is None or int(counts.sum()) == 0:
         return {}
     present = torch.arange(images.size(1), device=counts.device) < counts[:, None]
     pixels = images[present.to(images.device)]
+    if pixels.dim() == 3:  # patch lists with their grids
+        from meshrl.mrope import unpatched
+
+        return unpatched(pixels, dtype)
     return {"pixel_values": pixels if dtype is None else pixels.to(dtype)}
 
 

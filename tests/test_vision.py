@@ -2,9 +2,11 @@
 placeholders expanded once; the sampler and the trainer see the same ids and
 pixels; the embedded tiny LLaVA saves and loads with transformers' auto classes."""
 
+import json
 import os
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from algorithms.grpo import GRPO, GRPOConfig
+from meshrl import vision
 from meshrl.collector import Collector
 from meshrl.config import ModelConfig, VisionConfig, load_config
 from meshrl.envs import make_task
@@ -34,6 +37,8 @@ from tests.test_recovery import configure
 
 VISION_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_vision.yaml")
 LLAVA = ModelConfig(arch="llava")
+QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.mrope)
+QWEN_CONFIG = SimpleNamespace(image_token_id=None, video_token_id=None)  # set by the test
 
 
 def _prompts(n: int, seed: int = 0) -> list[Prompt]:
@@ -63,11 +68,12 @@ def _generate(model, fmt, prompts, seeds, share_prefix=True):
 
 
 @pytest.mark.unit
-def test_the_sampler_and_the_trainer_agree_on_rows_with_images():
+@pytest.mark.parametrize("arch", [LLAVA, QWEN], ids=["llava", "qwen2_vl"])
+def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
     """Rows of one text with other pictures share no prefill; the trainer's
     forward over prompt + completion with the same pixels gives the sampler's
     log-probs (float32), and other pixels give other ones."""
-    model, fmt = load_model(LLAVA).eval(), vision_format(LLAVA)
+    model, fmt = load_model(arch).eval(), vision_format(arch)
     prompts = [p for p in _prompts(3) for _ in range(2)]  # same text; 3 pictures, 2 rows each
     seeds = list(range(len(prompts)))
     shared = _generate(model, fmt, prompts, seeds)
@@ -85,7 +91,7 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images():
     assert ((trained - logprobs).abs() * mask).max() < 1e-4
     assert ((other - logprobs).abs() * mask).max() > 1e-3
     # PPO's critic sees the pictures too.
-    critic = load_value_model(LLAVA)
+    critic = load_value_model(arch)
     torch.nn.init.normal_(critic.value_head.weight)
     with torch.no_grad():
         values = [completion_values(critic, full, attention, T, "padded", x, counts)
@@ -94,23 +100,70 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images():
 
 
 @pytest.mark.unit
-def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(tmp_path):
-    model, processor = load_model(LLAVA), load_processor(LLAVA)
+@pytest.mark.parametrize(
+    "arch, processor_class, tower",
+    [(LLAVA, "LlavaProcessor", ("vision_tower", "multi_modal_projector")),
+     (QWEN, "Qwen2VLProcessor", ("visual",))],
+    ids=["llava", "qwen2_vl"],
+)  # fmt: skip
+def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
+    arch, processor_class, tower, tmp_path
+):
+    model, processor = load_model(arch), load_processor(arch)
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path)
-    fmt, saved = vision_format(LLAVA), vision_format(ModelConfig(path=str(tmp_path)))
+    fmt, saved = vision_format(arch), vision_format(ModelConfig(path=str(tmp_path)))
     prompts = _prompts(2)
     (ids, pixels), (ids2, pixels2) = fmt.prompts(prompts), saved.prompts(prompts)
     assert ids == ids2 and all(torch.equal(a, b) for a, b in zip(pixels, pixels2, strict=True))
-    assert type(AutoProcessor.from_pretrained(tmp_path)).__name__ == "LlavaProcessor"
+    # (Qwen2-VL's AutoProcessor also builds its video processor, which needs torchvision.)
+    with open(tmp_path / "processor_config.json") as f:
+        assert json.load(f)["processor_class"] == processor_class
     got = _generate(loaded.eval(), saved, prompts, [1, 2])
     want = _generate(model.eval(), fmt, prompts, [1, 2])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # Whether the vision tower trains is a config key.
-    frozen = load_model(replace(LLAVA, vision=VisionConfig(train=False)))
+    frozen = load_model(replace(arch, vision=VisionConfig(train=False)))
     still = {n for n, p in frozen.named_parameters() if not p.requires_grad}
-    assert still and all("vision_tower" in n or "multi_modal_projector" in n for n in still)
+    assert still and all(any(part in n for part in tower) for n in still)
+
+
+@pytest.mark.unit
+def test_qwen2_vl_positions_are_the_models_own_from_the_image_grids():
+    """M-RoPE: an image's tokens take its grid's rows and columns, and the text
+    after it goes on from the largest. The positions meshrl computes (padded,
+    prefilled, decoded) give the log-probs of HF's own forward of each row
+    alone, and plain positions give others."""
+    model, fmt = load_model(QWEN).eval(), vision_format(QWEN)
+    QWEN_CONFIG.__dict__.update(vars(model.config))
+    prompts = [
+        Prompt("Red?", "1", images=[np.full((32, 32, 3), 9 * i, np.uint8)]) for i in range(2)
+    ]
+    prompts.append(_prompts(1)[0])  # another text length: left padding
+    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
+        model, fmt, prompts, [3, 4, 5]
+    )
+    assert images.shape[1:] == (1, 1 + 16, 3 * 2 * 8 * 8)  # (grid row, 4 x 4 patches)
+    ids, pixels = fmt.prompts(prompts)
+    for row in range(len(prompts)):
+        T = int(mask[row].sum())
+        full = torch.tensor([ids[row] + tokens[row, :T].tolist()])
+        inputs = vision.inputs(pixels[row][None], torch.tensor([1]))
+        kinds = (full == model.config.image_token_id).int()
+        with torch.no_grad():
+            own = model(input_ids=full, mm_token_type_ids=kinds, **inputs).logits
+            plain = model(input_ids=full, position_ids=torch.arange(full.size(1))[None], **inputs)
+        want, other = (_picked(x[0, -T - 1 : -1], full[0, -T:]) for x in (own, plain.logits))
+        assert (want - logprobs[row, :T]).abs().max() < 1e-4, row  # measured 5e-7
+        assert (other - want).abs().max() > 1e-4, row  # measured 7e-4 to 1e-3
+
+
+def _picked(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probs of `tokens` without the image placeholders, as the sampler draws."""
+    logits = logits.clone()
+    logits[:, vision.placeholder_ids(QWEN_CONFIG)] = -float("inf")
+    return logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
 @pytest.mark.unit
@@ -136,6 +189,13 @@ def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
     )
     with pytest.raises(ImageError, match=r"'model.path'.*64px images.*32px"):
         vision_format(ModelConfig(path=str(tmp_path / "vlm")))
+    # Qwen2-VL beside a processor of another patch size.
+    load_model(QWEN).save_pretrained(tmp_path / "qwen")
+    load_processor(replace(QWEN, vision=VisionConfig(patch_size=4))).save_pretrained(
+        tmp_path / "qwen"
+    )
+    with pytest.raises(ImageError, match=r"'model.path'.*patch_size is 4.*patch_size is 8"):
+        vision_format(ModelConfig(path=str(tmp_path / "qwen")))
     # A text model with a processor saved beside it.
     load_model(ModelConfig()).save_pretrained(tmp_path / "text")
     load_processor(LLAVA).save_pretrained(tmp_path / "text")
@@ -231,14 +291,16 @@ def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_s
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_a_tool_returns_a_picture_mid_episode(tmp_path, caplog, no_stray_procs):
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_a_tool_returns_a_picture_mid_episode(arch, tmp_path, caplog, no_stray_procs):
     """`vision_zoom`: the tool's crop joins the episode as a second image; the
-    trainer's log-probs of the turn after it are the sampler's. A corrupt picture
-    from the tool fails its episode, which is counted and replaced."""
+    trainer's log-probs of the turn after it are the sampler's (Qwen2-VL: at the
+    M-RoPE positions of both pictures' grids). A corrupt picture from the tool
+    fails its episode, which is counted and replaced."""
     cfg = configure(
         tmp_path, "zoom", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
         "task.name=tests.envs_for_tests:BrokenZoom", "trainer.recompute_old_logprobs=true",
-        path=VISION_CONFIG,
+        f"model.arch={arch}", path=VISION_CONFIG,
     )  # fmt: skip
     algo = GRPO(cfg)
     try:

@@ -1,0 +1,180 @@
+"""Qwen2-VL: images as patch lists with their grids, and M-RoPE positions.
+
+A Qwen2-VL processor resizes each picture to a multiple of its patch size (any
+aspect, within its pixel bounds) and hands back the patches of every image in
+one list, `pixel_values` [sum of patches, C x 2 x p x p], with each image's grid
+`image_grid_thw` (1, h, w). Its language model places a token by three
+positions (time, row, column: M-RoPE): text advances all three; an image's
+tokens take their grid's rows and columns, and the text after an image goes
+on from the largest of them. So the positions depend on the grids, not only
+on the count of tokens before.
+
+meshrl keeps a row's images as one tensor per image, as for fixed-size models:
+here [1 + N, D], its first row the grid (t, h, w, 0, ...) and then its N patch
+rows, padded with zeros to the longest image beside it (`patches`). The
+model's arguments are rebuilt from them (`unpatched`), and every forward is
+given its positions (`positions`): the sampler's prefill, each decode step
+(the next text position, the same on the three axes) and the trainer's
+forward over prompt and completion compute the same ones. Nothing relies on
+the positions HF caches on the module between calls (`rope_deltas`), which
+shared prefills and rows that leave the decode batch would break.
+
+Qwen2-VL's processor also holds a video processor, which needs torchvision;
+meshrl sends no video, so `ImageQwen2VLProcessor` leaves it out.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2VLProcessor
+
+QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+"""The special tokens of Qwen2-VL's images (and of the video it is not sent)."""
+
+
+class ImageQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without its video processor: it builds and loads
+    without torchvision, and saves as `Qwen2VLProcessor` (so that a checkout
+    with torchvision loads the export with `AutoProcessor`)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out["processor_class"] = "Qwen2VLProcessor"
+        return out
+
+
+def build_processor(vision: object, tokenizer: object) -> ImageQwen2VLProcessor:
+    """The embedded Qwen2-VL's processor: `tokenizer` (with `QWEN_TOKENS`) and an
+    image processor making every picture `vision.image_size` square
+    (`meshrl.config_vision.VisionConfig`), merged 2 x 2."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    area = vision.image_size**2
+    images = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": area, "longest_edge": area},
+        patch_size=vision.patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return ImageQwen2VLProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
+    """The embedded Qwen2-VL: a language model of `text`'s sizes (the embedded
+    Llama's) behind a vision tower of `cfg.vision`'s."""
+    from transformers import Qwen2VLConfig, Qwen2VLTextConfig, Qwen2VLVisionConfig
+
+    half = text.hidden_size // text.num_attention_heads // 2
+    time_axis = max(1, half // 4)  # M-RoPE's rotary pairs: time, rows, columns
+    rows = (half - time_axis) // 2
+    language = Qwen2VLTextConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_hidden_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        max_position_embeddings=text.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [time_axis, rows, half - time_axis - rows],
+        },
+        pad_token_id=text.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+    )
+    vision = cfg.vision
+    tower = Qwen2VLVisionConfig(
+        depth=vision.num_layers,
+        embed_dim=vision.hidden_size,
+        num_heads=max(1, vision.hidden_size // 16),
+        hidden_size=text.hidden_size,
+        mlp_ratio=4,
+        patch_size=vision.patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    ids = dict(
+        zip(
+            ("start", "image", "end", "video"),
+            tokenizer.convert_tokens_to_ids(list(QWEN_TOKENS)),
+            strict=True,
+        )
+    )
+    return Qwen2VLConfig(
+        text_config=language,
+        vision_config=tower,
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["start"],
+        vision_end_token_id=ids["end"],
+        tie_word_embeddings=False,
+    )
+
+
+# --- pixels -----------------------------------------------------------------------------
+
+
+def patches(pixel_values: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """A processor's `pixel_values` [sum N_i, D] and `image_grid_thw` [I, 3] as one
+    tensor per image, [I, 1 + max N_i, D]: its grid in row 0, then its patches."""
+    counts = grids.prod(-1).tolist()
+    out = torch.zeros(len(counts), 1 + max(counts), pixel_values.size(-1))
+    for image, (grid, rows) in enumerate(zip(grids, pixel_values.split(counts), strict=True)):
+        out[image, 0, :3] = grid.to(out.dtype)
+        out[image, 1 : 1 + len(rows)] = rows
+    return out
+
+
+def unpatched(images: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
+    """`patches`' per-image tensors [n, 1 + N, D] back to the model's
+    `pixel_values` [sum N_i, D] (in `dtype`) and `image_grid_thw` [n, 3]."""
+    grids = images[:, 0, :3].round().long()  # (read before a cast to a narrow dtype)
+    counts = grids.prod(-1).tolist()
+    pixels = torch.cat([image[1 : 1 + n] for image, n in zip(images, counts, strict=True)])
+    return {
+        "pixel_values": pixels if dtype is None else pixels.to(dtype),
+        "image_grid_thw": grids,
+    }
+
+
+# --- positions --------------------------------------------------------------------------
+
+
+def rope_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that computes `model`'s M-RoPE positions (`get_rope_index`), through
+    any wrapper (LoRA, a value head); None for a model of plain positions."""
+    return next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+
+
+def positions(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    grids: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """[3, B, L] positions of `ids` (left-padded, `mask`) whose images have `grids`
+    (in the order of their tokens, row by row); None when `model` is not an
+    M-RoPE model or the rows have no images (then plain positions are exact)."""
+    owner = rope_owner(model) if grids is not None else None
+    if owner is None:
+        return None
+    kinds = (ids == owner.config.image_token_id).int()  # 1: an image token
+    found, _ = owner.get_rope_index(
+        ids, mm_token_type_ids=kinds, image_grid_thw=grids, attention_mask=mask.long()
+    )
+    return found
+
+
+def next_position(found: torch.Tensor) -> torch.Tensor:
+    """The position [B, 1] of the token after the last of `positions`' [3, B, L]:
+    text after an image goes on from the image's largest position."""
+    return found.amax(0)[:, -1:] + 1
