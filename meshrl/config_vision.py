@@ -10,7 +10,7 @@ from meshrl.config_files import check as _check
 @dataclass
 class VisionConfig:
     """Images in prompts and tool replies. The sizes shape the embedded VLMs
-    (`model.arch: llava`, `qwen2_vl`) only; `train` and `max_pixels` hold for any VLM."""
+    (`model.arch: llava`, `qwen2_vl`, `qwen2_5_vl`) only; `train` and `max_pixels` hold for any VLM."""
 
     train: bool = True
     """Whether the vision tower and its projector train; false freezes them
@@ -22,7 +22,7 @@ class VisionConfig:
     """Embedded VLM only: the side in pixels the processor resizes images to."""
     patch_size: int = 8
     """Embedded VLM only: the vision tower's patch side; an image becomes
-    (image_size / patch_size)^2 + 1 tokens (its patches and CLS), or for qwen2_vl
+    (image_size / patch_size)^2 + 1 tokens (its patches and CLS), or for Qwen-VL
     a quarter of its patches (merged 2 x 2)."""
     hidden_size: int = 32
     """Embedded VLM only: width of the vision tower."""

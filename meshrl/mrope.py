@@ -1,6 +1,7 @@
-"""Qwen2-VL: images as patch lists with their grids, and M-RoPE positions.
+"""Qwen2-VL and Qwen2.5-VL: images as patch lists with their grids, and M-RoPE
+positions.
 
-A Qwen2-VL processor resizes each picture to a multiple of its patch size (any
+A Qwen2-VL (or Qwen2.5-VL) processor resizes each picture to a multiple of its patch size (any
 aspect, within its pixel bounds) and hands back the patches of every image in
 one list, `pixel_values` [sum of patches, C x 2 x p x p], with each image's grid
 `image_grid_thw` (1, h, w). Its language model places a token by three
@@ -19,36 +20,50 @@ forward over prompt and completion compute the same ones. Nothing relies on
 the positions HF caches on the module between calls (`rope_deltas`), which
 shared prefills and rows that leave the decode batch would break.
 
-Qwen2-VL's processor also holds a video processor, which needs torchvision;
-meshrl sends no video, so `ImageQwen2VLProcessor` leaves it out.
+Their processors also hold a video processor, which needs torchvision; meshrl
+sends no video, so `ImageQwen2VLProcessor` and `ImageQwen2_5_VLProcessor` leave
+it out.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2VLProcessor
+from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
 
 QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 """The special tokens of Qwen2-VL's images (and of the video it is not sent)."""
 
 
-class ImageQwen2VLProcessor(Qwen2VLProcessor):
-    """Qwen2-VL's processor without its video processor: it builds and loads
-    without torchvision, and saves as `Qwen2VLProcessor` (so that a checkout
-    with torchvision loads the export with `AutoProcessor`)."""
+class _ImagesOnly:
+    """A Qwen-VL processor without its video processor: it builds and loads without
+    torchvision (its attributes are those its `__init__` names), and saves as the
+    stock class, so that a checkout with torchvision loads the export with
+    `AutoProcessor`."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        out["processor_class"] = "Qwen2VLProcessor"
+        out["processor_class"] = type(self).__mro__[2].__name__  # the stock class
         return out
 
 
-def build_processor(vision: object, tokenizer: object) -> ImageQwen2VLProcessor:
-    """The embedded Qwen2-VL's processor: `tokenizer` (with `QWEN_TOKENS`) and an
-    image processor making every picture `vision.image_size` square
+class ImageQwen2VLProcessor(_ImagesOnly, Qwen2VLProcessor):
+    """Qwen2-VL's processor, images only."""
+
+
+class ImageQwen2_5_VLProcessor(_ImagesOnly, Qwen2_5_VLProcessor):  # noqa: N801 - HF's name
+    """Qwen2.5-VL's processor, images only."""
+
+
+PROCESSORS = {"qwen2_vl": ImageQwen2VLProcessor, "qwen2_5_vl": ImageQwen2_5_VLProcessor}
+"""Model type -> its processor class, images only."""
+
+
+def build_processor(arch: str, vision: object, tokenizer: object) -> _ImagesOnly:
+    """The embedded Qwen-VL's processor (`arch`): `tokenizer` (with `QWEN_TOKENS`)
+    and an image processor making every picture `vision.image_size` square
     (`meshrl.config_vision.VisionConfig`), merged 2 x 2."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -63,18 +78,28 @@ def build_processor(vision: object, tokenizer: object) -> ImageQwen2VLProcessor:
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
-    return ImageQwen2VLProcessor(image_processor=images, tokenizer=tokenizer)
+    return PROCESSORS[arch](image_processor=images, tokenizer=tokenizer)
 
 
 def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
-    """The embedded Qwen2-VL: a language model of `text`'s sizes (the embedded
-    Llama's) behind a vision tower of `cfg.vision`'s."""
-    from transformers import Qwen2VLConfig, Qwen2VLTextConfig, Qwen2VLVisionConfig
+    """The embedded Qwen2-VL or Qwen2.5-VL (`cfg.arch`): a language model of
+    `text`'s sizes (the embedded Llama's) behind a vision tower of `cfg.vision`'s."""
+    import transformers as hf
 
+    if cfg.arch == "qwen2_vl":
+        Config, Text, Vision = hf.Qwen2VLConfig, hf.Qwen2VLTextConfig, hf.Qwen2VLVisionConfig
+    else:
+        from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as qwen25
+
+        Config, Text, Vision = (
+            hf.Qwen2_5_VLConfig,
+            hf.Qwen2_5_VLTextConfig,
+            qwen25.Qwen2_5_VLVisionConfig,
+        )
     half = text.hidden_size // text.num_attention_heads // 2
     time_axis = max(1, half // 4)  # M-RoPE's rotary pairs: time, rows, columns
     rows = (half - time_axis) // 2
-    language = Qwen2VLTextConfig(
+    language = Text(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size,
@@ -92,16 +117,21 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
         eos_token_id=text.eos_token_id,
     )
     vision = cfg.vision
-    tower = Qwen2VLVisionConfig(
-        depth=vision.num_layers,
-        embed_dim=vision.hidden_size,
-        num_heads=max(1, vision.hidden_size // 16),
-        hidden_size=text.hidden_size,
-        mlp_ratio=4,
-        patch_size=vision.patch_size,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-    )
+    sizes = dict(depth=vision.num_layers, num_heads=max(1, vision.hidden_size // 16),
+                 patch_size=vision.patch_size, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    if cfg.arch == "qwen2_vl":
+        tower = Vision(
+            embed_dim=vision.hidden_size, hidden_size=text.hidden_size, mlp_ratio=4, **sizes
+        )
+    else:  # window attention in all but the last layer, windows of 2 x 2 merged patches
+        tower = Vision(
+            hidden_size=vision.hidden_size,
+            intermediate_size=4 * vision.hidden_size,
+            out_hidden_size=text.hidden_size,
+            window_size=2 * 2 * vision.patch_size,
+            fullatt_block_indexes=[vision.num_layers - 1],
+            **sizes,
+        )
     ids = dict(
         zip(
             ("start", "image", "end", "video"),
@@ -109,7 +139,7 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
             strict=True,
         )
     )
-    return Qwen2VLConfig(
+    return Config(
         text_config=language,
         vision_config=tower,
         image_token_id=ids["image"],

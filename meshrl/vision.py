@@ -17,11 +17,11 @@ The embedded VLM (`model.arch: llava`) is HF's LLaVA: a CLIP vision tower and
 projector in front of the embedded Llama, with the character tokenizer plus an
 `<image>` token and a CLIP image processor, built here in code and saved and
 loaded by transformers' auto classes like any checkpoint. `model.arch: qwen2_vl`
-is a tiny Qwen2-VL, whose images are patch lists with their grids and whose
-positions come from those grids (M-RoPE: `meshrl.mrope`). Any image-text-to-text
-model whose processor gives fixed-size images, and Qwen2-VL at any resolution,
-load by `model.path`. Later M-RoPE models (Qwen2.5-VL, Qwen3-VL, GLM-4V) are
-refused with one line, not yet supported.
+(`qwen2_5_vl`) is a tiny Qwen2-VL (Qwen2.5-VL), whose images are patch lists with
+their grids and whose positions come from those grids (M-RoPE: `meshrl.mrope`).
+Any image-text-to-text model whose processor gives fixed-size images, and
+Qwen2-VL and Qwen2.5-VL at any resolution, load by `model.path`. Later M-RoPE
+models (Qwen3-VL, GLM-4V) are refused with one line, not yet supported.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 IMAGE_TOKEN = "<image>"
-GRIDS = ("qwen2_vl",)
+GRIDS = ("qwen2_vl", "qwen2_5_vl")
 """Model types whose images are patch lists and positions M-RoPE (`meshrl.mrope`)."""
-MROPE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+MROPE = ("qwen3_vl", "qwen3_vl_moe", "glm4v")
 """Later M-RoPE model types (not yet supported)."""
 
 
@@ -52,7 +52,7 @@ def is_vision(config: Any) -> bool:
 
 
 def with_image_token(tokenizer: Any, arch: str = "llava") -> Any:
-    """`tokenizer` with the embedded VLM's image placeholder (Qwen2-VL: its image
+    """`tokenizer` with the embedded VLM's image placeholder (Qwen-VL: its vision
     tokens) as more tokens."""
     if arch in GRIDS:
         from meshrl.mrope import QWEN_TOKENS
@@ -66,7 +66,7 @@ def with_image_token(tokenizer: Any, arch: str = "llava") -> Any:
 def tiny_vlm_config(cfg: Any, text_config: Any, tokenizer: Any) -> Any:
     """The embedded VLM of `model.arch`: `text_config` (the embedded Llama's) behind
     a vision tower of `cfg.vision` (`meshrl.config_vision.VisionConfig`): LLaVA's
-    CLIP tower and projector, or Qwen2-VL's (`meshrl.mrope`)."""
+    CLIP tower and projector, or Qwen2-VL's or Qwen2.5-VL's (`meshrl.mrope`)."""
     from transformers import CLIPVisionConfig, LlavaConfig
 
     if cfg.arch in GRIDS:
@@ -95,14 +95,14 @@ def tiny_vlm_config(cfg: Any, text_config: Any, tokenizer: Any) -> Any:
 
 def build_processor(cfg: Any, tokenizer: Any) -> Any:
     """The embedded VLM's processor: `tokenizer` (with `<image>`) and a CLIP image
-    processor resizing to `model.vision.image_size` (Qwen2-VL: `meshrl.mrope`)."""
+    processor resizing to `model.vision.image_size` (Qwen-VL: `meshrl.mrope`)."""
     from transformers import LlavaProcessor
     from transformers.utils import logging as hf_logging
 
     if cfg.arch in GRIDS:
         from meshrl import mrope
 
-        return mrope.build_processor(cfg.vision, tokenizer)
+        return mrope.build_processor(cfg.arch, cfg.vision, tokenizer)
     side = cfg.vision.image_size
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its note that torchvision is absent (PIL serves)
@@ -138,25 +138,31 @@ def saved_processor(path: str) -> Any | None:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        if AutoConfig.from_pretrained(path).model_type in GRIDS:  # its video part needs torchvision
-            from meshrl.mrope import ImageQwen2VLProcessor
+        model_type = AutoConfig.from_pretrained(path).model_type
+        if model_type in GRIDS:  # its video part needs torchvision
+            from meshrl.mrope import PROCESSORS
 
-            return ImageQwen2VLProcessor.from_pretrained(path)
+            return PROCESSORS[model_type].from_pretrained(path)
         return AutoProcessor.from_pretrained(path)
     finally:
         hf_logging.set_verbosity(verbosity)
 
 
+CARRIED = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+"""What meshrl carries of a processor's output (the ids, the pixels, Qwen-VL's grids)."""
+
+
 def check_pair(processor: Any, config: Any, key: str) -> None:
     """One line naming `key` when the processor cannot feed the model: a text
-    model, an M-RoPE model, or a processor whose image token or image size is
-    not the model's."""
+    model, a later M-RoPE model, a processor whose image token, image or patch
+    size is not the model's, or one that gives inputs meshrl does not carry
+    (LLaVA-NeXT's `image_sizes`, Gemma 3's `token_type_ids`, ...)."""
     if not is_vision(config):
         raise ImageError(f"config key '{key}': a {config.model_type} model takes no images")
     if config.model_type in MROPE:
         raise ImageError(
             f"config key '{key}': {config.model_type} (M-RoPE positions from image grids) "
-            "is not supported yet; LLaVA-style models and qwen2_vl are"
+            "is not supported yet; LLaVA-style models, qwen2_vl and qwen2_5_vl are"
         )
     token = getattr(processor, "image_token_id", None)
     if token is None:
@@ -177,6 +183,16 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
                     "a processor of another model"
                 )
         return
+    from PIL import Image
+
+    probe = processor(text=[processor.image_token], images=[Image.new("RGB", (64, 64))])
+    extra = sorted(set(probe) - CARRIED)
+    if extra:
+        raise ImageError(
+            f"config key '{key}': the {config.model_type} processor also gives "
+            f"{', '.join(extra)}, which meshrl does not carry yet; supported: processors "
+            "of pixel values only (LLaVA and its kind), qwen2_vl, qwen2_5_vl"
+        )
     crop = getattr(processor.image_processor, "crop_size", None) or {}
     size = getattr(config.vision_config, "image_size", None)
     if size is not None and crop.get("height", size) != size:
@@ -245,7 +261,7 @@ class VisionFormat:
     """Prompts with images to token ids and pixels, through the model's processor:
     a prompt's images go before its text (as the model's chat template puts
     them, when it has one), unless the text places `processor.image_token`s
-    itself. A Qwen2-VL processor's images come as patch lists with their grids
+    itself. A Qwen-VL processor's images come as patch lists with their grids
     (`meshrl.mrope.patches`)."""
 
     def __init__(self, processor: Any, max_pixels: int):
@@ -344,7 +360,7 @@ def unstack(images: tuple | None, rows: int) -> list[torch.Tensor | None]:
 def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None) -> dict:
     """The model's image arguments for rows with `images` and `image_counts`:
     `pixel_values` [N, C, H, W], every row's images in row order (the order of
-    the image tokens in the ids), or a Qwen2-VL's patches and `image_grid_thw`
+    the image tokens in the ids), or a Qwen-VL's patches and `image_grid_thw`
     (`meshrl.mrope.unpatched`); {} when the rows have none."""
     if images is None or counts is None or int(counts.sum()) == 0:
         return {}

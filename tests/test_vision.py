@@ -38,6 +38,7 @@ from tests.test_recovery import configure
 VISION_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_vision.yaml")
 LLAVA = ModelConfig(arch="llava")
 QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.mrope)
+QWEN25 = ModelConfig(arch="qwen2_5_vl")  # and a vision tower of window attention
 QWEN_CONFIG = SimpleNamespace(image_token_id=None, video_token_id=None)  # set by the test
 
 
@@ -68,7 +69,7 @@ def _generate(model, fmt, prompts, seeds, share_prefix=True):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch", [LLAVA, QWEN], ids=["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", [LLAVA, QWEN, QWEN25], ids=["llava", "qwen2_vl", "qwen2_5_vl"])
 def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
     """Rows of one text with other pictures share no prefill; the trainer's
     forward over prompt + completion with the same pixels gives the sampler's
@@ -103,8 +104,8 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
 @pytest.mark.parametrize(
     "arch, processor_class, tower",
     [(LLAVA, "LlavaProcessor", ("vision_tower", "multi_modal_projector")),
-     (QWEN, "Qwen2VLProcessor", ("visual",))],
-    ids=["llava", "qwen2_vl"],
+     (QWEN, "Qwen2VLProcessor", ("visual",)), (QWEN25, "Qwen2_5_VLProcessor", ("visual",))],
+    ids=["llava", "qwen2_vl", "qwen2_5_vl"],
 )  # fmt: skip
 def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
     arch, processor_class, tower, tmp_path
@@ -130,12 +131,13 @@ def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
 
 
 @pytest.mark.unit
-def test_qwen2_vl_positions_are_the_models_own_from_the_image_grids():
+@pytest.mark.parametrize("arch", [QWEN, QWEN25], ids=["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_positions_are_the_models_own_from_the_image_grids(arch):
     """M-RoPE: an image's tokens take its grid's rows and columns, and the text
     after it goes on from the largest. The positions meshrl computes (padded,
     prefilled, decoded) give the log-probs of HF's own forward of each row
     alone, and plain positions give others."""
-    model, fmt = load_model(QWEN).eval(), vision_format(QWEN)
+    model, fmt = load_model(arch).eval(), vision_format(arch)
     QWEN_CONFIG.__dict__.update(vars(model.config))
     prompts = [
         Prompt("Red?", "1", images=[np.full((32, 32, 3), 9 * i, np.uint8)]) for i in range(2)
@@ -196,6 +198,20 @@ def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
     )
     with pytest.raises(ImageError, match=r"'model.path'.*patch_size is 4.*patch_size is 8"):
         vision_format(ModelConfig(path=str(tmp_path / "qwen")))
+    # A processor that gives more than pixels (LLaVA-NeXT's image sizes).
+    from transformers import LlavaNextProcessor
+    from transformers.models.llava_next import image_processing_pil_llava_next as next_images
+
+    tiles = next_images.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        image_grid_pinpoints=[[32, 32], [32, 64]],
+    )  # fmt: skip
+    anyres = LlavaNextProcessor(
+        image_processor=tiles, tokenizer=load_tokenizer(LLAVA), patch_size=8,
+        vision_feature_select_strategy="full", image_token="<image>",
+    )  # fmt: skip
+    with pytest.raises(ImageError, match=r"'model.path'.*also gives image_sizes, which meshrl"):
+        vision.check_pair(anyres, load_model(LLAVA).config, "model.path")
     # A text model with a processor saved beside it.
     load_model(ModelConfig()).save_pretrained(tmp_path / "text")
     load_processor(LLAVA).save_pretrained(tmp_path / "text")
