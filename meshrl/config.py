@@ -161,7 +161,7 @@ def _check_tokenizer_fits(path: str, key: str) -> None:
     from meshrl.architectures import saved_tokenizer
 
     try:
-        vocab = AutoConfig.from_pretrained(path).vocab_size
+        vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size  # (a VLM's: its LM's)
         tokenizer = saved_tokenizer(path)
     except (OSError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -91,11 +91,20 @@ class ChatFormat:
         if not self.chat:
             text = "".join(str(m.get("content") or "") for m in messages)
             return self.tokenizer(text, add_special_tokens=False).input_ids
+        text = self.after_turn_text(messages, turn, tools)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def after_turn_text(
+        self, messages: list[dict], turn: list[int] | None, tools: list | None = None, by=None
+    ) -> str:
+        """`after_turn`'s text, rendered by `by`'s chat template (a VLM's processor,
+        for messages with images; default: the tokenizer's)."""
+        by = by or self.tokenizer
         # Render with and without the new messages and keep the difference
         # (system prompts and the like that a template adds at the start cancel out).
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        before = self.tokenizer.apply_chat_template(base, tools=tools, tokenize=False)
-        after = self.tokenizer.apply_chat_template(
+        before = by.apply_chat_template(base, tools=tools, tokenize=False)
+        after = by.apply_chat_template(
             [*base, *messages], tools=tools, add_generation_prompt=True, tokenize=False
         )
         if not after.startswith(before):
@@ -105,7 +114,7 @@ class ChatFormat:
             stop = self.tokenizer.decode(turn[-1:])
             if stop and closing.startswith(stop):  # the model ended its turn itself
                 closing = closing[len(stop) :]
-        return self.tokenizer(closing + after[len(before) :], add_special_tokens=False).input_ids
+        return closing + after[len(before) :]
 
 
 _MARK = "\u2063turn\u2063"
@@ -309,7 +318,13 @@ def _reply(fmt: ChatFormat, vision: VisionFormat | None, step: Any, episode: Epi
     where = f"the environment's reply in episode {episode.key}"
     if vision is None:
         raise ImageError(f"{where} has images and the model takes none")
-    return vision.reply(step.observation, step.images, where)
+    if not vision.chat:
+        return vision.reply(step.observation, step.images, where)
+    # A tool message with the pictures, as the processor's chat template renders it.
+    content = [{"type": "image"}] * len(step.images) + [{"type": "text", "text": step.observation}]
+    message = {"role": "tool", "content": content}
+    text = fmt.after_turn_text([message], episode.last_turn, by=vision.processor)
+    return vision.reply(text, step.images, where, placed=True)
 
 
 def share(items: list, workers: int) -> tuple[list, list]:

@@ -304,14 +304,18 @@ class VisionFormat:
 
         return patches(out["pixel_values"].float(), out["image_grid_thw"])
 
-    def reply(self, text: str, images: list, where: str) -> tuple[list[int], list[torch.Tensor]]:
+    def reply(
+        self, text: str, images: list, where: str, placed: bool = False
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """An environment reply's ids (its images first, placeholders expanded; no
-        BOS: it continues the episode) and its pixels, one [C, H, W] per image."""
-        if self.chat:
-            raise ImageError(f"{where}: image replies through a chat template are not "
-                             "supported yet")  # fmt: skip
+        BOS: it continues the episode) and its pixels, one tensor per image.
+        `placed`: `text` holds the image placeholders already (a chat template
+        rendered the reply: `meshrl.rollout`)."""
         pictures = [load_image(image, self.max_pixels, where) for image in images]
-        rendered = self.slot * len(pictures) + text
+        rendered = text if placed else self.slot * len(pictures) + text
+        found = rendered.count(self.processor.image_token)
+        if found != len(pictures):
+            raise ImageError(f"{where}: {found} image placeholders for {len(pictures)} images")
         out = self.processor(
             text=[rendered], images=pictures, return_tensors="pt", add_special_tokens=False
         )

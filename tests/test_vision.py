@@ -18,6 +18,7 @@ from meshrl import vision
 from meshrl.collector import Collector
 from meshrl.config import ModelConfig, VisionConfig, load_config
 from meshrl.envs import make_task
+from meshrl.envs.base import Step
 from meshrl.envs.vision import VisionCount
 from meshrl.generation import sample
 from meshrl.loop import LoopState
@@ -30,6 +31,7 @@ from meshrl.models import (
     load_value_model,
     vision_format,
 )
+from meshrl.rollout import ChatFormat, EpisodeState, _reply
 from meshrl.types import Prompt, TrainBatch
 from meshrl.vision import ImageError, VisionFormat, stack
 from tests.conftest import REPO
@@ -166,6 +168,42 @@ def _picked(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logits = logits.clone()
     logits[:, vision.placeholder_ids(QWEN_CONFIG)] = -float("inf")
     return logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+
+# A chat template of ChatML's shape whose messages may hold pictures (Qwen-VL's tokens).
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.unit
+def test_a_tools_picture_goes_through_the_chat_template():
+    """With a chat template the tool's picture is part of a tool message: the
+    episode's ids are the processor's own rendering of the whole conversation,
+    pictures expanded in place, and its pixels are those of both pictures."""
+    processor = load_processor(QWEN)
+    processor.chat_template = processor.tokenizer.chat_template = TEMPLATE
+    fmt, chat = VisionFormat(processor, 10**6), ChatFormat(processor.tokenizer)
+    prompt = _prompts(1)[0]
+    crop = np.full((32, 32, 3), 200, np.uint8)
+    ids, pixels = fmt.prompts([prompt])
+    turn = processor.tokenizer("top left", add_special_tokens=False).input_ids
+    episode = EpisodeState("e", prompt, ids[0], tokens=list(turn), last_turn=turn)
+    reply, shown = _reply(chat, fmt, Step("Zoomed:", done=False, images=[crop]), episode)
+    user = [{"type": "image"}, {"type": "text", "text": prompt.text}]
+    conversation = [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": "top left"},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "Zoomed:"}]},
+    ]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    whole = processor(text=[text], images=[prompt.images[0], crop], return_tensors="pt")
+    assert ids[0] + turn + reply == whole["input_ids"][0].tolist()
+    assert torch.equal(torch.cat([pixels[0], torch.stack(shown)]), fmt._pixels(whole))
 
 
 @pytest.mark.unit
@@ -307,16 +345,24 @@ def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_s
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
-def test_a_tool_returns_a_picture_mid_episode(arch, tmp_path, caplog, no_stray_procs):
+@pytest.mark.parametrize("model", ["llava", "qwen2_vl_chat_by_path"])
+def test_a_tool_returns_a_picture_mid_episode(model, tmp_path, caplog, no_stray_procs):
     """`vision_zoom`: the tool's crop joins the episode as a second image; the
-    trainer's log-probs of the turn after it are the sampler's (Qwen2-VL: at the
-    M-RoPE positions of both pictures' grids). A corrupt picture from the tool
-    fails its episode, which is counted and replaced."""
+    trainer's log-probs of the turn after it are the sampler's (Qwen2-VL loaded
+    by path with a chat template: at the M-RoPE positions of both pictures'
+    grids, the crop in a tool message). A corrupt picture from the tool fails
+    its episode, which is counted and replaced."""
+    source = "model.arch=llava"
+    if model != "llava":  # the tiny Qwen2-VL saved with a chat template
+        processor = load_processor(QWEN)
+        processor.chat_template = processor.tokenizer.chat_template = TEMPLATE
+        load_model(QWEN).save_pretrained(tmp_path / "qwen")
+        processor.save_pretrained(tmp_path / "qwen")
+        source = f"model.path={tmp_path / 'qwen'}"
     cfg = configure(
         tmp_path, "zoom", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
         "task.name=tests.envs_for_tests:BrokenZoom", "trainer.recompute_old_logprobs=true",
-        f"model.arch={arch}", path=VISION_CONFIG,
+        source, path=VISION_CONFIG,
     )  # fmt: skip
     algo = GRPO(cfg)
     try:
