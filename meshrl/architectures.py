@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     import transformers
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
-VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl")
+VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Embedded vision-language models (`meshrl.vision`): LLaVA, a CLIP vision tower
-and projector in front of the Llama above; Qwen2-VL and Qwen2.5-VL, their vision
-tower and M-RoPE language model at the Llama's sizes (`meshrl.mrope`)."""
+and projector in front of the Llama above; Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
+their vision tower and M-RoPE language model at the Llama's sizes (`meshrl.mrope`)."""
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 GEMMA_WINDOW = 8
 

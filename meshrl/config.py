@@ -83,7 +83,7 @@ class ModelConfig:
     arch: str = "llama"
     """Embedded model only: its architecture, one of llama, qwen2, qwen3,
     qwen3_moe, gemma2, gemma3, phi3, gpt2 (`meshrl.architectures`), or llava,
-    qwen2_vl, qwen2_5_vl: a vision-language model (`meshrl.vision`)."""
+    qwen2_vl, qwen2_5_vl, qwen3_vl: a vision-language model (`meshrl.vision`)."""
     hidden_size: int = 64
     """Embedded model only: width of the residual stream."""
     num_layers: int = 2

@@ -10,7 +10,7 @@ from meshrl.config_files import check as _check
 @dataclass
 class VisionConfig:
     """Images in prompts and tool replies. The sizes shape the embedded VLMs
-    (`model.arch: llava`, `qwen2_vl`, `qwen2_5_vl`) only; `train` and `max_pixels` hold for any VLM."""
+    (`model.arch: llava`, `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`) only; `train` and `max_pixels` hold for any VLM."""
 
     train: bool = True
     """Whether the vision tower and its projector train; false freezes them

@@ -1,7 +1,7 @@
-"""Qwen2-VL and Qwen2.5-VL: images as patch lists with their grids, and M-RoPE
-positions.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images as patch lists with their grids,
+and M-RoPE positions.
 
-A Qwen2-VL (or Qwen2.5-VL) processor resizes each picture to a multiple of its patch size (any
+A Qwen-VL processor resizes each picture to a multiple of its patch size (any
 aspect, within its pixel bounds) and hands back the patches of every image in
 one list, `pixel_values` [sum of patches, C x 2 x p x p], with each image's grid
 `image_grid_thw` (1, h, w). Its language model places a token by three
@@ -21,14 +21,13 @@ the positions HF caches on the module between calls (`rope_deltas`), which
 shared prefills and rows that leave the decode batch would break.
 
 Their processors also hold a video processor, which needs torchvision; meshrl
-sends no video, so `ImageQwen2VLProcessor` and `ImageQwen2_5_VLProcessor` leave
-it out.
+sends no video, so its `Image...Processor`s here leave it out.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
 QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 """The special tokens of Qwen2-VL's images (and of the video it is not sent)."""
@@ -57,7 +56,15 @@ class ImageQwen2_5_VLProcessor(_ImagesOnly, Qwen2_5_VLProcessor):  # noqa: N801 
     """Qwen2.5-VL's processor, images only."""
 
 
-PROCESSORS = {"qwen2_vl": ImageQwen2VLProcessor, "qwen2_5_vl": ImageQwen2_5_VLProcessor}
+class ImageQwen3VLProcessor(_ImagesOnly, Qwen3VLProcessor):
+    """Qwen3-VL's processor, images only."""
+
+
+PROCESSORS = {
+    "qwen2_vl": ImageQwen2VLProcessor,
+    "qwen2_5_vl": ImageQwen2_5_VLProcessor,
+    "qwen3_vl": ImageQwen3VLProcessor,
+}
 """Model type -> its processor class, images only."""
 
 
@@ -82,21 +89,19 @@ def build_processor(arch: str, vision: object, tokenizer: object) -> _ImagesOnly
 
 
 def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
-    """The embedded Qwen2-VL or Qwen2.5-VL (`cfg.arch`): a language model of
-    `text`'s sizes (the embedded Llama's) behind a vision tower of `cfg.vision`'s."""
+    """The embedded Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`cfg.arch`): a language model
+    of `text`'s sizes (the embedded Llama's) behind a vision tower of `cfg.vision`'s."""
     import transformers as hf
+    from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as qwen25
 
-    if cfg.arch == "qwen2_vl":
-        Config, Text, Vision = hf.Qwen2VLConfig, hf.Qwen2VLTextConfig, hf.Qwen2VLVisionConfig
-    else:
-        from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as qwen25
-
-        Config, Text, Vision = (
-            hf.Qwen2_5_VLConfig,
-            hf.Qwen2_5_VLTextConfig,
-            qwen25.Qwen2_5_VLVisionConfig,
-        )
-    half = text.hidden_size // text.num_attention_heads // 2
+    Config, Text, Vision = {
+        "qwen2_vl": (hf.Qwen2VLConfig, hf.Qwen2VLTextConfig, hf.Qwen2VLVisionConfig),
+        "qwen2_5_vl": (hf.Qwen2_5_VLConfig, hf.Qwen2_5_VLTextConfig, qwen25.Qwen2_5_VLVisionConfig),
+        "qwen3_vl": (hf.Qwen3VLConfig, hf.Qwen3VLTextConfig, hf.Qwen3VLVisionConfig),
+    }[cfg.arch]
+    qwen3 = cfg.arch == "qwen3_vl"
+    head_dim = text.hidden_size // text.num_attention_heads
+    half = head_dim // 2
     time_axis = max(1, half // 4)  # M-RoPE's rotary pairs: time, rows, columns
     rows = (half - time_axis) // 2
     language = Text(
@@ -111,7 +116,9 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
             "rope_type": "default",
             "rope_theta": 10000.0,
             "mrope_section": [time_axis, rows, half - time_axis - rows],
+            **({"mrope_interleaved": True} if qwen3 else {}),
         },
+        **({"head_dim": head_dim} if qwen3 else {}),
         pad_token_id=text.pad_token_id,
         bos_token_id=text.bos_token_id,
         eos_token_id=text.eos_token_id,
@@ -122,6 +129,16 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
     if cfg.arch == "qwen2_vl":
         tower = Vision(
             embed_dim=vision.hidden_size, hidden_size=text.hidden_size, mlp_ratio=4, **sizes
+        )
+    elif qwen3:  # learned positions on the patch grid; the first layer's features also
+        side = vision.image_size // vision.patch_size  # go into the LM (deepstack)
+        tower = Vision(
+            hidden_size=vision.hidden_size,
+            intermediate_size=4 * vision.hidden_size,
+            out_hidden_size=text.hidden_size,
+            num_position_embeddings=side * side,
+            deepstack_visual_indexes=[0],
+            **sizes,
         )
     else:  # window attention in all but the last layer, windows of 2 x 2 merged patches
         tower = Vision(

@@ -17,11 +17,12 @@ The embedded VLM (`model.arch: llava`) is HF's LLaVA: a CLIP vision tower and
 projector in front of the embedded Llama, with the character tokenizer plus an
 `<image>` token and a CLIP image processor, built here in code and saved and
 loaded by transformers' auto classes like any checkpoint. `model.arch: qwen2_vl`
-(`qwen2_5_vl`) is a tiny Qwen2-VL (Qwen2.5-VL), whose images are patch lists with
-their grids and whose positions come from those grids (M-RoPE: `meshrl.mrope`).
-Any image-text-to-text model whose processor gives fixed-size images, and
-Qwen2-VL and Qwen2.5-VL at any resolution, load by `model.path`. Later M-RoPE
-models (Qwen3-VL, GLM-4V) are refused with one line, not yet supported.
+(`qwen2_5_vl`, `qwen3_vl`) is a tiny Qwen2-VL (Qwen2.5-VL, Qwen3-VL), whose
+images are patch lists with their grids and whose positions come from those
+grids (M-RoPE: `meshrl.mrope`). Any image-text-to-text model whose processor
+gives fixed-size images, and the Qwen-VLs at any resolution, load by
+`model.path`. Other M-RoPE models (Qwen3-VL-MoE, GLM-4V) are refused with one
+line, not yet supported.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from typing import Any
 import torch
 
 IMAGE_TOKEN = "<image>"
-GRIDS = ("qwen2_vl", "qwen2_5_vl")
+GRIDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Model types whose images are patch lists and positions M-RoPE (`meshrl.mrope`)."""
-MROPE = ("qwen3_vl", "qwen3_vl_moe", "glm4v")
+MROPE = ("qwen3_vl_moe", "glm4v")
 """Later M-RoPE model types (not yet supported)."""
 
 
@@ -66,7 +67,7 @@ def with_image_token(tokenizer: Any, arch: str = "llava") -> Any:
 def tiny_vlm_config(cfg: Any, text_config: Any, tokenizer: Any) -> Any:
     """The embedded VLM of `model.arch`: `text_config` (the embedded Llama's) behind
     a vision tower of `cfg.vision` (`meshrl.config_vision.VisionConfig`): LLaVA's
-    CLIP tower and projector, or Qwen2-VL's or Qwen2.5-VL's (`meshrl.mrope`)."""
+    CLIP tower and projector, or a Qwen-VL's (`meshrl.mrope`)."""
     from transformers import CLIPVisionConfig, LlavaConfig
 
     if cfg.arch in GRIDS:
@@ -162,7 +163,7 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
     if config.model_type in MROPE:
         raise ImageError(
             f"config key '{key}': {config.model_type} (M-RoPE positions from image grids) "
-            "is not supported yet; LLaVA-style models, qwen2_vl and qwen2_5_vl are"
+            "is not supported yet; LLaVA-style models, qwen2_vl, qwen2_5_vl and qwen3_vl are"
         )
     token = getattr(processor, "image_token_id", None)
     if token is None:
@@ -191,7 +192,7 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
         raise ImageError(
             f"config key '{key}': the {config.model_type} processor also gives "
             f"{', '.join(extra)}, which meshrl does not carry yet; supported: processors "
-            "of pixel values only (LLaVA and its kind), qwen2_vl, qwen2_5_vl"
+            "of pixel values only (LLaVA and its kind), qwen2_vl, qwen2_5_vl, qwen3_vl"
         )
     crop = getattr(processor.image_processor, "crop_size", None) or {}
     size = getattr(config.vision_config, "image_size", None)

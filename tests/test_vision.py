@@ -41,6 +41,7 @@ VISION_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_vision.yaml")
 LLAVA = ModelConfig(arch="llava")
 QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.mrope)
 QWEN25 = ModelConfig(arch="qwen2_5_vl")  # and a vision tower of window attention
+QWEN3 = ModelConfig(arch="qwen3_vl")  # and interleaved M-RoPE, deepstack features
 QWEN_CONFIG = SimpleNamespace(image_token_id=None, video_token_id=None)  # set by the test
 
 
@@ -71,7 +72,9 @@ def _generate(model, fmt, prompts, seeds, share_prefix=True):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch", [LLAVA, QWEN, QWEN25], ids=["llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    "arch", [LLAVA, QWEN, QWEN25, QWEN3], ids=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+)
 def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
     """Rows of one text with other pictures share no prefill; the trainer's
     forward over prompt + completion with the same pixels gives the sampler's
@@ -106,8 +109,9 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
 @pytest.mark.parametrize(
     "arch, processor_class, tower",
     [(LLAVA, "LlavaProcessor", ("vision_tower", "multi_modal_projector")),
-     (QWEN, "Qwen2VLProcessor", ("visual",)), (QWEN25, "Qwen2_5_VLProcessor", ("visual",))],
-    ids=["llava", "qwen2_vl", "qwen2_5_vl"],
+     (QWEN, "Qwen2VLProcessor", ("visual",)), (QWEN25, "Qwen2_5_VLProcessor", ("visual",)),
+     (QWEN3, "Qwen3VLProcessor", ("visual",))],
+    ids=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
 )  # fmt: skip
 def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
     arch, processor_class, tower, tmp_path
@@ -133,7 +137,7 @@ def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("arch", [QWEN, QWEN25], ids=["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", [QWEN, QWEN25, QWEN3], ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen_vl_positions_are_the_models_own_from_the_image_grids(arch):
     """M-RoPE: an image's tokens take its grid's rows and columns, and the text
     after it goes on from the largest. The positions meshrl computes (padded,
@@ -250,6 +254,11 @@ def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
     )  # fmt: skip
     with pytest.raises(ImageError, match=r"'model.path'.*also gives image_sizes, which meshrl"):
         vision.check_pair(anyres, load_model(LLAVA).config, "model.path")
+    # An M-RoPE model not supported yet.
+    from transformers import Glm4vConfig
+
+    with pytest.raises(ImageError, match=r"'model.path': glm4v \(M-RoPE.*not supported yet"):
+        vision.check_pair(load_processor(QWEN), Glm4vConfig(), "model.path")
     # A text model with a processor saved beside it.
     load_model(ModelConfig()).save_pretrained(tmp_path / "text")
     load_processor(LLAVA).save_pretrained(tmp_path / "text")
