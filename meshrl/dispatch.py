@@ -2,8 +2,10 @@
 
 With `rollout.dispatch: pull` a step's groups are not split over the policy
 replicas up front. Each replica is given `rollout.groups_per_call` groups when
-it is free, and each generated group is scored on a free environment proc, so
-a fast replica does more and a slow one no longer sets the step time.
+it is free, and generated groups are scored on free environment procs (the
+groups waiting shared over the free procs, so one call scores several when
+scoring falls behind), so a fast replica does more and a slow one no longer
+sets the step time.
 
 - `rollout.overprovision: 0.25` keeps 25% more groups under way than a step
   trains; the step trains on the first `prompts_per_step` complete ones.
@@ -331,12 +333,17 @@ class Dispatcher:
                 pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
                 self._start("policy", rank, groups, self.send(rank, ids, seeds, shard(pixels)))
             sent += 1
-        for rank in self.scoring.free(self.environment.size, 1):
+        free = self.scoring.free(self.environment.size, 1)
+        for n, rank in enumerate(free):
             if not self.to_score:
                 break
-            group = self.to_score.popleft()
-            future = self.score(rank, [group.prompt] * self.k, group.completions.completion_lists())
-            self._start("environment", rank, [group], future)
+            # The groups waiting, shared over the free procs: one call scores several
+            # when scoring falls behind (a call costs its slowest episode's latency).
+            take = -(-len(self.to_score) // (len(free) - n))
+            groups = [self.to_score.popleft() for _ in range(take)]
+            prompts = [g.prompt for g in groups for _ in range(self.k)]
+            texts = [text for g in groups for text in g.completions.completion_lists()]
+            self._start("environment", rank, groups, self.score(rank, prompts, texts))
             sent += 1
         return sent
 
@@ -367,7 +374,11 @@ class Dispatcher:
             elif role == "policy":
                 self._generated(groups, answer)
             else:
-                self._scored(groups[0], answer)
+                rewards, failures = answer
+                for n, group in enumerate(groups):  # each group's rows and failures
+                    rows = range(n * self.k, (n + 1) * self.k)
+                    mine = {i - rows.start: r for i, r in failures.items() if i in rows}
+                    self._scored(group, (rewards[rows.start : rows.stop], mine))
 
     def _generated(self, groups: list[Group], completions: Any) -> None:
         for n, group in enumerate(groups):
