@@ -165,6 +165,7 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
         **pixels,
+        **(vision.token_types(model.config, ids[rows]) if pixels else {}),
     )  # fmt: skip
     logits, cache = out.logits[:, -1], _cache_of(out)
     # Text goes on after the largest position (M-RoPE: an image's last row or column).

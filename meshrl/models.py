@@ -273,6 +273,7 @@ def completion_logprobs(
             use_cache=False,
             **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
             **pixels,
+            **(vision.token_types(hf_config(model), input_ids) if pixels else {}),
         )
     logits = out.logits[:, -T - 1 : -1]
     targets = input_ids[:, -T:]
@@ -332,6 +333,7 @@ class ValueModel(torch.nn.Module):
             position_ids=position_ids,
             use_cache=False,
             **pixels,
+            **(vision.token_types(self.backbone.config, input_ids) if pixels else {}),
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 

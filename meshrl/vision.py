@@ -20,8 +20,8 @@ loaded by transformers' auto classes like any checkpoint. `model.arch: qwen2_vl`
 (`qwen2_5_vl`, `qwen3_vl`) is a tiny Qwen2-VL (Qwen2.5-VL, Qwen3-VL), whose
 images are patch lists with their grids and whose positions come from those
 grids (M-RoPE: `meshrl.mrope`). Any image-text-to-text model whose processor
-gives fixed-size images, and the Qwen-VLs at any resolution, load by
-`model.path`. Other M-RoPE models (Qwen3-VL-MoE, GLM-4V) are refused with one
+gives fixed-size images (Gemma 3 with its token types: `token_types`), and the
+Qwen-VLs at any resolution, load by `model.path`. Other M-RoPE models (Qwen3-VL-MoE, GLM-4V) are refused with one
 line, not yet supported.
 """
 
@@ -151,13 +151,24 @@ def saved_processor(path: str) -> Any | None:
 
 CARRIED = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
 """What meshrl carries of a processor's output (the ids, the pixels, Qwen-VL's grids)."""
+TOKEN_TYPES = ("gemma3",)
+"""Model types whose forward takes `token_type_ids`, 1 on image tokens (attended
+both ways within an image), which meshrl derives from the ids (`token_types`)."""
+
+
+def token_types(config: Any, ids: torch.Tensor) -> dict:
+    """The forward's `token_type_ids` for a model of `TOKEN_TYPES` (1 on its image
+    tokens, as its processor gives them), else {}."""
+    if getattr(config, "model_type", None) not in TOKEN_TYPES:
+        return {}
+    return {"token_type_ids": (ids == config.image_token_id).long()}
 
 
 def check_pair(processor: Any, config: Any, key: str) -> None:
     """One line naming `key` when the processor cannot feed the model: a text
     model, a later M-RoPE model, a processor whose image token, image or patch
     size is not the model's, or one that gives inputs meshrl does not carry
-    (LLaVA-NeXT's `image_sizes`, Gemma 3's `token_type_ids`, ...)."""
+    (LLaVA-NeXT's `image_sizes`, Idefics3's `pixel_attention_mask`, ...)."""
     if not is_vision(config):
         raise ImageError(f"config key '{key}': a {config.model_type} model takes no images")
     if config.model_type in MROPE:
@@ -168,7 +179,8 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
     token = getattr(processor, "image_token_id", None)
     if token is None:
         token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    if token != config.image_token_id:
+    # (Gemma 3's text placeholder opens the image; its image tokens are others.)
+    if config.image_token_id not in [token, *(getattr(processor, "image_token_ids", None) or [])]:
         raise ImageError(
             f"config key '{key}': the processor's image token is id {token}, the model's "
             f"image_token_id is {config.image_token_id}: a processor of another model"
@@ -187,12 +199,13 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
     from PIL import Image
 
     probe = processor(text=[processor.image_token], images=[Image.new("RGB", (64, 64))])
-    extra = sorted(set(probe) - CARRIED)
+    derived = {"token_type_ids"} if config.model_type in TOKEN_TYPES else set()
+    extra = sorted(set(probe) - CARRIED - derived)
     if extra:
         raise ImageError(
             f"config key '{key}': the {config.model_type} processor also gives "
             f"{', '.join(extra)}, which meshrl does not carry yet; supported: processors "
-            "of pixel values only (LLaVA and its kind), qwen2_vl, qwen2_5_vl, qwen3_vl"
+            "of pixel values only (LLaVA and its kind), gemma3, qwen2_vl, qwen2_5_vl, qwen3_vl"
         )
     crop = getattr(processor.image_processor, "crop_size", None) or {}
     size = getattr(config.vision_config, "image_size", None)

@@ -6,7 +6,6 @@ import json
 import os
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -42,7 +41,6 @@ LLAVA = ModelConfig(arch="llava")
 QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.mrope)
 QWEN25 = ModelConfig(arch="qwen2_5_vl")  # and a vision tower of window attention
 QWEN3 = ModelConfig(arch="qwen3_vl")  # and interleaved M-RoPE, deepstack features
-QWEN_CONFIG = SimpleNamespace(image_token_id=None, video_token_id=None)  # set by the test
 
 
 def _prompts(n: int, seed: int = 0) -> list[Prompt]:
@@ -144,7 +142,6 @@ def test_qwen_vl_positions_are_the_models_own_from_the_image_grids(arch):
     prefilled, decoded) give the log-probs of HF's own forward of each row
     alone, and plain positions give others."""
     model, fmt = load_model(arch).eval(), vision_format(arch)
-    QWEN_CONFIG.__dict__.update(vars(model.config))
     prompts = [
         Prompt("Red?", "1", images=[np.full((32, 32, 3), 9 * i, np.uint8)]) for i in range(2)
     ]
@@ -162,16 +159,93 @@ def test_qwen_vl_positions_are_the_models_own_from_the_image_grids(arch):
         with torch.no_grad():
             own = model(input_ids=full, mm_token_type_ids=kinds, **inputs).logits
             plain = model(input_ids=full, position_ids=torch.arange(full.size(1))[None], **inputs)
-        want, other = (_picked(x[0, -T - 1 : -1], full[0, -T:]) for x in (own, plain.logits))
+        want, other = (
+            _picked(x[0, -T - 1 : -1], full[0, -T:], model.config) for x in (own, plain.logits)
+        )
         assert (want - logprobs[row, :T]).abs().max() < 1e-4, row  # measured 5e-7
         assert (other - want).abs().max() > 1e-4, row  # measured 7e-4 to 1e-3
 
 
-def _picked(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def _picked(logits: torch.Tensor, tokens: torch.Tensor, config) -> torch.Tensor:
     """Log-probs of `tokens` without the image placeholders, as the sampler draws."""
     logits = logits.clone()
-    logits[:, vision.placeholder_ids(QWEN_CONFIG)] = -float("inf")
+    logits[:, vision.placeholder_ids(config)] = -float("inf")
     return logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+
+def _save_tiny_gemma3(path) -> None:
+    """A tiny Gemma 3 (SigLIP tower, 4 image tokens a picture) and its processor,
+    saved as a checkpoint to load by `model.path`."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        PreTrainedTokenizerFast,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from meshrl.models import build_char_tokenizer, embedded_config
+
+    chars = build_char_tokenizer()
+    tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+              "eoi_token": "<end_of_image>"}  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=chars.backend_tokenizer, pad_token=chars.pad_token,
+        bos_token=chars.bos_token, eos_token=chars.eos_token, padding_side="left",
+        extra_special_tokens=tokens,
+    )  # fmt: skip
+    images = Gemma3ImageProcessorPil(
+        size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    text = embedded_config(ModelConfig(arch="gemma3"), len(tokenizer), pad_token_id=0)
+    text.layer_types = ["full_attention", "full_attention"]  # completions see the picture
+    tower = SiglipVisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=tower, mm_tokens_per_image=4,
+        image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(path)
+    Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=4
+    ).save_pretrained(path)
+
+
+@pytest.mark.unit
+def test_gemma3_by_path_attends_both_ways_within_a_picture(tmp_path):
+    """Gemma 3's image tokens attend to each other both ways (`token_type_ids`, which
+    meshrl derives from the ids): the sampler's log-probs equal HF's own forward of
+    each row alone with the processor's token types, and the trainer's equal the
+    sampler's; causal attention within the picture gives others."""
+    _save_tiny_gemma3(tmp_path)
+    cfg = ModelConfig(path=str(tmp_path))
+    model, fmt = load_model(cfg).eval(), vision_format(cfg)
+    prompts = _prompts(3)
+    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
+        model, fmt, prompts, [1, 2, 3]
+    )
+    T = tokens.size(1)
+    with torch.no_grad():
+        full = torch.cat([prompt_ids, tokens], 1)
+        attention = torch.cat([prompt_mask, mask], 1)
+        trained = completion_logprobs(model, full, attention, T, images=images, image_counts=counts)
+    assert ((trained - logprobs).abs() * mask).max() < 1e-4
+    ids, pixels = fmt.prompts(prompts)
+    for row in range(len(prompts)):
+        n = int(mask[row].sum())
+        alone = torch.tensor([ids[row] + tokens[row, :n].tolist()])
+        types = (alone == model.config.image_token_id).long()
+        with torch.no_grad():
+            own = model(input_ids=alone, pixel_values=pixels[row], token_type_ids=types).logits
+            causal = model(input_ids=alone, pixel_values=pixels[row]).logits
+        want, other = (
+            _picked(x[0, -n - 1 : -1], alone[0, -n:], model.config) for x in (own, causal)
+        )
+        assert (want - logprobs[row, :n]).abs().max() < 1e-5, row  # measured 5e-7
+        assert (other - want).abs().max() > 1e-4, row  # measured 1.7e-4 to 2.4e-4
 
 
 # A chat template of ChatML's shape whose messages may hold pictures (Qwen-VL's tokens).
