@@ -20,8 +20,8 @@ loaded by transformers' auto classes like any checkpoint. `model.arch: qwen2_vl`
 (`qwen2_5_vl`, `qwen3_vl`) is a tiny Qwen2-VL (Qwen2.5-VL, Qwen3-VL), whose
 images are patch lists with their grids and whose positions come from those
 grids (M-RoPE: `meshrl.mrope`). Any image-text-to-text model whose processor
-gives fixed-size images (Gemma 3 with its token types: `token_types`), and the
-Qwen-VLs at any resolution, load by `model.path`. Other M-RoPE models (Qwen3-VL-MoE, GLM-4V) are refused with one
+gives fixed-size images (Gemma 3 with its token types: `token_types`), LLaVA-NeXT
+(`tiles`) and the Qwen-VLs at any resolution, load by `model.path`. Other M-RoPE models (Qwen3-VL-MoE, GLM-4V) are refused with one
 line, not yet supported.
 """
 
@@ -151,6 +151,9 @@ def saved_processor(path: str) -> Any | None:
 
 CARRIED = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
 """What meshrl carries of a processor's output (the ids, the pixels, Qwen-VL's grids)."""
+TILES = ("llava_next",)
+"""Model types whose processor cuts each image into tiles (any resolution) and gives
+its size, `image_sizes`: meshrl keeps the size in a first tile of its own (`tiles`)."""
 TOKEN_TYPES = ("gemma3",)
 """Model types whose forward takes `token_type_ids`, 1 on image tokens (attended
 both ways within an image), which meshrl derives from the ids (`token_types`)."""
@@ -168,7 +171,7 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
     """One line naming `key` when the processor cannot feed the model: a text
     model, a later M-RoPE model, a processor whose image token, image or patch
     size is not the model's, or one that gives inputs meshrl does not carry
-    (LLaVA-NeXT's `image_sizes`, Idefics3's `pixel_attention_mask`, ...)."""
+    (Idefics3's `pixel_attention_mask`, ...)."""
     if not is_vision(config):
         raise ImageError(f"config key '{key}': a {config.model_type} model takes no images")
     if config.model_type in MROPE:
@@ -200,12 +203,14 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
 
     probe = processor(text=[processor.image_token], images=[Image.new("RGB", (64, 64))])
     derived = {"token_type_ids"} if config.model_type in TOKEN_TYPES else set()
+    derived |= {"image_sizes"} if config.model_type in TILES else set()
     extra = sorted(set(probe) - CARRIED - derived)
     if extra:
         raise ImageError(
             f"config key '{key}': the {config.model_type} processor also gives "
             f"{', '.join(extra)}, which meshrl does not carry yet; supported: processors "
-            "of pixel values only (LLaVA and its kind), gemma3, qwen2_vl, qwen2_5_vl, qwen3_vl"
+            "of pixel values only (LLaVA and its kind), llava_next, gemma3, qwen2_vl, "
+            "qwen2_5_vl, qwen3_vl"
         )
     crop = getattr(processor.image_processor, "crop_size", None) or {}
     size = getattr(config.vision_config, "image_size", None)
@@ -312,6 +317,8 @@ class VisionFormat:
     def _pixels(self, out: Any) -> torch.Tensor:
         """The processor's pixels, one tensor per image: [I, C, H, W], or with grids
         [I, 1 + N, D] (`meshrl.mrope.patches`)."""
+        if "image_sizes" in out:
+            return tiles(out["pixel_values"].float(), out["image_sizes"])
         if not self.grids:
             return out["pixel_values"].float()
         from meshrl.mrope import patches
@@ -338,6 +345,16 @@ class VisionFormat:
     def prompts(self, prompts: list) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         encoded = [self.encode(p.text, p.images, f"prompt {p.text[:30]!r}") for p in prompts]
         return [ids for ids, _ in encoded], [pixels for _, pixels in encoded]
+
+
+def tiles(pixel_values: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """LLaVA-NeXT's tiles [I, P, C, H, W] and `image_sizes` [I, 2] as one tensor per
+    image, [I, 1 + P, C, H, W]: its size (height, width) at the start of a first
+    tile, then its tiles (the processor pads them to the most tiles of any image)."""
+    out = torch.zeros(pixel_values.size(0), 1 + pixel_values.size(1), *pixel_values.shape[2:])
+    out[:, 0].view(len(out), -1)[:, :2] = sizes.to(out.dtype)
+    out[:, 1:] = pixel_values
+    return out
 
 
 def stack(images: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -388,6 +405,10 @@ def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None)
         from meshrl.mrope import unpatched
 
         return unpatched(pixels, dtype)
+    if pixels.dim() == 5:  # tiles, after their image's size (`tiles`)
+        sizes = pixels[:, 0].flatten(1)[:, :2].round().long()  # (read before a cast)
+        tiled = pixels[:, 1:]
+        return {"pixel_values": tiled if dtype is None else tiled.to(dtype), "image_sizes": sizes}
     return {"pixel_values": pixels if dtype is None else pixels.to(dtype)}
 
 

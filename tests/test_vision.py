@@ -214,6 +214,75 @@ def _save_tiny_gemma3(path) -> None:
     ).save_pretrained(path)
 
 
+def _save_tiny_llava_next(path) -> None:
+    """A tiny LLaVA-NeXT (the tiny LLaVA's tower and LM, any-resolution tiles of
+    32 px) and its processor, saved as a checkpoint to load by `model.path`."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+    )
+    from transformers.models.llava_next import image_processing_pil_llava_next as next_images
+
+    from meshrl.models import embedded_config
+
+    tokenizer, pins = load_tokenizer(LLAVA), [[32, 32], [32, 64], [64, 32]]
+    images = next_images.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        image_grid_pinpoints=pins, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+    text = embedded_config(ModelConfig(arch="llama"), len(tokenizer), pad_token_id=0)
+    tower = CLIPVisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = LlavaNextConfig(
+        text_config=text, vision_config=tower, image_grid_pinpoints=pins,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlavaNextForConditionalGeneration(config).save_pretrained(path)
+    LlavaNextProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=8, image_token="<image>",
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    ).save_pretrained(path)  # fmt: skip
+
+
+@pytest.mark.unit
+def test_llava_next_by_path_takes_pictures_of_any_size_in_tiles(tmp_path):
+    """LLaVA-NeXT cuts each picture into tiles by its size: rows of three sizes
+    (other token counts, other tile counts, padded) give the sampler HF's own
+    log-probs of each row alone, and the trainer the sampler's."""
+    _save_tiny_llava_next(tmp_path)
+    cfg = ModelConfig(path=str(tmp_path))
+    model, fmt = load_model(cfg).eval(), vision_format(cfg)
+    sides = [(32, 32), (32, 64), (64, 32)]
+    prompts = [Prompt("Red?", "1", images=[np.full((h, w, 3), 50 * i, np.uint8)])
+               for i, (h, w) in enumerate(sides)]  # fmt: skip
+    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
+        model, fmt, prompts, [4, 5, 6]
+    )
+    assert images.shape[2] == 1 + 3  # (the size, then up to 3 tiles)
+    T = tokens.size(1)
+    with torch.no_grad():
+        full = torch.cat([prompt_ids, tokens], 1)
+        attention = torch.cat([prompt_mask, mask], 1)
+        trained = completion_logprobs(model, full, attention, T, images=images, image_counts=counts)
+    assert ((trained - logprobs).abs() * mask).max() < 1e-4
+    for row, prompt in enumerate(prompts):  # the processor's own output for the row
+        raw = fmt.processor(
+            text=[fmt.text(prompt.text, 1)], images=prompt.images, return_tensors="pt"
+        )
+        assert raw["image_sizes"].tolist() == [list(sides[row])]
+        n = int(mask[row].sum())
+        alone = torch.cat([raw["input_ids"], tokens[row : row + 1, :n]], 1)
+        with torch.no_grad():
+            own = model(
+                input_ids=alone, pixel_values=raw["pixel_values"], image_sizes=raw["image_sizes"]
+            )
+        want = _picked(own.logits[0, -n - 1 : -1], alone[0, -n:], model.config)
+        assert (want - logprobs[row, :n]).abs().max() < 1e-4, row
+
+
 @pytest.mark.unit
 def test_gemma3_by_path_attends_both_ways_within_a_picture(tmp_path):
     """Gemma 3's image tokens attend to each other both ways (`token_type_ids`, which
