@@ -69,6 +69,22 @@ def _generate(model, fmt, prompts, seeds, share_prefix=True):
     return tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts
 
 
+def _sampled_and_trained(model, fmt, prompts, seeds):
+    """Sample from `prompts` and check that the trainer's log-probs of the rows are
+    the sampler's (< 1e-4); the tokens, their log-probs and mask, and the pixels."""
+    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
+        model, fmt, prompts, seeds
+    )
+    with torch.no_grad():
+        full = torch.cat([prompt_ids, tokens], 1)
+        attention = torch.cat([prompt_mask, mask], 1)
+        trained = completion_logprobs(
+            model, full, attention, tokens.size(1), images=images, image_counts=counts
+        )
+    assert ((trained - logprobs).abs() * mask).max() < 1e-4
+    return tokens, logprobs, mask, images
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "arch", [LLAVA, QWEN, QWEN25, QWEN3], ids=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
@@ -258,16 +274,8 @@ def test_llava_next_by_path_takes_pictures_of_any_size_in_tiles(tmp_path):
     sides = [(32, 32), (32, 64), (64, 32)]
     prompts = [Prompt("Red?", "1", images=[np.full((h, w, 3), 50 * i, np.uint8)])
                for i, (h, w) in enumerate(sides)]  # fmt: skip
-    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
-        model, fmt, prompts, [4, 5, 6]
-    )
+    tokens, logprobs, mask, images = _sampled_and_trained(model, fmt, prompts, [4, 5, 6])
     assert images.shape[2] == 1 + 3  # (the size, then up to 3 tiles)
-    T = tokens.size(1)
-    with torch.no_grad():
-        full = torch.cat([prompt_ids, tokens], 1)
-        attention = torch.cat([prompt_mask, mask], 1)
-        trained = completion_logprobs(model, full, attention, T, images=images, image_counts=counts)
-    assert ((trained - logprobs).abs() * mask).max() < 1e-4
     for row, prompt in enumerate(prompts):  # the processor's own output for the row
         raw = fmt.processor(
             text=[fmt.text(prompt.text, 1)], images=prompt.images, return_tensors="pt"
@@ -293,15 +301,7 @@ def test_gemma3_by_path_attends_both_ways_within_a_picture(tmp_path):
     cfg = ModelConfig(path=str(tmp_path))
     model, fmt = load_model(cfg).eval(), vision_format(cfg)
     prompts = _prompts(3)
-    tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts = _generate(
-        model, fmt, prompts, [1, 2, 3]
-    )
-    T = tokens.size(1)
-    with torch.no_grad():
-        full = torch.cat([prompt_ids, tokens], 1)
-        attention = torch.cat([prompt_mask, mask], 1)
-        trained = completion_logprobs(model, full, attention, T, images=images, image_counts=counts)
-    assert ((trained - logprobs).abs() * mask).max() < 1e-4
+    tokens, logprobs, mask, _ = _sampled_and_trained(model, fmt, prompts, [1, 2, 3])
     ids, pixels = fmt.prompts(prompts)
     for row in range(len(prompts)):
         n = int(mask[row].sum())
