@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from meshrl import vision
-from meshrl.models import Cache, DynamicLayer, model_positions
+from meshrl.models import Cache, DynamicLayer, forward_inputs
 from meshrl.packing import model_dtype, takes_logits_to_keep
 from meshrl.routing import Recorder
 
@@ -159,15 +159,13 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
     pixels = {}
     if images is not None:
         pixels = vision.inputs(images[rows], counts[rows], model_dtype(model))
-    positions = model_positions(model, ids[rows], mask[rows], pixels)  # [3, B, P] for M-RoPE
+    inputs = forward_inputs(model, ids[rows], mask[rows], pixels)  # positions [3, B, P]: M-RoPE
     out = model(
-        input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions, use_cache=True,
+        input_ids=ids[rows], attention_mask=mask[rows], use_cache=True, **inputs,
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
-        **pixels,
-        **(vision.token_types(model.config, ids[rows]) if pixels else {}),
     )  # fmt: skip
-    logits, cache = out.logits[:, -1], _cache_of(out)
+    logits, cache, positions = out.logits[:, -1], _cache_of(out), inputs["position_ids"]
     # Text goes on after the largest position (M-RoPE: an image's last row or column).
     after = (positions.amax(0) if positions.dim() == 3 else positions)[:, -1:] + 1
     if share:

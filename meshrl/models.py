@@ -224,11 +224,17 @@ def sequence_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def model_positions(model: torch.nn.Module, ids, attention_mask, pixels: dict) -> torch.Tensor:
-    """Position ids of left-padded rows: [B, L], skipping the padding, or with
-    images an M-RoPE model's [3, B, L] from their grids (`meshrl.mrope`)."""
+def forward_inputs(model: torch.nn.Module, ids, attention_mask, pixels: dict) -> dict:
+    """A forward's `position_ids` and image arguments for left-padded rows with
+    `pixels` (`meshrl.vision.inputs`, {} without images): positions [B, L]
+    skipping the padding, or an M-RoPE model's [3, B, L] from the images' grids
+    (`meshrl.mrope`); the pixels; Gemma 3's token types (`vision.token_types`)."""
     found = mrope.positions(model, ids, attention_mask, pixels.get("image_grid_thw"))
-    return sequence_positions(attention_mask) if found is None else found
+    return {
+        "position_ids": sequence_positions(attention_mask) if found is None else found,
+        **pixels,
+        **(vision.token_types(hf_config(model), ids) if pixels else {}),
+    }
 
 
 def completion_logprobs(
@@ -269,11 +275,9 @@ def completion_logprobs(
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=model_positions(model, input_ids, attention_mask, pixels),
             use_cache=False,
             **({"logits_to_keep": T + 1} if takes_logits_to_keep(model) else {}),
-            **pixels,
-            **(vision.token_types(hf_config(model), input_ids) if pixels else {}),
+            **forward_inputs(model, input_ids, attention_mask, pixels),
         )
     logits = out.logits[:, -T - 1 : -1]
     targets = input_ids[:, -T:]
@@ -325,15 +329,11 @@ class ValueModel(torch.nn.Module):
     ) -> torch.Tensor:
         """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
         4D mask with its positions; `pixels`: a VLM's image inputs (`meshrl.vision`)."""
+        given = {"position_ids": position_ids}  # (a packed layout's, without images)
         if position_ids is None:
-            position_ids = model_positions(self.backbone, input_ids, attention_mask, pixels)
+            given = forward_inputs(self.backbone, input_ids, attention_mask, pixels)
         hidden = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **pixels,
-            **(vision.token_types(self.backbone.config, input_ids) if pixels else {}),
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **given
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 

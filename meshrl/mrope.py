@@ -219,9 +219,3 @@ def positions(
         ids, mm_token_type_ids=kinds, image_grid_thw=grids, attention_mask=mask.long()
     )
     return found
-
-
-def next_position(found: torch.Tensor) -> torch.Tensor:
-    """The position [B, 1] of the token after the last of `positions`' [3, B, L]:
-    text after an image goes on from the image's largest position."""
-    return found.amax(0)[:, -1:] + 1
