@@ -6,7 +6,8 @@
 
 - `process`: each "host" is a local subprocess (`monarch.job.ProcessJob`), for
   testing multi-host runs on one machine;
-- `slurm`: `monarch.job.SlurmJob` submits the workers with sbatch;
+- `slurm`: each role's hosts are a SLURM job of their own, submitted with
+  sbatch (`meshrl.slurm`, which says what Monarch's own `SlurmJob` got wrong);
 - `kubernetes`: `monarch.job.kubernetes.KubernetesJob` provisions pods from
   `job.image` through the MonarchMesh operator, or attaches to pods already
   running when no image is given (needs the `kubernetes` package:
@@ -24,6 +25,12 @@ from typing import Any
 from meshrl.config import ConfigError
 
 KINDS = ("local", "process", "slurm", "kubernetes")
+
+quarantined: set[str] = set()
+"""SLURM nodes that no later allocation of this process may get (`--exclude`):
+nodes on which procs were lost `faults.quarantine_after` times."""
+log_dir = "slurm-logs"
+"""Where SLURM jobs write their output (a run sets its own: <run dir>/slurm)."""
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _K8S_NAME = re.compile(r"^[a-z][a-z0-9]{0,39}$")
 
@@ -62,7 +69,13 @@ class JobConfig:
     slurm_args: list[str] = field(default_factory=list)
     """Extra sbatch arguments, e.g. ["--constraint=h100"]."""
     job_start_timeout_s: int | None = None
-    """How long to wait for the allocation (SLURM) or the pods (Kubernetes)."""
+    """How long to wait for the allocation (SLURM) or the pods (Kubernetes); None:
+    as long as it takes (SLURM: its pending reason printed every 30 s). A SLURM job
+    whose pending reason never clears (a partition's node limit) fails at once."""
+    warn_before_s: int = 120
+    """SLURM with a time_limit: seconds before the limit at which SLURM warns the
+    job (`--signal=B:USR1@N`); the run then writes a checkpoint at the end of its
+    step and requeues its jobs, and goes on when SLURM starts them again."""
     # Kubernetes
     namespace: str = "default"
     """Kubernetes namespace of the pods."""
@@ -87,6 +100,8 @@ class JobConfig:
             )
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ConfigError("config key 'job.gpus_per_node': must be >= 0")
+        if self.warn_before_s < 1:
+            raise ConfigError("config key 'job.warn_before_s': must be >= 1")
         if self.time_limit is not None and not _TIME.match(self.time_limit):
             raise ConfigError(
                 f"config key 'job.time_limit': '{self.time_limit}' is not [D-]HH:MM:SS"
@@ -129,20 +144,9 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
 
         return ProcessJob(meshes)
     if cfg.kind == "slurm":
-        from monarch.job import SlurmJob
+        from meshrl.slurm import make_job
 
-        return SlurmJob(
-            meshes,
-            python_exe=cfg.python_exe,
-            slurm_args=list(cfg.slurm_args),
-            job_name=cfg.name,
-            time_limit=cfg.time_limit,
-            partition=cfg.partition,
-            gpus_per_node=cfg.gpus_per_node,
-            account=cfg.account,
-            qos=cfg.qos,
-            job_start_timeout=cfg.job_start_timeout_s,
-        )
+        return make_job(cfg, meshes, log_dir, quarantined)  # (the set itself: it grows)
     try:
         from monarch.job.kubernetes import ImageSpec, KubernetesJob
     except (ImportError, RuntimeError):

@@ -303,7 +303,7 @@ class RoleMeshes:
             mesh = self._hosts[role].spawn_procs(
                 per_host={"procs": count},
                 bootstrap=functools.partial(
-                    _setup_proc, threads, count, device_offset, self.job_cfg.kind == "process"
+                    _setup_proc, threads, count, device_offset, self.job_cfg.kind != "local"
                 ),
                 name=role,
             )
@@ -324,13 +324,15 @@ class RoleMeshes:
         kind, keyed = self.job_cfg.kind, proc_pool.pool is not None and not self.observe
 
         def spawn_proc(host: Any, slot: int) -> Any:
-            setup = functools.partial(_setup_proc, threads, count, offset + slot, kind == "process")
+            setup = functools.partial(_setup_proc, threads, count, offset + slot, kind != "local")
             return host.spawn_procs(per_host={"procs": 1}, bootstrap=setup, name=role)
 
         def pool_key(slot: int) -> tuple | None:
             return (threads, 1, offset + slot) if keyed and kind == "local" else None
 
-        group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
+        group = make_group(
+            role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait, self.job
+        )
         group.grow(count * self.hosts[role])
         return group
 
@@ -366,6 +368,9 @@ class RoleMeshes:
             old.stop().get(timeout=timeout_s)
         except BaseException as error:  # noqa: BLE001 - a mesh with a dead proc may not stop cleanly
             logger.warning("stopping the failed %s mesh: %s", role, error)
+        if self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role):
+            # Its node (or its whole job: a requeue) is gone: a new allocation.
+            self._hosts[role] = self.job.reallocate(role)
         self._spawn_procs(role)
 
     def __getitem__(self, role: str) -> Any:
@@ -398,6 +403,18 @@ class RoleMeshes:
 
         probe = self.spawn(role, "rendezvous", Rendezvous)
         return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
+
+    def allocations(self) -> dict[str, dict]:
+        """Each role's SLURM job id and nodes (its joined hosts' too); {} off SLURM."""
+        found = dict(self.job.allocations.where()) if self.job_cfg.kind == "slurm" else {}
+        for role in self.elastic & set(self.meshes):
+            for host in self.meshes[role].hosts:
+                if host.job is not None and hasattr(host.job, "allocations"):
+                    for where in host.job.allocations.where().values():
+                        joined = found.setdefault(role, {"job_id": "", "nodes": []})
+                        joined["job_id"] = ",".join(filter(None, [joined["job_id"], where["job_id"]]))
+                        joined["nodes"] = joined["nodes"] + where["nodes"]
+        return found
 
     def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
         """Stop `role`'s actors and give its procs to the pool, if they are poolable

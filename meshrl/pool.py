@@ -15,6 +15,8 @@ their last member leaves.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -128,6 +130,7 @@ class Member:
 class Host:
     mesh: Any  # a Monarch HostMesh of one host
     job: Any = None  # the Monarch job it joined through (None: the run's own)
+    alive: Callable[[], bool] | None = None  # is it still there (SLURM); None: assumed
 
 
 @dataclass
@@ -276,10 +279,23 @@ class ProcGroup:
                 self.members[rank] = self.standbys.pop(0)
                 self._ready(self.members[rank], rank)
             else:
+                self._renew_host(old.host)
                 self.members[rank] = self._start(old.host, old.slot)
                 self._join(self.members[rank], rank)
         self._publish()
         self.fill_standbys()
+
+    def _renew_host(self, index: int) -> None:
+        """A host that is gone (its node lost) is replaced by one that joins now,
+        a new allocation of the job's kind, at the same index."""
+        host = self.hosts[index]
+        if host.alive is None or host.alive() or self.add_host is None:
+            return
+        logger.info("%s: host %d is gone; a new one joins", self.role, index)
+        self.hosts[index] = self.add_host(index)
+        if host.job is not None:
+            with contextlib.suppress(Exception):
+                host.job.kill()
 
     def fill_standbys(self) -> None:
         """Spawn standbys up to `standby`: their procs boot and their actors load
@@ -367,13 +383,19 @@ def make_group(
     spawn_proc: Callable[[Any, int], Any],
     pool_key: Callable[[int], tuple | None],
     wait: Callable[[Any, str, float], Any],
+    monarch_job: Any = None,
 ) -> ProcGroup:
-    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig)."""
+    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig;
+    `monarch_job`: the run's job, which says whether a SLURM host still lives)."""
     limit, reason = limit_of(job, role, per_host)
     if job.kind == "local":  # one host: a slot per proc it may have, and spares
         hosts, slots = [Host(host_mesh)], limit + 64
     else:
-        hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
+        alive = getattr(monarch_job, "host_alive", None)
+        hosts = [
+            Host(host_mesh.slice(hosts=h), alive=functools.partial(alive, role, h) if alive else None)
+            for h in range(job.hosts_for(role))
+        ]
         slots = per_host
     add = (lambda index: join_host(job, role, index)) if job.kind != "local" else None
     return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
@@ -386,7 +408,9 @@ def join_host(job_cfg: Any, role: str, index: int) -> Host:
 
     job, name = joining_job(job_cfg, role, index)
     try:
-        return Host(getattr(job.state(cached_path=None), name), job)
+        alive = getattr(job, "host_alive", None)
+        mesh = getattr(job.state(cached_path=None), name)
+        return Host(mesh, job, functools.partial(alive, name, 0) if alive else None)
     except BaseException:
         job.kill()
         raise

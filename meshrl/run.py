@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from meshrl import checkpoint, mesh
+from meshrl import checkpoint, job, mesh
 from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
@@ -152,6 +152,7 @@ class Run:
             self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.dir}/config.yaml")
         mesh.fault_log = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
+        job.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
         self.stop_request = StopRequest()
         # Shared-memory weight files of this run's trainers, removed at `close`.
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
