@@ -182,7 +182,22 @@ class Checkpointer:
     def maybe_save(self) -> None:
         """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C
         or SIGTERM asked to stop, a checkpoint if checkpoints are on and this step
-        has none yet, then KeyboardInterrupt."""
+        has none yet, then KeyboardInterrupt. When the scheduler gave notice that
+        procs of the run will be killed (SLURM: a preemption, a requeue, the time
+        limit near), a checkpoint now, whatever `checkpoint.every` says; a job
+        warned of its time limit is then requeued (the run goes on when SLURM
+        starts it again: `meshrl.slurm`)."""
+        notices = self.run.scheduler_notices() if hasattr(self.run, "scheduler_notices") else []
+        if notices and self.saved_at != self.state.step:
+            from meshrl.mesh import log_fault
+
+            path = self.save()
+            said = ", ".join(f"{mesh} job {reason}" for mesh, reason in notices)
+            log_fault(f"checkpoint {path} written on SLURM's notice ({said})")
+            print(f"SLURM: {said}: checkpoint {path} written", flush=True)
+        for mesh, reason in notices:
+            if reason == "warning":
+                self.run.meshes.job.allocations.requeue(mesh)
         done, stop = self.state.step, self.run.stop_request.requested
         due = self.cfg.every and (done % self.cfg.every == 0 or stop)
         if due and self.saved_at != done:

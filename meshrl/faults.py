@@ -89,6 +89,10 @@ class FaultsConfig:
     """How often meshrl checks that the elastic roles' procs live (their pids, on
     `local` and `process` jobs): a lost one is seen within this, not after
     Monarch's supervision (about 10 s). 0: Monarch's only."""
+    quarantine_after: int = 2
+    """SLURM: a node on which procs were lost this many times is quarantined:
+    no later allocation of the run gets it (`--exclude`); named in faults.log
+    and `meshrl status`."""
     max_recoveries: int = 10
     """Recoveries of lost procs allowed in a run before it gives up with the error."""
     retry_errors: int = 0
@@ -99,6 +103,8 @@ class FaultsConfig:
     skipped and counted) before the run stops; the newest checkpoint is kept."""
 
     def validate(self) -> None:
+        if self.quarantine_after < 1:
+            raise ConfigError("config key 'faults.quarantine_after': must be >= 1")
         for item in self.kill:
             match = _KILL.match(item)
             if not match:

@@ -164,7 +164,7 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
     return job
 
 
-def joining_job(cfg: JobConfig, role: str, index: int) -> tuple[Any, str]:
+def joining_job(cfg: JobConfig, role: str, index: int | str) -> tuple[Any, str]:
     """A one-host job of `cfg`'s kind for a proc of `role` past the run's hosts
     (its host `index`), and the name of its host mesh; nothing is started yet."""
     if cfg.kind == "local":

@@ -250,6 +250,7 @@ class RoleMeshes:
         self.elastic = set(elastic) & set(self.counts)
         """Roles whose procs are a `meshrl.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
+        self.renewals = 0  # SLURM hosts replaced by one that joined
         self.observe = observe  # Monarch telemetry (`meshrl.observe.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -330,11 +331,37 @@ class RoleMeshes:
         def pool_key(slot: int) -> tuple | None:
             return (threads, 1, offset + slot) if keyed and kind == "local" else None
 
-        group = make_group(
-            role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait, self.job
-        )
+        group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
+        if kind == "slurm":
+            group.renew = functools.partial(self._renew_slurm_hosts, role)
         group.grow(count * self.hosts[role])
         return group
+
+    def _renew_slurm_hosts(self, role: str, hosts: list) -> None:
+        """An elastic role lost procs on SLURM: a job that SLURM requeued is waited
+        for (it starts again as the same job); a lost node's host is replaced by
+        a one-node allocation that joins (the role's other nodes keep serving).
+        Joined hosts that are gone are replaced the same way."""
+        from meshrl.pool import Host, join_host, stop_host
+        from meshrl.slurm import note_lost
+
+        allocations, own = self.job.allocations, self.hosts[role]
+        if allocations.requeued(role):
+            mesh = self._hosts[role] = self.job.reallocate(role)
+            hosts[:own] = [Host(mesh.slice(hosts=h)) for h in range(own)]
+        else:
+            note_lost(allocations.dead_nodes(role))
+        for index, host in enumerate(hosts):
+            if host.job is None:
+                if allocations.worker_alive(role, index):
+                    continue
+            elif host.job.allocations.alive(next(iter(host.job.meshes))):
+                continue
+            else:
+                note_lost(host.job.allocations.dead_nodes(next(iter(host.job.meshes))))
+            stop_host(host, role)
+            self.renewals += 1
+            hosts[index] = join_host(self.job_cfg, role, f"{index}r{self.renewals}")
 
     def scale(self, role: str, size: int) -> list[int]:
         """Grow or shrink an elastic role to `size` procs (the newest leave first;
@@ -412,7 +439,9 @@ class RoleMeshes:
                 if host.job is not None and hasattr(host.job, "allocations"):
                     for where in host.job.allocations.where().values():
                         joined = found.setdefault(role, {"job_id": "", "nodes": []})
-                        joined["job_id"] = ",".join(filter(None, [joined["job_id"], where["job_id"]]))
+                        joined["job_id"] = ",".join(
+                            filter(None, [joined["job_id"], where["job_id"]])
+                        )
                         joined["nodes"] = joined["nodes"] + where["nodes"]
         return found
 

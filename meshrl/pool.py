@@ -15,8 +15,6 @@ their last member leaves.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import threading
 import time
@@ -130,7 +128,6 @@ class Member:
 class Host:
     mesh: Any  # a Monarch HostMesh of one host
     job: Any = None  # the Monarch job it joined through (None: the run's own)
-    alive: Callable[[], bool] | None = None  # is it still there (SLURM); None: assumed
 
 
 @dataclass
@@ -172,6 +169,8 @@ class ProcGroup:
         self.wait = wait  # `meshrl.mesh.wait`
         self.members: list[Member] = []
         self.spawns: list[Spawn] = []
+        self.renew: Callable[[list[Host]], None] | None = None
+        """Replaces the hosts that are gone (lost nodes, a requeued job: SLURM) in place."""
         self.standby = 0  # spare procs to keep (`faults.standby.<role>`)
         self.standbys: list[Member] = []  # spawned with every actor, given no rank
 
@@ -271,6 +270,8 @@ class ProcGroup:
         """New procs in place of these members (lost ones), at the same ranks: a
         standby when there is one (spawned and loaded already), else a fresh
         proc. The standbys are filled up again in the background."""
+        if ranks and self.renew is not None and not self.standbys:
+            self.renew(self.hosts)
         for rank in ranks:
             old = self.members[rank]
             threading.Thread(target=self._stop_members, args=([old], False), daemon=True).start()
@@ -279,23 +280,10 @@ class ProcGroup:
                 self.members[rank] = self.standbys.pop(0)
                 self._ready(self.members[rank], rank)
             else:
-                self._renew_host(old.host)
                 self.members[rank] = self._start(old.host, old.slot)
                 self._join(self.members[rank], rank)
         self._publish()
         self.fill_standbys()
-
-    def _renew_host(self, index: int) -> None:
-        """A host that is gone (its node lost) is replaced by one that joins now,
-        a new allocation of the job's kind, at the same index."""
-        host = self.hosts[index]
-        if host.alive is None or host.alive() or self.add_host is None:
-            return
-        logger.info("%s: host %d is gone; a new one joins", self.role, index)
-        self.hosts[index] = self.add_host(index)
-        if host.job is not None:
-            with contextlib.suppress(Exception):
-                host.job.kill()
 
     def fill_standbys(self) -> None:
         """Spawn standbys up to `standby`: their procs boot and their actors load
@@ -360,11 +348,10 @@ class ProcGroup:
         that host indices stay valid)."""
         used = {m.host for m in [*self.members, *self.standbys]}
         while self.hosts and self.hosts[-1].job is not None and len(self.hosts) - 1 not in used:
-            host = self.hosts.pop()
-            try:
-                host.job.kill()
-            except BaseException as error:  # noqa: BLE001
-                logger.warning("could not stop a joined %s host: %s", self.role, error)
+            stop_host(self.hosts.pop(), self.role)
+        if not used:  # closing: joined hosts that replaced lost ones too
+            for host in self.hosts:
+                stop_host(host, self.role)
 
     def close(self) -> None:
         """Stop every member (give the poolable ones back) and standby, then the
@@ -375,6 +362,17 @@ class ProcGroup:
         self._release_hosts()
 
 
+def stop_host(host: Host, role: str) -> None:
+    """Stop a joined host's job (none for the run's own hosts)."""
+    if host.job is None:
+        return
+    try:
+        host.job.kill()
+    except BaseException as error:  # noqa: BLE001
+        logger.warning("could not stop a joined %s host: %s", role, error)
+    host.job = None
+
+
 def make_group(
     role: str,
     job: Any,
@@ -383,34 +381,26 @@ def make_group(
     spawn_proc: Callable[[Any, int], Any],
     pool_key: Callable[[int], tuple | None],
     wait: Callable[[Any, str, float], Any],
-    monarch_job: Any = None,
 ) -> ProcGroup:
-    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig;
-    `monarch_job`: the run's job, which says whether a SLURM host still lives)."""
+    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig)."""
     limit, reason = limit_of(job, role, per_host)
     if job.kind == "local":  # one host: a slot per proc it may have, and spares
         hosts, slots = [Host(host_mesh)], limit + 64
     else:
-        alive = getattr(monarch_job, "host_alive", None)
-        hosts = [
-            Host(host_mesh.slice(hosts=h), alive=functools.partial(alive, role, h) if alive else None)
-            for h in range(job.hosts_for(role))
-        ]
+        hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
         slots = per_host
-    add = (lambda index: join_host(job, role, index)) if job.kind != "local" else None
+    add = (lambda index: join_host(job, role, f"{index}")) if job.kind != "local" else None
     return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
 
 
-def join_host(job_cfg: Any, role: str, index: int) -> Host:
+def join_host(job_cfg: Any, role: str, index: str) -> Host:
     """A host that joins the run for `role`: a one-host Monarch job of the run's
     kind (`meshrl.job.joining_job`), stopped with its last member."""
     from meshrl.job import joining_job
 
     job, name = joining_job(job_cfg, role, index)
     try:
-        alive = getattr(job, "host_alive", None)
-        mesh = getattr(job.state(cached_path=None), name)
-        return Host(mesh, job, functools.partial(alive, name, 0) if alive else None)
+        return Host(getattr(job.state(cached_path=None), name), job)
     except BaseException:
         job.kill()
         raise

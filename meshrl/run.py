@@ -153,6 +153,11 @@ class Run:
         save_config(cfg, f"{self.dir}/config.yaml")
         mesh.fault_log = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
         job.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
+        faults = getattr(cfg, "faults", None)
+        if faults is not None:
+            from meshrl import slurm
+
+            slurm.quarantine_after = faults.quarantine_after
         self.stop_request = StopRequest()
         # Shared-memory weight files of this run's trainers, removed at `close`.
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -170,6 +175,11 @@ class Run:
             elastic=elastic,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
+        self.notices: Any = None  # SLURM's notices to the run's jobs (`meshrl.slurm.NoticeWatch`)
+        if cfg.job.kind == "slurm":
+            from meshrl.slurm import NoticeWatch
+
+            self.notices = NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
         faults = getattr(cfg, "faults", None)
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
@@ -178,6 +188,11 @@ class Run:
                 lambda: {r: groups[r] for r in self.meshes.elastic if r in groups}, faults.detect_s
             )
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
+        if cfg.job.kind == "slurm":
+            self.status.scheduler = lambda: {
+                "slurm": self.meshes.allocations(),
+                "quarantined": sorted(job.quarantined),
+            }
         if self.observe is not None:
             self.status.extra = self.observe.urls()
         self.status.start()
@@ -259,6 +274,12 @@ class Run:
                 logger.warning("Monarch's telemetry did not answer: %s", error)
         return procs
 
+    def scheduler_notices(self) -> list[tuple[str, str]]:
+        """New notices of the scheduler to this run's jobs, as (mesh, "warning" |
+        "terminated"): their procs are killed soon (SLURM's KillWait or GraceTime
+        after "terminated"; at the time limit after "warning")."""
+        return self.notices.take() if self.notices is not None else []
+
     def step_begins(self, step: int) -> None:
         """The loop opens `step` (`StepLog.timer("step")`): start profiling if due."""
         if self.profiler is None or not self.profiler.on:
@@ -286,6 +307,8 @@ class Run:
             self.status.stop()  # before the meshes go: it asks their procs
         if self.detector is not None:
             self.detector.close()
+        if self.notices is not None:
+            self.notices.close()
         self.meshes.stop()
         if mesh.fault_log == f"{self.dir}/faults.log":
             mesh.fault_log = None

@@ -43,8 +43,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.config_files import ConfigError
-
 logger = logging.getLogger(__name__)
 
 PORT_ENV = "MESHRL_WORKER_PORT"
@@ -119,9 +117,7 @@ def query(job_ids: list[str]) -> dict[str, JobInfo]:
     """The queue's view of these jobs (a job no longer in it is left out)."""
     if not job_ids:
         return {}
-    out = slurm(
-        "squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%r|%k", check=False
-    )
+    out = slurm("squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%r|%k", check=False)
     jobs = {}
     for line in out.splitlines():
         parts = line.strip().split("|", 4)
@@ -274,7 +270,9 @@ class Allocations:
         if out.returncode != 0:
             reason = (out.stderr.strip().splitlines() or ["sbatch failed"])[-1]
             reason = reason.removeprefix("sbatch: error: ")
-            raise SlurmError(f"config key '{blame(reason, role)}': SLURM refused the {name} job: {reason}")
+            raise SlurmError(
+                f"config key '{blame(reason, role)}': SLURM refused the {name} job: {reason}"
+            )
         alloc.job_id = out.stdout.strip().split(";")[0]
         self.jobs[name] = alloc
         logger.info("SLURM job %s submitted for %s (%d nodes)", alloc.job_id, name, count)
@@ -292,8 +290,12 @@ class Allocations:
             waited = time.monotonic() - started
             if info is None or info.state in GONE:
                 state = info.state if info else "gone from the queue"
-                self._fail(alloc, f"the {alloc.name} job {alloc.job_id} ended before it ran "
-                           f"({state}){self._log_tail(alloc)}", "job.slurm_args")
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} ended before it ran "
+                    f"({state}){self._log_tail(alloc)}",
+                    "job.slurm_args",
+                )
             if info.state == RUNNING and info.nodelist:
                 alloc.nodes = hostnames(info.nodelist)
                 addresses = node_addresses(alloc.nodes)
@@ -302,16 +304,26 @@ class Allocations:
                 self._wait_listening(alloc, timeout_s)
                 return
             if info.state == "PENDING" and info.reason in NEVER_CLEARS:
-                self._fail(alloc, f"the {alloc.name} job {alloc.job_id} cannot start: "
-                           f"SLURM's reason: {info.reason}", _reason_key(info.reason, alloc.name))
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} cannot start: "
+                    f"SLURM's reason: {info.reason}",
+                    _reason_key(info.reason, alloc.name),
+                )
             if timeout_s is not None and waited > timeout_s:
-                self._fail(alloc, f"the {alloc.name} job {alloc.job_id} did not start within "
-                           f"{timeout_s:g}s; SLURM's reason: {info.reason}",
-                           "job.job_start_timeout_s")
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} did not start within "
+                    f"{timeout_s:g}s; SLURM's reason: {info.reason}",
+                    "job.job_start_timeout_s",
+                )
             if waited - said > 30:
                 said = waited
-                print(f"waiting for SLURM to start the {alloc.name} job {alloc.job_id} "
-                      f"({info.state}, {info.reason}) for {waited:.0f}s", flush=True)
+                print(
+                    f"waiting for SLURM to start the {alloc.name} job {alloc.job_id} "
+                    f"({info.state}, {info.reason}) for {waited:.0f}s",
+                    flush=True,
+                )
             time.sleep(0.25)
 
     def _wait_listening(self, alloc: Allocation, timeout_s: float | None) -> None:
@@ -323,9 +335,12 @@ class Allocations:
                 info = query([alloc.job_id]).get(alloc.job_id)
                 if info is None or info.state != RUNNING or time.monotonic() > deadline:
                     state = info.state if info else "gone from the queue"
-                    self._fail(alloc, f"the {alloc.name} workers of job {alloc.job_id} did not "
-                               f"start on {alloc.nodes[i]} ({state}){self._log_tail(alloc)}",
-                               "job.python_exe")
+                    self._fail(
+                        alloc,
+                        f"the {alloc.name} workers of job {alloc.job_id} did not "
+                        f"start on {alloc.nodes[i]} ({state}){self._log_tail(alloc)}",
+                        "job.python_exe",
+                    )
                 time.sleep(0.2)
 
     def _log_tail(self, alloc: Allocation) -> str:
@@ -344,9 +359,7 @@ class Allocations:
 
     def where(self) -> dict[str, dict]:
         """Each host mesh's SLURM job id and nodes."""
-        return {
-            name: {"job_id": a.job_id, "nodes": list(a.nodes)} for name, a in self.jobs.items()
-        }
+        return {name: {"job_id": a.job_id, "nodes": list(a.nodes)} for name, a in self.jobs.items()}
 
     def worker_alive(self, name: str, index: int) -> bool:
         """Worker `index` of the mesh's job listens (its node and job are up)."""
@@ -355,6 +368,24 @@ class Allocations:
             return False
         base = (alloc.restarts % RESTARTS) * alloc.count
         return _listening(alloc.addresses[index], alloc.port + base + index)
+
+    def dead_nodes(self, name: str) -> list[str]:
+        """Nodes of the mesh's job whose worker no longer listens."""
+        alloc = self.jobs.get(name)
+        if alloc is None:
+            return []
+        return [n for i, n in enumerate(alloc.nodes) if not self.worker_alive(name, i)]
+
+    def requeued(self, name: str) -> bool:
+        """SLURM requeued the mesh's job (preemption, `scontrol requeue`, a time limit
+        handed back): it starts again by itself, as the same job."""
+        alloc = self.jobs.get(name)
+        if alloc is None or alloc.job_id is None:
+            return False
+        info = query([alloc.job_id]).get(alloc.job_id)
+        if info is None or info.state in GONE:
+            return False
+        return info.state != RUNNING or restarts(alloc.job_id) != alloc.restarts
 
     def alive(self, name: str) -> bool:
         """The mesh's job runs, with the same restart count, and every worker listens."""
@@ -370,17 +401,15 @@ class Allocations:
         )
 
     def notices(self) -> dict[str, str]:
-        """Host mesh -> the newest scheduler notice its job got (`warning`: the time
-        limit is near; `terminated`: preempted, requeued or cancelled), or its
-        state when it left RUNNING."""
+        """Host mesh -> the newest scheduler notice its job's batch script wrote
+        (`meshrl:warning:TIME`: the time limit is near; `meshrl:terminated:TIME`:
+        preempted, requeued or cancelled); meshes without one are left out."""
         by_id = {a.job_id: name for name, a in self.jobs.items() if a.job_id}
-        found = {}
-        for job_id, info in query(list(by_id)).items():
-            if info.comment.startswith("meshrl:"):
-                found[by_id[job_id]] = info.comment.split(":")[1]
-            elif info.state != RUNNING:
-                found[by_id[job_id]] = info.state.lower()
-        return found
+        return {
+            by_id[job_id]: info.comment
+            for job_id, info in query(list(by_id)).items()
+            if info.comment.startswith("meshrl:")
+        }
 
     def clear_notice(self, name: str) -> None:
         alloc = self.jobs.get(name)
@@ -448,11 +477,88 @@ def controller_transport(by_name: Any) -> Any:
     except OSError:
         infos = []
     routable = [
-        i[4][0] for i in infos
+        i[4][0]
+        for i in infos
         if not ipaddress.ip_address(i[4][0]).is_loopback
         and not ipaddress.ip_address(i[4][0]).is_link_local
     ]
     return by_name if routable else "tcp://127.0.0.1:0"
+
+
+class NoticeWatch:
+    """Reads the run's SLURM jobs' notices every `every_s` (a thread); `take()`
+    returns the new ones as (host mesh, "warning" | "terminated")."""
+
+    def __init__(self, allocations: Allocations, every_s: float = 1.0):
+        import threading
+
+        self.allocations, self.every_s = allocations, every_s
+        self.seen: set[str] = set()
+        self.pending: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshrl-slurm-notices", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from meshrl.mesh import log_fault
+
+        while not self._stop.wait(self.every_s):
+            try:
+                notices = self.allocations.notices()
+            except Exception as error:  # noqa: BLE001 - a scheduler hiccup: ask again
+                logger.debug("squeue: %s", error)
+                continue
+            for name, comment in notices.items():
+                key = f"{self.allocations.jobs[name].job_id}:{comment}"
+                if key in self.seen:
+                    continue
+                self.seen.add(key)
+                reason = comment.split(":")[1]
+                log_fault(f"SLURM notice for the {name} job: {reason}")
+                with self._lock:
+                    self.pending.append((name, reason))
+
+    def take(self) -> list[tuple[str, str]]:
+        with self._lock:
+            taken, self.pending = self.pending, []
+        return taken
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# --- lost nodes ------------------------------------------------------------------------
+
+quarantine_after = 2
+"""Procs lost on one node this often, and it is quarantined (`faults.quarantine_after`)."""
+losses: dict[str, int] = {}
+
+
+def note_lost(nodes: list[str]) -> list[str]:
+    """Count a loss of procs on each of `nodes`; those that reach `quarantine_after`
+    join `meshrl.job.quarantined` (excluded from every later allocation). Returns
+    the nodes quarantined now."""
+    from meshrl import job
+    from meshrl.mesh import log_fault
+
+    now = []
+    for node in nodes:
+        losses[node] = losses.get(node, 0) + 1
+        log_fault(f"procs lost on SLURM node {node} ({losses[node]} time(s))")
+        if losses[node] >= quarantine_after and node not in job.quarantined:
+            job.quarantined.add(node)
+            now.append(node)
+            log_fault(
+                f"quarantined SLURM node {node}: procs lost there {losses[node]} times; "
+                "no later allocation of this run gets it (--exclude)"
+            )
+            print(
+                f"SLURM: node {node} quarantined (procs lost there {losses[node]} times)",
+                flush=True,
+            )
+    return now
 
 
 # --- the Monarch job ---------------------------------------------------------------------
@@ -500,13 +606,10 @@ def make_job(cfg: Any, meshes: dict[str, int], log_dir: str, exclude: set[str]) 
         def reallocate(self, name: str) -> Any:
             """A new allocation for host mesh `name` (the old one cancelled; a job that
             SLURM requeued is waited for instead), attached; its host mesh."""
-            alloc = self.allocations.jobs.get(name)
-            info = query([alloc.job_id]).get(alloc.job_id) if alloc else None
-            requeued = info is not None and info.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD",
-                                                            "CONFIGURING", RUNNING)
-            if alloc is not None and requeued and restarts(alloc.job_id) != alloc.restarts:
+            if self.allocations.requeued(name):
                 self.allocations.clear_notice(name)
                 return self.host_mesh(name)
+            note_lost(self.allocations.dead_nodes(name))
             self.allocations.cancel(name)
             self.allocations.submit(name, self.meshes[name])
             return self.host_mesh(name)

@@ -87,6 +87,7 @@ class StatusFile:
         self.every_s = every_s
         self.step: int | None = None
         self.extra: dict[str, Any] = {}  # e.g. Monarch's dashboard and telemetry URLs
+        self.scheduler: Any = None  # () -> {"slurm": {role: {job_id, nodes}}, "quarantined": [...]}
         self.procs: list[dict] = []  # the last view, kept when the run ends
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -102,6 +103,7 @@ class StatusFile:
                 "controller_pid": os.getpid(),
                 "step": self.step,
                 **self.extra,
+                **(self.scheduler() if self.scheduler is not None else {}),
                 "procs": procs,
             }
             with open(self.path + ".tmp", "w") as f:
@@ -183,6 +185,10 @@ def show(run_dir: str, status: dict) -> None:
     for key in ("dashboard_url", "telemetry_url"):
         if status.get(key):
             print(f"{key.split('_')[0]}: {status[key]}")
+    for role, where in status.get("slurm", {}).items():
+        print(f"SLURM {role}: job {where['job_id']} on {','.join(where['nodes']) or '-'}")
+    if status.get("quarantined"):
+        print(f"SLURM quarantined nodes: {', '.join(status['quarantined'])}")
     procs = status["procs"]
     if status.get("telemetry_url") and pid and run_state(status) == "running":
         try:  # each actor's state now, from Monarch's telemetry

@@ -126,6 +126,7 @@ SlurmctldHost={socket.gethostname()}(127.0.0.1)
 SlurmctldPort={ports[0]}
 AuthType=auth/none
 CredType=cred/none
+AuthInfo=cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={self.root}/state
@@ -171,14 +172,17 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
         if why:
             raise RuntimeError(why)
         self.stop()
+        shutil.rmtree(os.path.join(self.root, "state"), ignore_errors=True)
         self.write_conf()
-        self.run("slurmctld", "-f", self.conf)
+        self.run("slurmctld", "-c", "-f", self.conf)  # -c: no job of an earlier cluster
         for node in self.nodes:
             self.start_node(node)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             states = self.node_states()
-            if len(states) == len(self.nodes) and all(s.startswith("idle") for s in states.values()):
+            if len(states) == len(self.nodes) and all(
+                s.startswith("idle") for s in states.values()
+            ):
                 return self
             time.sleep(0.5)
         raise RuntimeError(f"the SLURM nodes did not come up: {self.node_states()}")
@@ -210,7 +214,9 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
     def stop(self) -> None:
         """Cancel every job, then stop every daemon (theirs and their jobs' processes)."""
         if os.path.exists(self.conf) and self.pids():
-            self.run("scancel", "--full", "--quiet", *self.jobs(), check=False) if self.jobs() else None
+            self.run(
+                "scancel", "--full", "--quiet", *self.jobs(), check=False
+            ) if self.jobs() else None
         for node in self.nodes:
             for pid in _node_processes(node):
                 with contextlib.suppress(OSError):
