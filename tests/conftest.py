@@ -59,3 +59,22 @@ def local_master() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return "127.0.0.1", s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real SLURM cluster on this machine for the `cluster` tests: slurmctld and
+    8 slurmd (`tests/slurm_cluster.py`), installed from Debian's packages when
+    missing and possible; skipped with the reason where it is not. After the
+    session: no daemon, no job."""
+    from tests.slurm_cluster import Cluster
+
+    why = Cluster.unavailable()
+    if why:
+        pytest.skip(f"no SLURM cluster here: {why}")
+    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=8).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert not cluster.pids(), "a SLURM daemon outlived the suite"
