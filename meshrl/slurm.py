@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshrl.config_files import ConfigError
+
 logger = logging.getLogger(__name__)
 
 PORT_ENV = "MESHRL_WORKER_PORT"
@@ -63,8 +65,9 @@ NEVER_CLEARS = (
 """Pending reasons SLURM keeps until the job changes: the run fails at once."""
 
 
-class SlurmError(RuntimeError):
-    """SLURM refused or dropped an allocation: one line naming the key and SLURM's reason."""
+class SlurmError(ConfigError):
+    """SLURM refused or dropped an allocation: one line naming the key and SLURM's
+    reason (a `ConfigError`: the run ends with that line, no traceback)."""
 
 
 def slurm(*command: str, check: bool = True, timeout_s: float = 60.0) -> str:
@@ -438,6 +441,18 @@ class Allocations:
             self.cancel(name)
 
 
+def unhealthy(nodes: list[str]) -> list[str]:
+    """Those of `nodes` that SLURM has down, drained, failing or not responding."""
+    if not nodes:
+        return []
+    out = slurm("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False)
+    bad = ("down", "drain", "fail", "not_responding", "*")
+    return sorted({
+        line.split()[0] for line in out.splitlines()
+        if len(line.split()) == 2 and any(b in line.split()[1] for b in bad)
+    })  # fmt: skip
+
+
 def _reason_key(reason: str, name: str) -> str:
     if reason.startswith("Partition"):
         return "job.partition" if "Node" not in reason else f"job.hosts.{name}"
@@ -606,10 +621,14 @@ def make_job(cfg: Any, meshes: dict[str, int], log_dir: str, exclude: set[str]) 
         def reallocate(self, name: str) -> Any:
             """A new allocation for host mesh `name` (the old one cancelled; a job that
             SLURM requeued is waited for instead), attached; its host mesh."""
+            dead = self.allocations.dead_nodes(name)
             if self.allocations.requeued(name):
+                # SLURM requeues a job whose node failed, too: count that node, not
+                # those of a preemption or a requeue (healthy, only their job ended).
+                note_lost(unhealthy(dead))
                 self.allocations.clear_notice(name)
                 return self.host_mesh(name)
-            note_lost(self.allocations.dead_nodes(name))
+            note_lost(dead)
             self.allocations.cancel(name)
             self.allocations.submit(name, self.meshes[name])
             return self.host_mesh(name)
