@@ -5,6 +5,9 @@
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
 #                elastic pools, what images cost a step; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
+# `make cluster`: start a private SLURM cluster on this machine (root; installs Debian's
+#                 slurmctld/slurmd/slurm-client if missing) and print how to use it;
+#                 `make cluster-stop` stops it
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -14,7 +17,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test lint bench soak results clean
+.PHONY: run test lint bench soak results clean cluster cluster-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +52,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/controller_scale.py --save runs/bench/controller_scale.json
 	$(BIN)/python benchmarks/scale_model.py --fanout-json runs/bench/fanout.json \
 		--controller-json runs/bench/controller_scale.json
+
+cluster: $(STAMP)
+	$(BIN)/python -m tests.slurm_cluster start --dir runs/slurm
+
+cluster-stop: $(STAMP)
+	$(BIN)/python -m tests.slurm_cluster stop --dir runs/slurm
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)

@@ -216,6 +216,7 @@ class Algorithm:
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
             collector=self.collector,
         )  # fmt: skip
+        self.ckpt.recover = sup.recover
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
         self.scaler = Scaler(
             run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby

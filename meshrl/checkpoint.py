@@ -155,23 +155,31 @@ class Checkpointer:
         """The rollout queue of work by pull (`meshrl.dispatch.Dispatcher`), if any:
         saved settled in `LoopState.data`, loaded after a restore, dropped on a rewind."""
         self.saved_at = -1
+        self.recover: Any = None
+        """`Supervisor.recover`: a role that lost a proc while it saved (a policy
+        replica's node) is recovered and asked again; None: the loss ends the run."""
 
     def latest(self) -> str | None:
         return latest(self.run.dir)
 
     def _each_role(self, endpoint: str, directory: str, roles: list | None = None) -> None:
-        from meshrl.mesh import call_all
+        from meshrl.mesh import RemoteCallError, call_all
 
         for role in self.roles if roles is None else roles:
             target = os.path.join(directory, self.subdirs.get(role.name, ""))
             os.makedirs(target, exist_ok=True)
-            call_all(
-                role,
-                endpoint,
-                target.rstrip(os.sep),
-                what=f"{role.name}.{endpoint}",
-                timeout_s=self.run.timeout_s,
-            )
+            what = f"{role.name}.{endpoint}"
+            try:
+                call_all(
+                    role, endpoint, target.rstrip(os.sep), what=what, timeout_s=self.run.timeout_s
+                )
+            except RemoteCallError as error:
+                if not error.proc_lost or self.recover is None:
+                    raise
+                self.recover(role, error)  # raises RoleLost for a role it cannot catch up
+                call_all(
+                    role, endpoint, target.rstrip(os.sep), what=what, timeout_s=self.run.timeout_s
+                )
 
     def load_roles(self, path: str, roles: list) -> None:
         """Restore only `roles` from the checkpoint at `path`, the loop's state

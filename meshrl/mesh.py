@@ -433,7 +433,14 @@ class RoleMeshes:
 
     def allocations(self) -> dict[str, dict]:
         """Each role's SLURM job id and nodes (its joined hosts' too); {} off SLURM."""
-        found = dict(self.job.allocations.where()) if self.job_cfg.kind == "slurm" else {}
+        found = {}
+        if self.job_cfg.kind == "slurm":
+            from meshrl.slurm import losses
+
+            allocations = self.job.allocations
+            for role, where in allocations.where().items():
+                lost = set(losses) & set(allocations.dead_nodes(role))  # replaced by joined hosts
+                found[role] = {**where, "nodes": [n for n in where["nodes"] if n not in lost]}
         for role in self.elastic & set(self.meshes):
             for host in self.meshes[role].hosts:
                 if host.job is not None and hasattr(host.job, "allocations"):

@@ -198,8 +198,11 @@ class Allocations:
         """A base port for `count` workers x RESTARTS, apart from this run's others
         (and free on this host, where nodes share it)."""
         span = count * RESTARTS
+        # Below the ephemeral range: there the kernel hands out the ports of
+        # outgoing connections and of `port 0` listeners (Monarch's own channels).
+        low = ephemeral_low()
         for _ in range(200):
-            base = random.randrange(20000, 60000 - span)
+            base = random.randrange(10000, low - span)
             wanted = set(range(base, base + span))
             if wanted & self.ports_taken or not _free_here(base, span):
                 continue
@@ -461,6 +464,15 @@ def _reason_key(reason: str, name: str) -> str:
     if "QOS" in reason:
         return "job.qos"
     return "job.slurm_args"
+
+
+def ephemeral_low() -> int:
+    """The lowest port of this host's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(11000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _free_here(base: int, span: int) -> bool:

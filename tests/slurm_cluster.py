@@ -199,9 +199,9 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
         """Pids of this cluster's daemons, from their pid files."""
         pids = []
         for name in ["slurmctld", *(f"slurmd-{n}" for n in self.nodes)]:
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(self.root, f"{name}.pid")) as f:
-                    pids.append(int(f.read().strip()))
+            path = os.path.join(self.root, f"{name}.pid")
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                pids.append(int(f.read().strip()))
         return [p for p in pids if _alive(p)]
 
     def jobs(self) -> list[str]:
