@@ -170,9 +170,7 @@ def joining_job(cfg: JobConfig, role: str, index: int | str) -> tuple[Any, str]:
     if cfg.kind == "local":
         raise ValueError("a local job has one host")
     name = f"{role}joined{index}"  # (Kubernetes: lowercase letters and digits)
-    one = replace(cfg, hosts={name: 1})
-    if cfg.kind == "slurm":
-        one.name = f"{cfg.name}-{name}"
+    one = replace(cfg, hosts={name: 1})  # (SLURM: job `<job.name>-<name>`)
     return _job(one, [name], False), mesh_name(one, name)
 
 

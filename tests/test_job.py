@@ -90,7 +90,12 @@ from meshrl.config import load_config
 from meshrl.job import build_job
 cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
 job = build_job(cfg.job, ["policy", "trainer", "environment"])
-print(json.dumps({k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}, default=str))
+if hasattr(job, "allocations"):  # meshrl's SLURM job: the sbatch script it would submit
+    from meshrl.slurm import Allocation
+    alloc = Allocation("trainer", job.meshes["trainer"], 20000, ["id"] * 64)
+    print(json.dumps({"_meshes": job.meshes, "script": job.allocations.script(alloc, "trainer")}))
+else:
+    print(json.dumps({k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}, default=str))
 """
 
 
@@ -102,7 +107,12 @@ from meshrl.config import load_config
 from meshrl.job import joining_job
 cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
 job, name = joining_job(cfg.job, "policy", 3)
-print(json.dumps({"mesh": name, **{k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}}, default=str))
+if hasattr(job, "allocations"):
+    from meshrl.slurm import Allocation
+    alloc = Allocation(name, 1, 20000, ["id"] * 8)
+    print(json.dumps({"mesh": name, "_meshes": job.meshes, "script": job.allocations.script(alloc, "policy")}))
+else:
+    print(json.dumps({"mesh": name, **{k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}}, default=str))
 """
 
 
@@ -120,16 +130,24 @@ def build(config, *overrides, script=BUILD):
 
 @pytest.mark.unit
 def test_slurm_job_is_built_from_config():
+    """One sbatch job per role (the cluster tier submits them for real)."""
     job = build("grpo_slurm.yaml")
     assert job["_meshes"] == {"policy": 1, "trainer": 2, "environment": 1}
-    assert job["_partition"] == "gpu"
-    assert job["_gpus_per_node"] == 8
-    assert job["_time_limit"] == "04:00:00"
-    assert job["_job_name"] == "meshrl-grpo"
-    assert job["_slurm_args"] == ["--constraint=h100"]
-    assert job["_python_exe"] == ".venv/bin/python"
+    script = job["script"].splitlines()
+    for line in [
+        "#SBATCH --job-name=meshrl-grpo-trainer", "#SBATCH --nodes=2", "#SBATCH --no-kill",
+        "#SBATCH --requeue", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=04:00:00", "#SBATCH --signal=B:USR1@120", "#SBATCH --constraint=h100",
+    ]:  # fmt: skip
+        assert line in script, line
+    assert any(
+        line.startswith(".venv/bin/python -m meshrl.slurm")
+        for line in [
+            part.split(" &")[0].removeprefix("srun --kill-on-bad-exit=0 ") for part in script
+        ]
+    )
     job = build("grpo_slurm.yaml", "job.hosts.trainer=4", "job.partition=debug")
-    assert job["_meshes"]["trainer"] == 4 and job["_partition"] == "debug"
+    assert job["_meshes"]["trainer"] == 4 and "#SBATCH --partition=debug" in job["script"]
 
 
 @pytest.mark.unit
@@ -149,8 +167,12 @@ def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_ki
     """(On `process` jobs the same path runs for real: tests/test_elastic.py.)"""
     job = build("grpo_slurm.yaml", script=JOIN)
     assert job["mesh"] == "policyjoined3" and job["_meshes"] == {"policyjoined3": 1}
-    assert job["_job_name"] == "meshrl-grpo-policyjoined3" and job["_partition"] == "gpu"
-    assert job["_slurm_args"] == ["--constraint=h100"] and job["_gpus_per_node"] == 8
+    script = job["script"].splitlines()
+    for line in [
+        "#SBATCH --job-name=meshrl-grpo-policyjoined3", "#SBATCH --nodes=1",
+        "#SBATCH --partition=gpu", "#SBATCH --constraint=h100", "#SBATCH --gpus-per-node=8",
+    ]:  # fmt: skip
+        assert line in script, line
     job = build("grpo_kubernetes.yaml", script=JOIN)
     assert job["mesh"] == "meshrlgrpopolicyjoined3"
     assert (
