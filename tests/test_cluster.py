@@ -229,7 +229,7 @@ def test_a_requeued_trainer_job_checkpoints_first_and_the_run_ends_bitwise_equal
     slurm_cluster, tmp_path, no_stray_procs
 ):
     cluster = slurm_cluster
-    same = ["steps=60", "checkpoint.every=100", "run.seed=3"]
+    same = ["steps=120", "checkpoint.every=100", "run.seed=3"]
     straight = start(cluster, tmp_path, "straight", *same)
     out = finish(straight)
     assert straight.returncode == 0, out[-3000:]
@@ -249,7 +249,7 @@ def test_a_requeued_trainer_job_checkpoints_first_and_the_run_ends_bitwise_equal
         faults = f.read()
     assert "written on SLURM's notice (trainer job terminated)" in faults, faults
     records = history(tmp_path, "requeued")
-    assert [r["step"] for r in records] == list(range(60))
+    assert [r["step"] for r in records] == list(range(120))
     assert records[-1]["faults/recoveries"] == 1  # the trainer's procs were killed after it
     assert_ledger_exact(records)
     # The same job, started again by SLURM, holds the trainer.
@@ -272,6 +272,7 @@ def test_a_job_that_cannot_start_fails_in_one_line_naming_the_key(
             "BeginTime",
         ),
     ]
+    assert_clean_end(slurm_cluster)  # earlier tests' jobs drained (SLURM's KillWait)
     for overrides, key, reason in cases:
         began = time.monotonic()
         proc = start(slurm_cluster, tmp_path, "bad", "steps=2", *overrides)
