@@ -265,7 +265,7 @@ def test_a_job_that_cannot_start_fails_in_one_line_naming_the_key(
 ):
     cases = [
         (["job.partition=nosuch"], "config key 'job.partition'", "invalid partition"),
-        (["job.hosts.trainer=20"], "config key 'job.hosts.trainer'", "node configuration"),
+        (["job.hosts.trainer=16"], "config key 'job.hosts.trainer'", "PartitionNodeLimit"),
         (
             ['job.slurm_args=["--begin=now+3600"]', "job.job_start_timeout_s=3"],
             "config key 'job.job_start_timeout_s'",
