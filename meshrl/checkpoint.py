@@ -168,18 +168,17 @@ class Checkpointer:
         for role in self.roles if roles is None else roles:
             target = os.path.join(directory, self.subdirs.get(role.name, ""))
             os.makedirs(target, exist_ok=True)
-            what = f"{role.name}.{endpoint}"
-            try:
-                call_all(
-                    role, endpoint, target.rstrip(os.sep), what=what, timeout_s=self.run.timeout_s
-                )
-            except RemoteCallError as error:
-                if not error.proc_lost or self.recover is None:
-                    raise
-                self.recover(role, error)  # raises RoleLost for a role it cannot catch up
-                call_all(
-                    role, endpoint, target.rstrip(os.sep), what=what, timeout_s=self.run.timeout_s
-                )
+            for attempt in range(2):  # again once, after recovering a lost proc
+                try:
+                    call_all(
+                        role, endpoint, target.rstrip(os.sep),
+                        what=f"{role.name}.{endpoint}", timeout_s=self.run.timeout_s,
+                    )  # fmt: skip
+                    break
+                except RemoteCallError as error:
+                    if attempt or not error.proc_lost or self.recover is None:
+                        raise
+                    self.recover(role, error)  # raises RoleLost for a role it cannot catch up
 
     def load_roles(self, path: str, roles: list) -> None:
         """Restore only `roles` from the checkpoint at `path`, the loop's state

@@ -26,11 +26,6 @@ from meshrl.config import ConfigError
 
 KINDS = ("local", "process", "slurm", "kubernetes")
 
-quarantined: set[str] = set()
-"""SLURM nodes that no later allocation of this process may get (`--exclude`):
-nodes on which procs were lost `faults.quarantine_after` times."""
-log_dir = "slurm-logs"
-"""Where SLURM jobs write their output (a run sets its own: <run dir>/slurm)."""
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 _K8S_NAME = re.compile(r"^[a-z][a-z0-9]{0,39}$")
 
@@ -146,7 +141,7 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
     if cfg.kind == "slurm":
         from meshrl.slurm import make_job
 
-        return make_job(cfg, meshes, log_dir, quarantined)  # (the set itself: it grows)
+        return make_job(cfg, meshes)
     try:
         from monarch.job.kubernetes import ImageSpec, KubernetesJob
     except (ImportError, RuntimeError):

@@ -10,7 +10,6 @@ deadline, stays responsive to Ctrl-C, and turns an actor failure into a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -21,8 +20,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from meshrl import proc_pool
+from meshrl import faultlog, proc_pool
 from meshrl.config_files import ConfigError
+
+# (Their old home: callers import them from here.)
+from meshrl.faultlog import debugging, log_fault  # noqa: F401
 
 # (Their old home: callers import them from here.)
 from meshrl.proc_pool import DEVICE_OFFSET_ENV, HOST_TAG_ENV, monarch_pids  # noqa: F401
@@ -80,22 +82,6 @@ def one_line(error: BaseException) -> str:
 
 faults: list[str] = []
 """Mesh failures Monarch reported with no handler, oldest first (for inspection)."""
-fault_log: str | None = None
-"""The running run's `faults.log`: where mesh failures and recoveries are written
-in full. Without one (or with MESHRL_DEBUG set) they are logged to the console."""
-
-
-def debugging() -> bool:
-    """--debug or MESHRL_DEBUG: every detail on the console."""
-    return os.environ.get("MESHRL_DEBUG", "") not in ("", "0")
-
-
-def log_fault(text: str) -> None:
-    """Append `text`, timestamped, to the run's `faults.log` (if there is one)."""
-    if fault_log is None:
-        return
-    with contextlib.suppress(OSError), open(fault_log, "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")
 
 
 def _record_fault(failure: Any) -> None:
@@ -106,7 +92,7 @@ def _record_fault(failure: Any) -> None:
     text = str(failure).strip()
     faults.append(text)
     log_fault(f"mesh failure: {text or 'unknown'}")
-    if fault_log is None or debugging():
+    if faultlog.path is None or debugging():
         logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
 
 
@@ -250,7 +236,6 @@ class RoleMeshes:
         self.elastic = set(elastic) & set(self.counts)
         """Roles whose procs are a `meshrl.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
-        self.renewals = 0  # SLURM hosts replaced by one that joined
         self.observe = observe  # Monarch telemetry (`meshrl.observe.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -319,7 +304,7 @@ class RoleMeshes:
 
     def _group(self, role: str) -> Any:
         """An elastic role's procs, one mesh each (`meshrl.pool.ProcGroup`)."""
-        from meshrl.pool import make_group
+        from meshrl.pool import make_group, renew_slurm_hosts
 
         threads, count, offset = self._spawn_args[role]
         kind, keyed = self.job_cfg.kind, proc_pool.pool is not None and not self.observe
@@ -333,35 +318,9 @@ class RoleMeshes:
 
         group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
         if kind == "slurm":
-            group.renew = functools.partial(self._renew_slurm_hosts, role)
+            group.renew = functools.partial(renew_slurm_hosts, self, role)
         group.grow(count * self.hosts[role])
         return group
-
-    def _renew_slurm_hosts(self, role: str, hosts: list) -> None:
-        """An elastic role lost procs on SLURM: a job that SLURM requeued is waited
-        for (it starts again as the same job); a lost node's host is replaced by
-        a one-node allocation that joins (the role's other nodes keep serving).
-        Joined hosts that are gone are replaced the same way."""
-        from meshrl.pool import Host, join_host, stop_host
-        from meshrl.slurm import note_lost
-
-        allocations, own = self.job.allocations, self.hosts[role]
-        if allocations.requeued(role):
-            mesh = self._hosts[role] = self.job.reallocate(role)
-            hosts[:own] = [Host(mesh.slice(hosts=h)) for h in range(own)]
-        else:
-            note_lost(allocations.dead_nodes(role))
-        for index, host in enumerate(hosts):
-            if host.job is None:
-                if allocations.worker_alive(role, index):
-                    continue
-            elif host.job.allocations.alive(next(iter(host.job.meshes))):
-                continue
-            else:
-                note_lost(host.job.allocations.dead_nodes(next(iter(host.job.meshes))))
-            stop_host(host, role)
-            self.renewals += 1
-            hosts[index] = join_host(self.job_cfg, role, f"{index}r{self.renewals}")
 
     def scale(self, role: str, size: int) -> list[int]:
         """Grow or shrink an elastic role to `size` procs (the newest leave first;
@@ -430,27 +389,6 @@ class RoleMeshes:
 
         probe = self.spawn(role, "rendezvous", Rendezvous)
         return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
-
-    def allocations(self) -> dict[str, dict]:
-        """Each role's SLURM job id and nodes (its joined hosts' too); {} off SLURM."""
-        found = {}
-        if self.job_cfg.kind == "slurm":
-            from meshrl.slurm import losses
-
-            allocations = self.job.allocations
-            for role, where in allocations.where().items():
-                lost = set(losses) & set(allocations.dead_nodes(role))  # replaced by joined hosts
-                found[role] = {**where, "nodes": [n for n in where["nodes"] if n not in lost]}
-        for role in self.elastic & set(self.meshes):
-            for host in self.meshes[role].hosts:
-                if host.job is not None and hasattr(host.job, "allocations"):
-                    for where in host.job.allocations.where().values():
-                        joined = found.setdefault(role, {"job_id": "", "nodes": []})
-                        joined["job_id"] = ",".join(
-                            filter(None, [joined["job_id"], where["job_id"]])
-                        )
-                        joined["nodes"] = joined["nodes"] + where["nodes"]
-        return found
 
     def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
         """Stop `role`'s actors and give its procs to the pool, if they are poolable

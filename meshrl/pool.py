@@ -15,6 +15,7 @@ their last member leaves.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -371,6 +372,35 @@ def stop_host(host: Host, role: str) -> None:
     except BaseException as error:  # noqa: BLE001
         logger.warning("could not stop a joined %s host: %s", role, error)
     host.job = None
+
+
+_renewals = itertools.count(1)  # names of the hosts that replace lost SLURM hosts
+
+
+def renew_slurm_hosts(meshes: Any, role: str, hosts: list[Host]) -> None:
+    """`ProcGroup.renew` on SLURM (`meshes`: the run's `RoleMeshes`): a job that
+    SLURM requeued is waited for (it starts again as the same job); a lost node's
+    host is replaced by a one-node allocation that joins (the role's other nodes
+    keep serving). Joined hosts that are gone are replaced the same way."""
+    from meshrl.slurm_faults import note_lost
+
+    allocations, own = meshes.job.allocations, meshes.hosts[role]
+    if allocations.requeued(role):
+        mesh = meshes._hosts[role] = meshes.job.reallocate(role)
+        hosts[:own] = [Host(mesh.slice(hosts=h)) for h in range(own)]
+    else:
+        note_lost(allocations.dead_nodes(role))
+    for index, host in enumerate(hosts):
+        if host.job is None:  # one of the role's own nodes
+            if allocations.worker_alive(role, index):
+                continue
+        else:  # a joined host: a one-node job of its own
+            joined = next(iter(host.job.meshes))
+            if host.job.allocations.alive(joined):
+                continue
+            note_lost(host.job.allocations.dead_nodes(joined))
+        stop_host(host, role)
+        hosts[index] = join_host(meshes.job_cfg, role, f"{index}r{next(_renewals)}")
 
 
 def make_group(

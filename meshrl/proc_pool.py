@@ -138,8 +138,9 @@ def setup_proc(
     `meshrl.models.device_for_this_proc`). `num_threads` None: this host's
     cores over the procs it runs (a host of its own, as under SLURM).
     `host_tag`: this proc's "host" is its parent (a `process` job's subprocess
-    host, a SLURM node's worker: several may share a machine), so weights move between such hosts as between machines: over RDMA,
-    not through this machine's shared memory (`meshrl.weights.host_id`)."""
+    host, a SLURM node's worker: several may share a machine), so weights move
+    between such hosts as between machines: over RDMA, not through this
+    machine's shared memory (`meshrl.weights.host_id`)."""
     if host_tag:
         os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
     # RDMA registration of CUDA memory wants expandable segments; the allocator

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from meshrl import checkpoint, job, mesh
+from meshrl import checkpoint, faultlog, mesh, slurm, slurm_faults
 from meshrl.config import ConfigError, save_config
 from meshrl.mesh import RoleMeshes
 from meshrl.metrics import make_run_dir
@@ -151,13 +151,13 @@ class Run:
         else:  # <run dir>/checkpoints/step_N
             self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
         save_config(cfg, f"{self.dir}/config.yaml")
-        mesh.fault_log = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
-        job.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
-        faults = getattr(cfg, "faults", None)
-        if faults is not None:
-            from meshrl import slurm
-
-            slurm.quarantine_after = faults.quarantine_after
+        faultlog.path = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
+        slurm.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
+        if cfg.job.kind == "slurm":  # a quarantine is the run's (a notebook runs several)
+            slurm_faults.quarantined.clear()
+            slurm_faults.losses.clear()
+            if hasattr(cfg, "faults"):
+                slurm_faults.quarantine_after = cfg.faults.quarantine_after
         self.stop_request = StopRequest()
         # Shared-memory weight files of this run's trainers, removed at `close`.
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -175,11 +175,11 @@ class Run:
             elastic=elastic,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
-        self.notices: Any = None  # SLURM's notices to the run's jobs (`meshrl.slurm.NoticeWatch`)
+        self.notices: Any = (
+            None  # SLURM's notices to the run's jobs (`meshrl.slurm_faults.NoticeWatch`)
+        )
         if cfg.job.kind == "slurm":
-            from meshrl.slurm import NoticeWatch
-
-            self.notices = NoticeWatch(self.meshes.job.allocations)
+            self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
         faults = getattr(cfg, "faults", None)
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
@@ -190,8 +190,8 @@ class Run:
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
         if cfg.job.kind == "slurm":
             self.status.scheduler = lambda: {
-                "slurm": self.meshes.allocations(),
-                "quarantined": sorted(job.quarantined),
+                "slurm": slurm_faults.where(self.meshes),
+                "quarantined": sorted(slurm_faults.quarantined),
             }
         if self.observe is not None:
             self.status.extra = self.observe.urls()
@@ -310,8 +310,8 @@ class Run:
         if self.notices is not None:
             self.notices.close()
         self.meshes.stop()
-        if mesh.fault_log == f"{self.dir}/faults.log":
-            mesh.fault_log = None
+        if faultlog.path == f"{self.dir}/faults.log":
+            faultlog.path = None
         # A proc that was killed could not remove its shared-memory files.
         for path in glob.glob(f"{SHM_DIR}/{self.shm_prefix}-*"):
             os.unlink(path)

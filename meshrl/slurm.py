@@ -8,16 +8,10 @@ worker runs per node (`python -m meshrl.slurm`), listening on the node's
 `NodeAddr` (`scontrol show node`: node names need not resolve as host names) at
 a port of its own, so several nodes may share one host.
 
-What Monarch 0.7's `monarch.job.SlurmJob` got wrong, and why meshrl submits its
-own jobs: it reads the allocation from `squeue --json` as
-`job_resources.nodes.allocation[].name`, which SLURM 22.05 gives as a string
-(`AttributeError: 'str' object has no attribute 'get'`); a job that ran on fewer
-nodes than asked (or none yet) made it cancel its own job ("SLURM job is no
-longer active"); it dials node names as host names; every worker listens on
-port 22222, so two nodes on one host collide; and one job holds every role, so
-SLURM's default kills all roles when one node fails. Here the allocation is
-read with `squeue -o` and `scontrol show hostnames` (stable text formats since
-SLURM 2.x).
+Why not Monarch 0.7's `monarch.job.SlurmJob`: it misreads SLURM 22.05's
+`squeue --json`, cancels its own job when it holds fewer nodes than asked, dials
+node names as host names, puts every worker on port 22222 and every role in one
+job (docs/launch.md has the details; `meshrl.slurm_queue` reads text formats).
 
 Scheduler notices reach the controller through the job itself: the batch script
 traps SIGTERM (preemption, requeue, cancel) and the `--signal` warning before
@@ -33,7 +27,6 @@ import contextlib
 import logging
 import os
 import random
-import re
 import shlex
 import signal
 import socket
@@ -43,116 +36,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.config_files import ConfigError
+from meshrl.slurm_faults import note_lost, quarantined
+from meshrl.slurm_queue import (
+    GONE,
+    NEVER_CLEARS,
+    RUNNING,
+    SlurmError,
+    blame,
+    hostnames,
+    node_addresses,
+    query,
+    reason_key,
+    restarts,
+    slurm,
+    unhealthy,
+)
 
 logger = logging.getLogger(__name__)
 
 PORT_ENV = "MESHRL_WORKER_PORT"
 RESTARTS = 8  # requeues of one job before its ports and worker ids repeat
-RUNNING = "RUNNING"
-GONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
-NEVER_CLEARS = (
-    "PartitionNodeLimit",
-    "PartitionTimeLimit",
-    "PartitionDown",
-    "PartitionInactive",
-    "BadConstraints",
-    "InvalidAccount",
-    "InvalidQOS",
-    "QOSMaxNodePerJobLimit",
-    "AssocMaxNodesPerJob",
-)
-"""Pending reasons SLURM keeps until the job changes: the run fails at once."""
-
-
-class SlurmError(ConfigError):
-    """SLURM refused or dropped an allocation: one line naming the key and SLURM's
-    reason (a `ConfigError`: the run ends with that line, no traceback)."""
-
-
-def slurm(*command: str, check: bool = True, timeout_s: float = 60.0) -> str:
-    """Run a SLURM client command; its stdout (a failure: SlurmError with its stderr)."""
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
-        )
-    except FileNotFoundError:
-        raise SlurmError(
-            f"config key 'job.kind': slurm needs SLURM's {command[0]} on this machine's PATH"
-        ) from None
-    if check and done.returncode != 0:
-        text = (done.stderr or done.stdout).strip().splitlines()
-        raise SlurmError(text[-1] if text else f"{command[0]} failed ({done.returncode})")
-    return done.stdout
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """`c[1-3],d4` -> [c1, c2, c3, d4], in SLURM's order (SLURM_NODEID's)."""
-    if not nodelist or nodelist in ("(null)", "None"):
-        return []
-    return slurm("scontrol", "show", "hostnames", nodelist).split()
-
-
-def node_addresses(nodes: list[str]) -> dict[str, str]:
-    """Each node's NodeAddr (its name when SLURM has no other)."""
-    if not nodes:
-        return {}
-    out = slurm("scontrol", "show", "node", "-o", ",".join(nodes), check=False)
-    found = {}
-    for line in out.splitlines():
-        name = re.search(r"NodeName=(\S+)", line)
-        addr = re.search(r"NodeAddr=(\S+)", line)
-        if name:
-            found[name.group(1)] = addr.group(1) if addr else name.group(1)
-    return {n: found.get(n, n) for n in nodes}
-
-
-@dataclass
-class JobInfo:
-    state: str
-    nodelist: str  # `c[1-2]`; `hostnames()` expands it
-    reason: str
-    comment: str
-    restarts: int = 0
-
-
-def query(job_ids: list[str]) -> dict[str, JobInfo]:
-    """The queue's view of these jobs (a job no longer in it is left out)."""
-    if not job_ids:
-        return {}
-    out = slurm("squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%r|%k", check=False)
-    jobs = {}
-    for line in out.splitlines():
-        parts = line.strip().split("|", 4)
-        if len(parts) == 5:
-            job_id, state, nodelist, reason, comment = parts
-            jobs[job_id] = JobInfo(state, nodelist, reason, "" if comment == "(null)" else comment)
-    return jobs
-
-
-def restarts(job_id: str) -> int:
-    """How often SLURM requeued this job (`scontrol show job`'s Restarts)."""
-    out = slurm("scontrol", "show", "job", "-o", job_id, check=False)
-    match = re.search(r"Restarts=(\d+)", out)
-    return int(match.group(1)) if match else 0
-
-
-def blame(message: str, role: str) -> str:
-    """The config key an sbatch refusal is about."""
-    text = message.lower()
-    if "partition" in text:
-        return "job.partition"
-    if "node configuration is not available" in text or "node count" in text:
-        return f"job.hosts.{role}"
-    if "account" in text:
-        return "job.account"
-    if "qos" in text:
-        return "job.qos"
-    if "time limit" in text:
-        return "job.time_limit"
-    return "job.slurm_args"
-
-
+log_dir = "slurm-logs"
+"""Where SLURM jobs write their output (a run sets its own: <run dir>/slurm)."""
 # --- one role's allocation -----------------------------------------------------------
 
 
@@ -169,13 +74,22 @@ class Allocation:
     addresses: list[str] = field(default_factory=list)
     restarts: int = 0
 
+    def slot(self, index: int) -> int:
+        """Worker `index`'s place in the port and worker-id layout of this restart."""
+        return (self.restarts % RESTARTS) * self.count + index
+
+    def listening(self, index: int) -> bool:
+        """Worker `index` of the running job accepts connections."""
+        return _listening(self.addresses[index], self.port + self.slot(index))
+
     def workers(self) -> list[str]:
         """Monarch worker addresses (`ProcId@tcp://addr:port`) of the running job."""
         from monarch._src.job.service_identity import service_proc_addr
 
-        base = (self.restarts % RESTARTS) * self.count
         return [
-            service_proc_addr(f"tcp://{addr}:{self.port + base + i}", self.service_ids[base + i])
+            service_proc_addr(
+                f"tcp://{addr}:{self.port + self.slot(i)}", self.service_ids[self.slot(i)]
+            )
             for i, addr in enumerate(self.addresses)
         ]
 
@@ -314,7 +228,7 @@ class Allocations:
                     alloc,
                     f"the {alloc.name} job {alloc.job_id} cannot start: "
                     f"SLURM's reason: {info.reason}",
-                    _reason_key(info.reason, alloc.name),
+                    reason_key(info.reason, alloc.name),
                 )
             if timeout_s is not None and waited > timeout_s:
                 self._fail(
@@ -334,10 +248,9 @@ class Allocations:
 
     def _wait_listening(self, alloc: Allocation, timeout_s: float | None) -> None:
         """Each worker accepts connections (it booted), or the job ended."""
-        base = (alloc.restarts % RESTARTS) * alloc.count
         deadline = time.monotonic() + max(120.0, timeout_s or 0)
-        for i, addr in enumerate(alloc.addresses):
-            while not _listening(addr, alloc.port + base + i):
+        for i in range(len(alloc.addresses)):
+            while not alloc.listening(i):
                 info = query([alloc.job_id]).get(alloc.job_id)
                 if info is None or info.state != RUNNING or time.monotonic() > deadline:
                     state = info.state if info else "gone from the queue"
@@ -370,10 +283,7 @@ class Allocations:
     def worker_alive(self, name: str, index: int) -> bool:
         """Worker `index` of the mesh's job listens (its node and job are up)."""
         alloc = self.jobs.get(name)
-        if alloc is None or index >= len(alloc.addresses):
-            return False
-        base = (alloc.restarts % RESTARTS) * alloc.count
-        return _listening(alloc.addresses[index], alloc.port + base + index)
+        return alloc is not None and index < len(alloc.addresses) and alloc.listening(index)
 
     def dead_nodes(self, name: str) -> list[str]:
         """Nodes of the mesh's job whose worker no longer listens."""
@@ -396,15 +306,10 @@ class Allocations:
     def alive(self, name: str) -> bool:
         """The mesh's job runs, with the same restart count, and every worker listens."""
         alloc = self.jobs.get(name)
-        if alloc is None or alloc.job_id is None:
-            return False
-        info = query([alloc.job_id]).get(alloc.job_id)
+        info = query([alloc.job_id]).get(alloc.job_id) if alloc and alloc.job_id else None
         if info is None or info.state != RUNNING or restarts(alloc.job_id) != alloc.restarts:
             return False
-        base = (alloc.restarts % RESTARTS) * alloc.count
-        return all(
-            _listening(addr, alloc.port + base + i) for i, addr in enumerate(alloc.addresses)
-        )
+        return not self.dead_nodes(name)
 
     def notices(self) -> dict[str, str]:
         """Host mesh -> the newest scheduler notice its job's batch script wrote
@@ -442,28 +347,6 @@ class Allocations:
     def cancel_all(self) -> None:
         for name in list(self.jobs):
             self.cancel(name)
-
-
-def unhealthy(nodes: list[str]) -> list[str]:
-    """Those of `nodes` that SLURM has down, drained, failing or not responding."""
-    if not nodes:
-        return []
-    out = slurm("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False)
-    bad = ("down", "drain", "fail", "not_responding", "*")
-    return sorted({
-        line.split()[0] for line in out.splitlines()
-        if len(line.split()) == 2 and any(b in line.split()[1] for b in bad)
-    })  # fmt: skip
-
-
-def _reason_key(reason: str, name: str) -> str:
-    if reason.startswith("Partition"):
-        return "job.partition" if "Node" not in reason else f"job.hosts.{name}"
-    if "Account" in reason or "Assoc" in reason:
-        return "job.account"
-    if "QOS" in reason:
-        return "job.qos"
-    return "job.slurm_args"
 
 
 def ephemeral_low() -> int:
@@ -512,86 +395,10 @@ def controller_transport(by_name: Any) -> Any:
     return by_name if routable else "tcp://127.0.0.1:0"
 
 
-class NoticeWatch:
-    """Reads the run's SLURM jobs' notices every `every_s` (a thread); `take()`
-    returns the new ones as (host mesh, "warning" | "terminated")."""
-
-    def __init__(self, allocations: Allocations, every_s: float = 1.0):
-        import threading
-
-        self.allocations, self.every_s = allocations, every_s
-        self.seen: set[str] = set()
-        self.pending: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshrl-slurm-notices", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from meshrl.mesh import log_fault
-
-        while not self._stop.wait(self.every_s):
-            try:
-                notices = self.allocations.notices()
-            except Exception as error:  # noqa: BLE001 - a scheduler hiccup: ask again
-                logger.debug("squeue: %s", error)
-                continue
-            for name, comment in notices.items():
-                key = f"{self.allocations.jobs[name].job_id}:{comment}"
-                if key in self.seen:
-                    continue
-                self.seen.add(key)
-                reason = comment.split(":")[1]
-                log_fault(f"SLURM notice for the {name} job: {reason}")
-                with self._lock:
-                    self.pending.append((name, reason))
-
-    def take(self) -> list[tuple[str, str]]:
-        with self._lock:
-            taken, self.pending = self.pending, []
-        return taken
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-# --- lost nodes ------------------------------------------------------------------------
-
-quarantine_after = 2
-"""Procs lost on one node this often, and it is quarantined (`faults.quarantine_after`)."""
-losses: dict[str, int] = {}
-
-
-def note_lost(nodes: list[str]) -> list[str]:
-    """Count a loss of procs on each of `nodes`; those that reach `quarantine_after`
-    join `meshrl.job.quarantined` (excluded from every later allocation). Returns
-    the nodes quarantined now."""
-    from meshrl import job
-    from meshrl.mesh import log_fault
-
-    now = []
-    for node in nodes:
-        losses[node] = losses.get(node, 0) + 1
-        log_fault(f"procs lost on SLURM node {node} ({losses[node]} time(s))")
-        if losses[node] >= quarantine_after and node not in job.quarantined:
-            job.quarantined.add(node)
-            now.append(node)
-            log_fault(
-                f"quarantined SLURM node {node}: procs lost there {losses[node]} times; "
-                "no later allocation of this run gets it (--exclude)"
-            )
-            print(
-                f"SLURM: node {node} quarantined (procs lost there {losses[node]} times)",
-                flush=True,
-            )
-    return now
-
-
 # --- the Monarch job ---------------------------------------------------------------------
 
 
-def make_job(cfg: Any, meshes: dict[str, int], log_dir: str, exclude: set[str]) -> Any:
+def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
     """A Monarch job whose host meshes are SLURM allocations of their own (`Allocations`)."""
     from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
     from monarch._rust_bindings.monarch_hyperactor.config import configure
@@ -605,7 +412,7 @@ def make_job(cfg: Any, meshes: dict[str, int], log_dir: str, exclude: set[str]) 
     class SlurmJob(JobTrait):
         def __init__(self) -> None:
             super().__init__()
-            self.allocations = Allocations(cfg, log_dir, exclude)
+            self.allocations = Allocations(cfg, log_dir, quarantined)  # (the set: it grows)
             self.meshes = dict(meshes)
 
         def _create(self, client_script: str | None) -> None:
@@ -667,6 +474,7 @@ def serve() -> None:
     from monarch._src.job.service_identity import deserialize_service_proc_ids, service_proc_addr
     from monarch.actor import run_worker_loop_forever
 
+    # The same layout as `Allocation.slot`, from what SLURM tells this node.
     rank = int(os.environ["SLURM_NODEID"])
     count = int(os.environ["MESHRL_NODES_PER_RESTART"])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0")) % RESTARTS

@@ -213,10 +213,9 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
 
     def stop(self) -> None:
         """Cancel every job, then stop every daemon (theirs and their jobs' processes)."""
-        if os.path.exists(self.conf) and self.pids():
-            self.run(
-                "scancel", "--full", "--quiet", *self.jobs(), check=False
-            ) if self.jobs() else None
+        jobs = self.jobs()  # (none when the daemons are down)
+        if jobs:
+            self.run("scancel", "--full", "--quiet", *jobs, check=False)
         for node in self.nodes:
             for pid in _node_processes(node):
                 with contextlib.suppress(OSError):

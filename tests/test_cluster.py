@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 CONFIGS = os.path.join(REPO, "algorithms", "configs")
 
 
-def command(cluster, run_dir, name, *overrides, module="algorithms.grpo", config=DEFAULT_CONFIG):
+def command(run_dir, name, *overrides, module="algorithms.grpo", config=DEFAULT_CONFIG):
     """The user's command for a SLURM run (each role on nodes of its own)."""
     return [
         sys.executable, "-m", module, "--config", config,
@@ -42,7 +42,7 @@ def start(cluster, run_dir, name, *overrides, **kwargs) -> subprocess.Popen:
     if "module" not in kwargs:  # GRPO: no held-out evaluation (not what is tested here)
         overrides = ("eval.every=0", *overrides)
     return subprocess.Popen(
-        command(cluster, run_dir, name, *overrides, **kwargs),
+        command(run_dir, name, *overrides, **kwargs),
         cwd=REPO,
         env=cluster.env,
         stdout=subprocess.PIPE,
