@@ -78,3 +78,4 @@ def slurm_cluster(tmp_path_factory):
     finally:
         cluster.stop()
     assert not cluster.pids(), "a SLURM daemon outlived the suite"
+    assert not cluster.processes(), f"processes of the cluster outlived it: {cluster.processes()}"

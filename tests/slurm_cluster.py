@@ -67,13 +67,12 @@ def install() -> str | None:
     return f"apt-get could not install {' '.join(PACKAGES)}: {done.stderr.strip()[-200:]}"
 
 
-def _node_processes(node: str) -> list[int]:
-    """Pids of the processes a node runs: its slurmd and every process of its jobs
-    (they carry SLURMD_NODENAME=node in their environment)."""
-    pids = []
-    mark = f"SLURMD_NODENAME={node}".encode()
+def _processes(marks: list[bytes], daemon: bytes | None = None) -> list[int]:
+    """Pids of processes whose environment holds one of `marks`, or whose command is
+    `daemon` (a slurmd with its node name)."""
+    pids, mine = [], _ancestors()  # (`make cluster-stop` from a shell with SLURM_CONF set)
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in mine:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
@@ -82,9 +81,29 @@ def _node_processes(node: str) -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if mark in env or (cmd[:1] and cmd[0].endswith(b"slurmd") and node.encode() in cmd):
+        named = daemon is not None and cmd[:1] and cmd[0].endswith(b"slurmd") and daemon in cmd
+        if named or any(mark in env for mark in marks):
             pids.append(int(entry))
     return pids
+
+
+def _ancestors() -> set[int]:
+    """This process and its parents."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def _node_processes(node: str) -> list[int]:
+    """Pids of the processes a node runs: its slurmd and every process of its jobs
+    (they carry SLURMD_NODENAME=node in their environment)."""
+    return _processes([f"SLURMD_NODENAME={node}".encode()], node.encode())
 
 
 class Cluster:
@@ -204,6 +223,11 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
                 pids.append(int(f.read().strip()))
         return [p for p in pids if _alive(p)]
 
+    def processes(self) -> list[int]:
+        """Every process of this cluster (daemons, step daemons, jobs, and clients
+        started with `env`): by the SLURM_CONF in their environment."""
+        return _processes([f"SLURM_CONF={self.conf}".encode()])
+
     def jobs(self) -> list[str]:
         """Ids of the jobs in the queue (any state)."""
         if not os.path.exists(self.conf) or not self.pids():
@@ -212,21 +236,19 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
         return out.split()
 
     def stop(self) -> None:
-        """Cancel every job, then stop every daemon (theirs and their jobs' processes)."""
+        """Cancel every job, stop every daemon, then kill what is left of the
+        cluster: its jobs' processes, and the step daemons of a lost node, which
+        outlive its slurmd."""
         jobs = self.jobs()  # (none when the daemons are down)
         if jobs:
             self.run("scancel", "--full", "--quiet", *jobs, check=False)
-        for node in self.nodes:
-            for pid in _node_processes(node):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
         for pid in self.pids():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.1)
-        for pid in self.pids():
+        for pid in {*self.pids(), *self.processes()}:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -253,11 +275,12 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
 
 
 def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for its parent."""
     try:
-        os.kill(pid, 0)
-    except OSError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> None:
