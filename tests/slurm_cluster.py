@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from meshrl.proc_pool import alive  # (a zombie daemon is not running)
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
@@ -221,7 +223,7 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
             path = os.path.join(self.root, f"{name}.pid")
             with contextlib.suppress(OSError, ValueError), open(path) as f:
                 pids.append(int(f.read().strip()))
-        return [p for p in pids if _alive(p)]
+        return [p for p in pids if alive(p)]
 
     def processes(self) -> list[int]:
         """Every process of this cluster (daemons, step daemons, jobs, and clients
@@ -272,15 +274,6 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP OverSubscribe=FORCE
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{node} did not come back: {self.node_states().get(node)}")
             time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    """Running: not gone, and not a zombie waiting for its parent."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:
