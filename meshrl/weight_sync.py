@@ -163,7 +163,15 @@ class WeightSync:
         """Wait for the pulls in flight, then `trainer.publish` on every rank (the
         ranks that own weights write them); returns the merged handle."""
         self.wait()
-        handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+        try:
+            handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+        except RemoteCallError as error:
+            # A trainer proc lost here, not in its train step (a SLURM job killed
+            # after its checkpoint): `recover` raises `RoleLost`, and the loop
+            # rewinds to the checkpoint as it does for a loss in train_step.
+            if error.proc_lost:
+                self.sup.recover(trainer, error)
+            raise
         self.handle = WeightHandle.merge(handles)
         self.published += 1
         return self.handle
