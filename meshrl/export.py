@@ -87,8 +87,10 @@ def export_checkpoint(path: str, out: str) -> str:
 
         # The shards hold global tensors: DCP reads them into this process's
         # full (unsharded) state dict, without a process group.
+        from meshrl.parallel import safe_reader
+
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=shards)
+        dcp.load(state, storage_reader=safe_reader(shards))
         model.load_state_dict(state["model"])
     else:
         checkpoint.load_state(os.path.join(ckpt, "trainer.pt"), "cpu", model=model)
@@ -125,7 +127,7 @@ def start_from(model: ModelConfig, key: str) -> None:
         return
     try:
         model.path = model_source(model.path)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, checkpoint.CheckpointError) as error:
         raise ConfigError(f"config key '{key}': {error}") from None
     model.validate(key.rsplit(".", 1)[0])  # the tokenizer of what it resolved to
 

@@ -71,11 +71,10 @@ class AgentTask(Env):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="agent")
         keys = [f"{key_prefix}{i}" for i in range(len(prompts))]
-        for key in keys:
-            server.open(key, self.turns)
+        urls = [server.open(key, self.turns) for key in keys]
         futures = [
-            self._pool.submit(self.function, server.episode_url(key), prompt)
-            for key, prompt in zip(keys, prompts, strict=True)
+            self._pool.submit(self.function, url, prompt)
+            for url, prompt in zip(urls, prompts, strict=True)
         ]
         limit = self.cfg.step_timeout_s * self.turns
         deadline = started + limit * max(1, -(-len(prompts) // workers))
