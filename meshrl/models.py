@@ -373,3 +373,20 @@ def max_token_chars(tokenizer: Any) -> int:
     known without tokenizing it."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return max((len(t) for t in vocab), default=64) or 1
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    """About how many bytes the model's weights take: its weight files' size for
+    a saved model, else the embedded config's parameters in float32."""
+    if cfg.path:
+        total = 0
+        for root, _, names in os.walk(cfg.path):
+            total += sum(
+                os.path.getsize(os.path.join(root, n))
+                for n in names
+                if n.endswith((".safetensors", ".bin", ".pt"))
+            )
+        return total
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    vocab = 256  # the char tokenizer's order of magnitude
+    return 4 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)

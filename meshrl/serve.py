@@ -197,6 +197,9 @@ class Transcript:
     text: str = ""  # completions: the prompt and the answers so far
     kind: str = ""  # "chat" or "completions", fixed by the first call
     calls: int = 0
+    truncated: bool = False
+    """A call came after the turn limit: the episode ended there, as a rollout's
+    does at `max_turns` (`episodes/truncated`)."""
     last_turn: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -205,8 +208,6 @@ class Transcript:
 
     def continuation(self, fmt: ChatFormat, kind: str, body: dict) -> list[int]:
         """The ids that a request adds to the episode (the whole prompt on the first call)."""
-        if self.calls >= self.max_calls:
-            raise RequestError(f"the episode's turn limit ({self.max_calls} calls) is reached")
         if self.kind and kind != self.kind:
             raise RequestError(f"an episode's calls are all {self.kind} calls; this is {kind}")
         if kind == "completions":
@@ -364,6 +365,12 @@ class PolicyServer:
         with self.lock:
             self.requests += 1
         with transcript.lock:  # an episode's calls come one after another
+            if transcript.calls >= transcript.max_calls:
+                # Past the turn limit the episode has ended: the call is answered
+                # with nothing sampled (finish_reason "length"), and the agent
+                # goes on to its reward.
+                transcript.truncated = True
+                return self._reply(kind, body, transcript.context(), "", None, [], "length", -1)
             added = transcript.continuation(self.format, kind, body)
             context = transcript.context() + added if transcript.calls else added
             room = self.context - len(context)
@@ -380,20 +387,38 @@ class PolicyServer:
         if self.record_path is not None:
             self._record(key, context, sampled)
         finish = "length" if len(sampled.tokens) >= max_tokens else "stop"
+        return self._reply(
+            kind, body, context, text, sampled.tokens, sampled.logprobs, finish, sampled.version
+        )
+
+    def _reply(
+        self,
+        kind: str,
+        body: dict,
+        context: list[int],
+        text: str,
+        tokens: list[int] | None,
+        logprobs_: list[float] | None,
+        finish: str,
+        version: int,
+    ) -> dict:
+        """The OpenAI-shaped answer of one call."""
+        tokens = tokens or []
+        tokenizer = self.format.tokenizer
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        choice["token_ids"] = sampled.tokens
+        choice["token_ids"] = tokens
         logprobs = None
         if body.get("logprobs"):
-            pieces = [tokenizer.decode([t]) for t in sampled.tokens]
+            pieces = [tokenizer.decode([t]) for t in tokens]
             if kind == "chat":
                 logprobs = {
                     "content": [
                         {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                        for p, lp in zip(pieces, sampled.logprobs, strict=True)
+                        for p, lp in zip(pieces, logprobs_ or [], strict=True)
                     ]
                 }
             else:
-                logprobs = {"tokens": pieces, "token_logprobs": sampled.logprobs}
+                logprobs = {"tokens": pieces, "token_logprobs": logprobs_ or []}
         choice["logprobs"] = logprobs
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -407,10 +432,10 @@ class PolicyServer:
             "choices": [choice],
             "usage": {
                 "prompt_tokens": len(context),
-                "completion_tokens": len(sampled.tokens),
-                "total_tokens": len(context) + len(sampled.tokens),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(context) + len(tokens),
             },
-            "meshrl": {"weight_version": sampled.version, "prompt_token_ids": context},
+            "meshrl": {"weight_version": version, "prompt_token_ids": context},
         }
 
     def _record(self, key: str | None, context: list[int], sampled: Sampled) -> None:

@@ -133,7 +133,9 @@ def test_a_local_process_that_guesses_episode_urls_trains_on_none_of_its_calls(
     """Another local process knows the endpoint's port and how episode keys are
     made (`<version>.<attempt>.<i>`), and posts its own prompt to every key while
     the agents wait a second before their first call. Without each episode's
-    secret every call gets 404 and is counted; what trains is the agents'."""
+    secret every call gets 404 and is counted; what trains is the agents'.
+    With `task.max_turns=1` the agents' second calls come after the episode's
+    end: answered empty ("length"), the episodes kept, truncated at one turn."""
     import socket
     import threading
 
@@ -170,6 +172,7 @@ def test_a_local_process_that_guesses_episode_urls_trains_on_none_of_its_calls(
             "warm_start.steps=0",
             "generation.max_new_tokens=8",
             f"policy.serve_port={port}",
+            "task.max_turns=1",
         )
     finally:
         stop.set()
@@ -177,7 +180,8 @@ def test_a_local_process_that_guesses_episode_urls_trains_on_none_of_its_calls(
     assert not answered, f"{len(answered)} guessed calls were answered"
     assert refused and set(refused) == {404}
     assert sum(r["episodes/refused_calls"] for r in history) > 0
-    assert all(r["samples/trained"] == 8 for r in history)
+    assert all(r["samples/trained"] == 8 and r["episodes/truncated"] == 8 for r in history)
+    assert all(e.turns == 1 and e.truncated for e in algo.last_episodes)
     for episode in algo.last_episodes:
         assert "hijacked" not in algo.tokenizer.decode(episode.prompt_ids + episode.tokens)
 

@@ -363,3 +363,31 @@ def test_a_busy_serve_port_and_an_unreadable_override_are_one_line_naming_them()
     with pytest.raises(ConfigError, match=r"override 'task.name=\"abc': not a YAML value") as info:
         load_config(GRPOConfig, DEFAULT_CONFIG, ['task.name="abc'])
     assert "\n" not in str(info.value)
+
+
+def test_one_line_keeps_a_wrapped_sentence_whole():
+    from meshrl.mesh import one_line
+
+    error = ValueError(
+        "The tokenizer at /x cannot be loaded because its vocabulary\nfile is missing.\n\nDetails: ..."
+    )
+    assert one_line(error) == (
+        "ValueError: The tokenizer at /x cannot be loaded because its vocabulary file is missing."
+    )
+
+
+def test_a_placement_larger_than_the_machine_is_refused_before_any_proc_starts(
+    tmp_path, no_stray_procs
+):
+    from algorithms.grpo import GRPO
+
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["placement.policy=400", f"run.dir={tmp_path}", "run.progress=false"],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"'placement': 402 procs \(.*policy=400\) need about .* GB of memory; this machine has",
+    ):
+        GRPO(cfg).run()

@@ -42,6 +42,12 @@ class AgentTask(Env):
     """Calls an episode may make to the endpoint (task.max_turns overrides)."""
     is_agent = True
 
+    @property
+    def multi_turn(self) -> bool:
+        """Always: the agent plays each episode through the endpoint, whatever its
+        turn limit (`task.max_turns=1` included)."""
+        return True
+
     def __init__(self, cfg: Any = None):
         super().__init__(cfg)
         self.function = load_agent(cfg.name)
@@ -95,7 +101,7 @@ class AgentTask(Env):
             if transcript is not None and transcript.calls:
                 episode.tokens, episode.loss_mask = transcript.tokens, transcript.loss_mask
                 episode.logprobs, episode.versions = transcript.logprobs, transcript.versions
-                episode.turns = transcript.calls
+                episode.turns, episode.truncated = transcript.calls, transcript.truncated
             elif not failed:
                 failed = "the agent made no call to the policy endpoint"
             episode.reward, episode.done = reward, True
