@@ -109,7 +109,9 @@ class StatusFile:
                 "procs": procs,
             }
             try:
-                with open(self.path + ".tmp", "w") as f:
+                # Readable by its owner only: it holds the dashboard's token.
+                fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
                     json.dump(record, f)
                 os.replace(self.path + ".tmp", self.path)
             except OSError as error:  # a view: the run goes on, the old status.json stays

@@ -96,6 +96,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             status = _until(
                 lambda: json.loads((run_dir / "status.json").read_text()), 120, "status.json"
             )
+            assert (run_dir / "status.json").stat().st_mode & 0o077 == 0  # it holds the token
             url, telemetry = status["dashboard_url"], status["telemetry_url"]
             dashboard, token = url.split("/?token=")
             port = int(dashboard.rsplit(":", 1)[1])
