@@ -3,7 +3,7 @@
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
-#                elastic pools, what images cost a step; minutes)
+#                elastic pools, what images cost a step, the endpoint under a flood; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
 # `make cluster`: start a private SLURM cluster on this machine (root; installs Debian's
 #                 slurmctld/slurmd/slurm-client if missing) and print how to use it;
@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/stragglers.py
 	$(BIN)/python benchmarks/elastic.py
 	$(BIN)/python benchmarks/vision.py
+	$(BIN)/python benchmarks/endpoint_flood.py
 	$(BIN)/python benchmarks/fanout.py --save runs/bench/fanout.json
 	$(BIN)/python benchmarks/controller_scale.py --save runs/bench/controller_scale.json
 	$(BIN)/python benchmarks/scale_model.py --fanout-json runs/bench/fanout.json \

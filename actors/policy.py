@@ -14,6 +14,7 @@ import time
 import torch
 from monarch.actor import Actor, endpoint
 
+from meshrl.checkpoint import read
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.engines import make_engine
 from meshrl.faults import Drillable
@@ -166,7 +167,7 @@ class Policy(Drillable, Actor):
     def load_state(self, directory: str) -> None:
         path = f"{directory}/policy_rng_{proc_rank()}.pt"
         if os.path.exists(path):  # else: a replica the pool did not have then keeps its own
-            self.generator.set_state(torch.load(path))
+            self.generator.set_state(read(path))
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

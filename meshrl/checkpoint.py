@@ -8,23 +8,39 @@ replicas' sampling generators). It is assembled under a temporary name and
 renamed into place only when every part is written, with a `COMPLETE` marker
 last, so a crash while writing leaves the previous checkpoint as the newest
 valid one.
+
+A checkpoint cannot run code and proves its bytes:
+
+- Every file is read with `torch.load(weights_only=True)` (tensors and plain
+  containers). The loop's state is written in that form (`to_plain`: prompts
+  and batches as tagged dicts, arrays as tensors). A file that holds anything
+  else is refused in one line naming it. FSDP shards' index (torch's DCP
+  `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
+  metadata classes (`meshrl.parallel.SafeReader`).
+- `MANIFEST.json` (written before `COMPLETE`) holds each file's size and
+  SHA-256. A checkpoint is checked against it before it is loaded
+  (`problem`); `latest()` skips a damaged one and says so, so `resume=auto`
+  and a rewind fall back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from meshrl.config import ConfigError
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written; the message is one line."""
+    """A checkpoint could not be written or read; the message is one line."""
 
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -45,12 +61,14 @@ class CheckpointConfig:
             raise ConfigError("config key 'checkpoint.every': must be >= 0")
         if self.keep < 1:
             raise ConfigError("config key 'checkpoint.keep': must be >= 1")
-        if self.resume not in ("", "auto") and not os.path.isfile(
-            os.path.join(self.resume, COMPLETE)
-        ):
-            raise ConfigError(
-                f"config key 'checkpoint.resume': {self.resume} is not a complete checkpoint"
-            )
+        if self.resume not in ("", "auto"):
+            if not os.path.isfile(os.path.join(self.resume, COMPLETE)):
+                raise ConfigError(
+                    f"config key 'checkpoint.resume': {self.resume} is not a complete checkpoint"
+                )
+            damage = problem(self.resume)
+            if damage:
+                raise ConfigError(f"config key 'checkpoint.resume': {damage}")
 
 
 def root(run_dir: str) -> str:
@@ -65,8 +83,140 @@ def begin(run_dir: str, step: int) -> str:
     return path
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory`, relative to it."""
+    found = []
+    for where, _, names in os.walk(directory):
+        found += [os.path.relpath(os.path.join(where, n), directory) for n in names]
+    return sorted(found)
+
+
+def write_manifest(directory: str) -> None:
+    """`MANIFEST.json`: the size and SHA-256 of every file under `directory`."""
+    files = {
+        name: {"bytes": os.path.getsize(os.path.join(directory, name)), "sha256": _sha256(
+            os.path.join(directory, name))}
+        for name in _files(directory)
+        if name not in (MANIFEST, COMPLETE)
+    }  # fmt: skip
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_checked: dict[tuple, str] = {}
+"""(checkpoint, its manifest's inode and mtime) -> what `problem` found: a
+committed checkpoint never changes, so its files are hashed once (a checkpoint
+written again at the same step after a rewind is a new manifest)."""
+
+
+def problem(path: str) -> str:
+    """'' when every file the checkpoint's manifest lists has its size and SHA-256;
+    else one line naming the first file that does not. A checkpoint from before
+    manifests is taken as it is."""
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        stat = os.stat(manifest)
+    except FileNotFoundError:
+        return ""
+    key = (os.path.abspath(path), stat.st_ino, stat.st_mtime_ns)
+    if key not in _checked:
+        _checked[key] = _check(path, manifest)
+    return _checked[key]
+
+
+def _check(path: str, manifest: str) -> str:
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{manifest} is unreadable ({type(error).__name__}: {error})"
+    for name, want in sorted(files.items()):
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+            if size != want["bytes"]:
+                return f"{full} has {size} bytes, {want['bytes']} were written"
+            if _sha256(full) != want["sha256"]:
+                return f"{full} is not the file that was written (SHA-256 differs)"
+        except OSError as error:
+            return f"{full} cannot be read ({error.strerror or error})"
+    return ""
+
+
+def read(path: str, device: Any = "cpu") -> Any:
+    """A file of a checkpoint, read as tensors and plain containers only
+    (`weights_only=True`: nothing in it can run code); anything else is refused
+    in one line naming the file."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        reason = str(error).strip().splitlines()
+        hint = next((line for line in reason if "Unsupported" in line), reason[0] if reason else "")
+        raise CheckpointError(
+            f"{path} is not a checkpoint file meshrl can read safely: {hint[:200]}"
+        ) from None
+
+
+_PLAIN = "__meshrl__"
+
+
+def to_plain(value: Any) -> Any:
+    """`value` as tensors and plain containers, for `read` to take back
+    (`from_plain`): prompts and batches (`meshrl.types`) as tagged dicts, numpy
+    arrays and pictures as tensors."""
+    import numpy as np
+    import torch
+
+    from meshrl import types
+
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_plain(v) for v in value)
+    if is_dataclass(value) and getattr(types, type(value).__name__, None) is type(value):
+        fields_ = {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
+        return {_PLAIN: type(value).__name__, "fields": fields_}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) or (hasattr(value, "mode") and hasattr(value, "tobytes")):
+        return {_PLAIN: "ndarray", "tensor": torch.from_numpy(np.array(value))}
+    return value
+
+
+def from_plain(value: Any) -> Any:
+    """What `to_plain` wrote, as it was (a picture comes back as an array)."""
+    from meshrl import types
+
+    if isinstance(value, list | tuple):
+        return type(value)(from_plain(v) for v in value)
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(_PLAIN)
+    if kind is None:
+        return {k: from_plain(v) for k, v in value.items()}
+    if kind == "ndarray":
+        return value["tensor"].numpy()
+    cls = getattr(types, kind, None)
+    if not (isinstance(cls, type) and is_dataclass(cls)):
+        raise CheckpointError(f"the loop state names an unknown kind of value: {kind!r}")
+    return cls(**from_plain(value["fields"]))
+
+
 def commit(partial: str, keep: int) -> str:
-    """Mark `partial` complete, move it into place, drop all but the newest `keep`."""
+    """Write the manifest, mark `partial` complete, move it into place, drop all
+    but the newest `keep`."""
+    write_manifest(partial)
     with open(os.path.join(partial, COMPLETE), "w") as f:
         f.write("ok\n")
         f.flush()
@@ -92,9 +242,24 @@ def complete(checkpoints: str) -> list[str]:
 
 
 def latest(run_dir: str) -> str | None:
-    """The newest complete checkpoint of a run, or None."""
-    found = complete(root(run_dir))
-    return found[-1] if found else None
+    """The newest complete and intact checkpoint of a run, or None. A damaged
+    one (a file that is not what its manifest says) is skipped, and said so
+    (printed and in the run's faults.log) once."""
+    for path in reversed(complete(root(run_dir))):
+        damage = problem(path)
+        if not damage:
+            return path
+        if damage not in _said:
+            _said.add(damage)
+            from meshrl.faultlog import log_fault
+
+            message = f"checkpoint {path} is damaged, skipped: {damage}"
+            print(message, flush=True)
+            log_fault(message)
+    return None
+
+
+_said: set[str] = set()
 
 
 def step_of(path: str) -> int:
@@ -114,9 +279,7 @@ def save_state(path: str, **parts) -> None:
 
 def load_state(path: str, device, **parts) -> dict:
     """Load what `save_state` wrote into `parts`; returns the plain values."""
-    import torch
-
-    state = torch.load(path, map_location=device, weights_only=False)
+    state = read(path, device)
     for key, target in parts.items():
         target.load_state_dict(state[key])
     return {k: v for k, v in state.items() if k not in parts}
@@ -233,7 +396,7 @@ class Checkpointer:
             partial = begin(self.run.dir, done)
             self._each_role("save_state", partial)
             sizes = {role.name: role.size for role in self.roles}
-            torch.save({"loop": loop, "sizes": sizes}, f"{partial}/loop.pt")
+            torch.save({"loop": to_plain(loop), "sizes": sizes}, f"{partial}/loop.pt")
             path = commit(partial, self.cfg.keep)
         except (OSError, RemoteCallError) as error:
             if isinstance(error, RemoteCallError) and error.proc_lost:
@@ -248,9 +411,11 @@ class Checkpointer:
     def restore(self, path: str, counts: bool = True) -> int:
         """Every role's state and the loop's from the checkpoint at `path`; returns
         its step. `counts=False` keeps the ledger and counters (a rewind)."""
-        import torch
-
-        saved = torch.load(f"{path}/loop.pt", weights_only=False)
+        damage = problem(path)
+        if damage:
+            raise CheckpointError(f"cannot restore {path}: {damage}")
+        saved = read(f"{path}/loop.pt")
+        saved["loop"] = from_plain(saved["loop"])
         for role in self.roles:
             elastic = role.name in self.run.meshes.elastic  # seeds are the samples', not its
             if (

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from meshrl.mesh import split, start_each
+from meshrl.models import max_token_chars
 from meshrl.rollout import ChatFormat, encode_prompts, run_episodes, to_completions
 from meshrl.types import Completions, Prompt
 from meshrl.vision import shard
@@ -76,6 +77,9 @@ class Collector:
         """Prompts training never draws, by `Prompt.key` (the held-out sets')."""
         self.server = None
         """The policy's OpenAI-compatible endpoint (`endpoint()`), once started."""
+        self._refused = 0  # the endpoint's refused calls already reported
+        self._overlong: dict[str, str] = {}  # prompt key -> its length, for prompts that do not fit
+        self._token_chars: int | None = None  # `max_token_chars` of the tokenizer
 
     # --- prompts --------------------------------------------------------------------------
 
@@ -89,18 +93,34 @@ class Collector:
         room = self.context - generation.max_new_tokens
         prompts: list[Prompt] = []
         message = "every prompt drawn is held out for evaluation (eval.sets)"
+        if self._token_chars is None:
+            self._token_chars = max_token_chars(self.tokenizer)
         for _ in range(100):  # draws of a batch, before concluding nothing fits
             drawn = self.task.sample(num_prompts - len(prompts), rng)
-            lengths = map(len, self.encode(drawn)[0])  # one batch call
-            for prompt, length in zip(drawn, lengths, strict=True):
+            # A prompt found too long once is not tokenized again (a 2 MB row
+            # drawn at every step would cost each step its tokenizing), nor one
+            # whose characters alone cannot fit.
+            fresh = {
+                p.key: p for p in drawn
+                if p.key not in self._overlong and len(p.text) <= room * self._token_chars
+            }  # fmt: skip
+            encoded = self.encode(list(fresh.values()))[0] if fresh else []
+            lengths = {key: len(ids) for key, ids in zip(fresh, encoded, strict=True)}
+            for prompt in drawn:
                 if prompt.key in self.held_out:
                     continue
-                if length <= room:
-                    prompts.append(prompt)
-                    continue
+                if prompt.key in lengths:
+                    if lengths[prompt.key] <= room:
+                        prompts.append(prompt)
+                        continue
+                    self._overlong[prompt.key] = f"{lengths[prompt.key]} tokens"
+                elif prompt.key not in self._overlong:
+                    self._overlong[prompt.key] = (
+                        f"more than {room} tokens ({len(prompt.text)} characters)"
+                    )
                 message = (
-                    f"a prompt of {length} tokens does not fit the model's context of "
-                    f"{self.context} with generation.max_new_tokens="
+                    f"a prompt of {self._overlong[prompt.key]} does not fit the model's "
+                    f"context of {self.context} with generation.max_new_tokens="
                     f"{generation.max_new_tokens}: {prompt.text[:40]!r}"
                 )
                 if generation.overlong_prompt == "error":
@@ -285,6 +305,9 @@ class Collector:
                 "tokens/environment": int((attention - mask).sum().item()),
             }
         )
+        if self.server is not None:  # calls to episodes that are not theirs, since the last step
+            info["episodes/refused_calls"] = self.server.refused - self._refused
+            self._refused = self.server.refused
         self.last_episodes = kept
         return completions, rewards, info
 
@@ -308,7 +331,7 @@ class Collector:
         """Stop the endpoint (the task is its owner's to close: `Env.close`)."""
         if self.server is not None:
             self.server.close()
-            self.server = None
+            self.server, self._refused = None, 0
 
     def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
         """With a reward model: rule_weight x the environment's reward + weight x

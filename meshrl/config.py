@@ -174,6 +174,11 @@ def _check_tokenizer_fits(path: str, key: str) -> None:
     )
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+"""Sampling temperatures meshrl takes: logits over a smaller one overflow float32
+(1e-39 gave NaN log-probs, wrong tokens and NaN training steps)."""
+
+
 @dataclass
 class GenerationConfig:
     """Sampling on the policy replicas."""
@@ -194,7 +199,11 @@ class GenerationConfig:
 
     def validate(self) -> None:
         _check(self.max_new_tokens > 0, "generation.max_new_tokens", "must be > 0")
-        _check(self.temperature > 0, "generation.temperature", "must be > 0")
+        _check(
+            MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            "generation.temperature",
+            f"{self.temperature} is not in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+        )
         _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
         _check(
             0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -360,6 +369,12 @@ class TaskConfig:
                 "task.dataset",
                 f"no such file or directory: {self.dataset}",
             )
+            from meshrl.data import DatasetError, task_rows
+
+            try:  # checked now, before any proc starts
+                task_rows(self.dataset, self.prompt_field, self.answer_field)
+            except DatasetError as error:
+                raise ConfigError(f"config key 'task.dataset': {error}") from None
 
 
 @dataclass
@@ -435,10 +450,14 @@ class RunConfig:
     actors, meshes and messages, and each step's record beside them (see
     docs/observability.md)."""
     dashboard: bool = False
-    """Also serve Monarch's dashboard (turns `telemetry` on); its URL is printed
-    at start and kept in `status.json`."""
+    """Also serve Monarch's dashboard (turns `telemetry` on), behind meshrl's front
+    (`meshrl.front`): its URL, with the run's token, is printed at start and kept
+    in `status.json`."""
     dashboard_port: int = 8265
     """The dashboard's port; one in use falls back to a free port (0: a free port)."""
+    dashboard_host: str = "127.0.0.1"
+    """The address the dashboard listens on; another than loopback (`0.0.0.0`, a
+    host's address) opens it to whoever can reach that address and has the token."""
     profile_steps: list[int] = field(default_factory=list)
     """[first, last]: profile these steps (torch's profiler in every actor) into
     `<run dir>/profile/`: one Chrome trace per proc and `summary.json`."""

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -56,7 +57,12 @@ def load_config(
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' is not of the form key=value")
-            merged = _merge(merged, OmegaConf.from_dotlist([item]), f"in override '{item}'")
+            try:
+                parsed = OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as error:  # a value YAML cannot read (an unbalanced quote)
+                reason = " ".join(str(error).split())
+                raise ConfigError(f"override '{item}': not a YAML value ({reason})") from None
+            merged = _merge(merged, parsed, f"in override '{item}'")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_omegaconf_message(error)) from None

@@ -7,6 +7,18 @@ from dataclasses import dataclass
 from meshrl.config_files import check as _check
 
 
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `host`:`port` now."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class PolicyConfig:
     """How the policy replicas generate."""
@@ -49,6 +61,12 @@ class PolicyConfig:
             "must be in (0, 1]",
         )
         _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
+        if self.serve_port:  # known now, not after the procs started
+            _check(
+                port_free(self.serve_port),
+                "policy.serve_port",
+                f"port {self.serve_port} is in use on 127.0.0.1",
+            )
         _check(
             self.dtype in (None, "float32", "bfloat16"),
             "policy.dtype",

@@ -50,8 +50,15 @@ def _read_file(path: str, key: str) -> list[tuple[str, dict]]:
 
 def _read_jsonl(path: str) -> list[tuple[str, dict]]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DatasetError(
+                    f"dataset file {path}, line {number}: not UTF-8 (byte {error.start + 1} "
+                    f"of the line: {raw[error.start : error.start + 1]!r})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -131,6 +138,42 @@ def read_rows(path: str, fields: list[str], key: str) -> list[dict]:
                     f"(fields: {', '.join(sorted(record))})"
                 )
     return [record for _, record in records]
+
+
+_rows: dict[tuple, list[dict]] = {}
+"""Task rows already read and checked, by file (path, size, mtime) and fields:
+the config check reads a dataset once, and the task draws from the same rows."""
+
+
+def task_rows(path: str, prompt_field: str, answer_field: str, key: str = "task.dataset"):
+    """A task dataset's rows (`read_records`), each checked: the prompt field is
+    non-empty text, the answer field (when the row has it) is text. Nothing is
+    converted: a number or a list where text belongs (Parquet keeps types) is
+    an error naming the file, the row and the field, as a null is."""
+    stat = os.stat(path)
+    cache = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns, prompt_field, answer_field)
+    if cache in _rows:
+        return _rows[cache]
+    records = read_records(path, key)
+    for where, record in records:
+        for name, required in ((prompt_field, True), (answer_field, False)):
+            if name not in record:
+                if required:
+                    raise DatasetError(
+                        f"dataset file {path}, {where}: missing field '{name}' "
+                        f"(fields: {', '.join(sorted(record))})"
+                    )
+                continue
+            value = record[name]
+            if not isinstance(value, str):
+                what = "null" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+                raise DatasetError(
+                    f"dataset file {path}, {where}: field '{name}' is {what}, not text"
+                )
+            if required and not value.strip():
+                raise DatasetError(f"dataset file {path}, {where}: field '{name}' is empty")
+    _rows[cache] = [record for _, record in records]
+    return _rows[cache]
 
 
 def _read_hf_dir(path: str, key: str) -> list[tuple[str, dict]]:

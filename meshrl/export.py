@@ -25,7 +25,31 @@ from meshrl.models import load_model, load_processor, load_tokenizer
 
 def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=None) -> None:
     """`model` (with `state`, a full state dict, when its own parameters are
-    shards) and the tokenizer as an HF directory at `path`."""
+    shards) and the tokenizer as an HF directory at `path`, committed whole: it
+    is written under a temporary name and renamed, so a full disk or a crash
+    leaves no `path` without weights (`model.path` would take it). A write that
+    fails is one OSError naming `path`."""
+    import errno
+    import shutil
+
+    partial = f"{path}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        _write_hf(model, model_cfg, partial, state)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)
+    except Exception as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        # safetensors reports a failed write as its own error type, with the OS's words.
+        words = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not isinstance(error, OSError) and "os error" not in words:
+            raise
+        reason = getattr(error, "strerror", None) or words.rsplit("I/O error: ", 1)[-1]
+        code = getattr(error, "errno", None) or errno.EIO
+        raise OSError(code, f"cannot write the model to {path}: {reason}") from None
+
+
+def _write_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # keep the console to the run's own bar
@@ -87,8 +111,10 @@ def export_checkpoint(path: str, out: str) -> str:
 
         # The shards hold global tensors: DCP reads them into this process's
         # full (unsharded) state dict, without a process group.
+        from meshrl.parallel import safe_reader
+
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=shards)
+        dcp.load(state, storage_reader=safe_reader(shards))
         model.load_state_dict(state["model"])
     else:
         checkpoint.load_state(os.path.join(ckpt, "trainer.pt"), "cpu", model=model)
@@ -125,7 +151,7 @@ def start_from(model: ModelConfig, key: str) -> None:
         return
     try:
         model.path = model_source(model.path)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, checkpoint.CheckpointError) as error:
         raise ConfigError(f"config key '{key}': {error}") from None
     model.validate(key.rsplit(".", 1)[0])  # the tokenizer of what it resolved to
 

@@ -72,10 +72,14 @@ class RemoteCallError(RuntimeError):
 def one_line(error: BaseException) -> str:
     """The error as one line: its own message for meshrl's errors (which name the
     key, file or call), else its type and first line."""
+    if isinstance(error, OSError) and error.filename is None and error.strerror:
+        return error.strerror  # meshrl's own (`cannot write FILE: ...`) or the OS's words
     if isinstance(error, (ConfigError, RemoteCallError, OSError)):
         return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    # A library's message may wrap a sentence over lines: its first paragraph,
+    # whole, on one line (what follows a blank line is detail).
+    text = " ".join(str(error).strip().split("\n\n")[0].split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 # --- faults --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ prints a short summary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,32 @@ def make_run_dir(base: str, name: str, default_prefix: str) -> str:
         raise FileExistsError(f"run directory {path} already holds a run; pick another run.name")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def append_lines(path: str, lines: list[str], f: Any = None) -> None:
+    """Append `lines` to the JSONL file `path` (through `f`, a file opened for
+    appending, if given) whole or not at all: a write that fails (a full disk)
+    cuts the file back to where it was, so it ends on a whole line, and is one
+    OSError naming the file."""
+    data = "".join(line + "\n" for line in lines).encode()
+    fd = (
+        f.fileno()
+        if f is not None
+        else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    )
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise OSError(error.errno, f"cannot write {path}: {error.strerror}") from None
+    finally:
+        if f is None:
+            os.close(fd)
 
 
 class RunLogger:
@@ -70,8 +97,7 @@ class RunLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         record = {k: _plain(v) for k, v in metrics.items()}
         self.history.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_lines(self.path, [json.dumps(record)], self._file)
         for sink in self.sinks:
             sink.log(record)
         if self._bar is not None:
@@ -86,8 +112,7 @@ class RunLogger:
         """Append one step's sample rows (prompt, completion, reward, ...) to
         samples.jsonl, one JSON object per row with its step, give them to the
         sinks, and print the first `console` rows as a table."""
-        with open(self.samples_path, "a") as f:
-            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        append_lines(self.samples_path, [json.dumps({"step": step, **row}) for row in rows])
         for sink in self.sinks:
             sink.log_samples(step, rows)
         if console and rows:

@@ -14,7 +14,7 @@ import os
 import string
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -365,3 +365,28 @@ def completion_values(
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)
     return packed.scatter(values.flatten()[packed.at])
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest
+    vocabulary entry): a text of more than n times this has more than n tokens,
+    known without tokenizing it."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(t) for t in vocab), default=64) or 1
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    """About how many bytes the model's weights take: its weight files' size for
+    a saved model, else the embedded config's parameters in float32."""
+    if cfg.path:
+        total = 0
+        for root, _, names in os.walk(cfg.path):
+            total += sum(
+                os.path.getsize(os.path.join(root, n))
+                for n in names
+                if n.endswith((".safetensors", ".bin", ".pt"))
+            )
+        return total
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    vocab = 256  # the char tokenizer's order of magnitude
+    return 4 * (layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h)

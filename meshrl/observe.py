@@ -25,7 +25,6 @@ import errno
 import logging
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -69,10 +68,13 @@ _used_in_process = False  # a job of this process had Monarch's telemetry (`Obse
 class Observe:
     """Monarch telemetry (and dashboard) for one run's job; `None` of it when off."""
 
-    def __init__(self, telemetry: bool, dashboard: bool = False, port: int = 8265):
+    def __init__(
+        self, telemetry: bool, dashboard: bool = False, port: int = 8265, host: str = "127.0.0.1"
+    ):
         self.on = telemetry or dashboard
         self.dashboard = dashboard
-        self.port = port
+        self.port, self.host = port, host
+        self.front: Any = None
         self.telemetry_url: str | None = None
         self.dashboard_url: str | None = None
         self.admin_url: str | None = None
@@ -84,7 +86,7 @@ class Observe:
         """From a `run:` config section; None when telemetry is off."""
         if not (run.telemetry or run.dashboard):
             return None
-        return cls(run.telemetry, run.dashboard, run.dashboard_port)
+        return cls(run.telemetry, run.dashboard, run.dashboard_port, run.dashboard_host)
 
     def enable(self, job: Any, kind: str) -> None:
         """Ask `job` for telemetry, before its `state()`."""
@@ -99,17 +101,18 @@ class Observe:
                 "the script in a process of its own)"
             )
 
-        port = free_or_fallback(self.port) if self.dashboard else 0
         # Mesh admin's default port is fixed (1729): a second run on this host
         # would collide, so on one machine it takes a free loopback port.
         admin = MeshAdminConfig(admin_addr="127.0.0.1:0") if kind in ("local", "process") else None
-        config = TelemetryConfig(include_dashboard=self.dashboard, dashboard_port=port)
+        # Monarch's public dashboard binds every interface with no authentication:
+        # never asked for. Its loopback server (the telemetry URL) serves the same
+        # app, and meshrl's front (`meshrl.front`) serves that on run.dashboard_host.
+        config = TelemetryConfig(include_dashboard=False, dashboard_port=0)
         job.enable_telemetry(config, mesh_admin_config=admin)
 
     def started(self, job: Any, state: Any, kind: str) -> None:
         """Take the URLs from the job's state; one line if Monarch could not start it."""
         self.telemetry_url = state.telemetry_url
-        self.dashboard_url = state.dashboard_url
         self.admin_url = getattr(state, "admin_url", None)
         global _used_in_process
         _used_in_process = True
@@ -124,6 +127,8 @@ class Observe:
         sidecar = find_job_sidecar(job.apply_id) if job.apply_id else None
         self._sidecar_pid = getattr(sidecar, "_pid", None)
         if self.dashboard:
+            self.front = open_front(self.telemetry_url, self.host, self.port)
+            self.dashboard_url = self.front.url
             print(f"meshrl: dashboard at {self.dashboard_url}", flush=True)
 
     def urls(self) -> dict[str, str | None]:
@@ -155,6 +160,9 @@ class Observe:
 
     def close(self) -> None:
         """After the job was killed: make sure its sidecar (dashboard, SQL) is gone."""
+        if self.front is not None:
+            self.front.close()
+            self.front = None
         pid, self._sidecar_pid = self._sidecar_pid, None
         # Monarch's own stop waits 10 s, then kills it: it may still be exiting.
         deadline = time.monotonic() + 5.0
@@ -193,17 +201,17 @@ def merge_states(procs: list[dict], states: dict[tuple[str, int], dict[str, dict
             proc["failure"] = "; ".join(failed)
 
 
-def free_or_fallback(port: int) -> int:
-    """`port` if nothing listens on it, else 0 (a free one), saying so."""
-    if port == 0:
-        return 0
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.bind((host, port))
-            return port
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                print(f"meshrl: run.dashboard_port {port} is in use: taking a free port")
-                return 0
-    return port
+def open_front(upstream: str, host: str, port: int) -> Any:
+    """meshrl's dashboard front on `host`:`port`; a port in use falls back to a
+    free one, saying so; an address this host does not have is one line."""
+    from meshrl.front import DashboardFront
+
+    try:
+        return DashboardFront(upstream, host, port)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE and port:
+            print(f"meshrl: run.dashboard_port {port} is in use: taking a free port")
+            return DashboardFront(upstream, host, 0)
+        raise ConfigError(
+            f"config key 'run.dashboard_host': cannot listen on {host}:{port} ({error.strerror})"
+        ) from None

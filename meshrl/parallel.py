@@ -87,14 +87,96 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
 
 
+def _metadata_global(module: str, name: str) -> Any:
+    """What DCP's `.metadata` pickle may name: DCP's own metadata classes, torch
+    sizes, dtypes and layouts, paths. Anything else (`os.system`, ...) is refused."""
+    import enum
+    import pathlib
+    import pickle
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    found = None
+    if module == dcp_metadata.__name__:
+        found = getattr(dcp_metadata, name, None)
+        if not (
+            isinstance(found, type)
+            and (hasattr(found, "__dataclass_fields__") or issubclass(found, enum.Enum))
+        ):
+            found = None
+    elif (module, name) == (dcp_fs.__name__, "_StorageInfo"):
+        found = dcp_fs._StorageInfo
+    elif (module, name) in (("pathlib", "PosixPath"), ("pathlib", "Path")):
+        found = getattr(pathlib, name)
+    elif (module, name) == ("torch", "Size"):
+        found = torch.Size
+    elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        found = getattr(torch, name)
+    elif (module, name) == ("torch.serialization", "_get_layout"):
+        import torch.serialization as serialization
+
+        found = serialization._get_layout
+    elif (module, name) == ("collections", "OrderedDict"):
+        import collections
+
+        found = collections.OrderedDict
+    if found is None:
+        raise pickle.UnpicklingError(f"refused to build {module}.{name}")
+    return found
+
+
+def safe_reader(path: str) -> Any:
+    """torch.distributed.checkpoint's reader of directory `path`, whose
+    `.metadata` (a pickle in torch's format) is read by an unpickler that builds
+    only `_metadata_global`'s classes: loading shards runs no code from the files.
+    The shards themselves torch reads with `weights_only=True`."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return _metadata_global(module, name)
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from meshrl.checkpoint import CheckpointError
+
+            where = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(where, "rb") as f:
+                try:
+                    metadata = Unpickler(f).load()
+                except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
+                    raise CheckpointError(
+                        f"{where}: not a shard index meshrl reads ({error})"
+                    ) from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def load_dcp(state: dict, path: str) -> None:
+    """`dcp.load(state)` from directory `path` through `safe_reader`; a refused
+    index fails here in one line naming it (DCP would wrap it in a traceback)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = safe_reader(path)
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader)
+
+
 def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what `save_sharded` wrote, resharding if the world size changed (collective)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    load_dcp(state, path)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -145,6 +145,10 @@ class Run:
     ):
         self.cfg, self.name = cfg, name
         self.timeout_s = cfg.run.call_timeout_s
+        if (
+            cfg.job.kind == "local"
+        ):  # before any proc starts (a process or SLURM job's hosts are their own)
+            check_fits(procs, share or {}, cfg.model)
         self.resume_from = find_resume(cfg)
         if self.resume_from is None:
             self.dir = make_run_dir(cfg.run.dir, cfg.run.name, name)
@@ -321,6 +325,47 @@ class Run:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+PROC_BYTES = 450 << 20
+"""What one proc holds before any model: Python, torch, transformers and Monarch
+(450-550 MB resident, measured on this project's CPU procs)."""
+
+
+def machine_bytes() -> int:
+    """This machine's memory, or its cgroup's limit when lower (a container)."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def check_fits(procs: dict[str, int], share: dict[str, str], model: Any) -> None:
+    """A placement whose procs cannot all live in this machine's memory is one
+    line naming the key, before any proc starts (spawning them first took
+    minutes to fail). Each proc: `PROC_BYTES` and its copy of the weights; a
+    trainer or critic proc also its gradients and Adam's two moments."""
+    from meshrl.models import weight_bytes
+
+    weights = weight_bytes(model)
+    own = {role: n for role, n in procs.items() if role not in share}
+    need = sum(
+        n * (PROC_BYTES + weights * (4 if role in ("trainer", "critic") else 1))
+        for role, n in own.items()
+    )
+    have = machine_bytes()
+    if need > have:
+        counts = ", ".join(f"{role}={n}" for role, n in own.items())
+        raise ConfigError(
+            f"config key 'placement': {sum(own.values())} procs ({counts}) need about "
+            f"{need / 2**30:.1f} GB of memory; this machine has {have / 2**30:.1f} GB"
+        )
 
 
 def find_resume(cfg: Any) -> str | None:

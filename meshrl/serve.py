@@ -7,8 +7,11 @@ rollout does with episodes. Every answer carries the sampled `token_ids` and
 the weight version (`meshrl` field) beside the usual OpenAI fields, and with
 `logprobs: true` the sampling log-probs.
 
-Requests under `/episodes/<key>/v1/...` belong to one episode. The server
-keeps that episode's conversation as one token sequence (a `Transcript`), as
+Requests under `/episodes/<key>~<secret>/v1/...` belong to one episode. The
+secret is drawn per episode (128 random bits) and checked on every call, so no
+other local process can write into an episode it was not handed: a call with an
+unknown key, a wrong secret or an ended episode gets 404 and is counted
+(`PolicyServer.refused`). The server keeps that episode's conversation as one token sequence (a `Transcript`), as
 `meshrl.rollout` does for its own multi-turn episodes:
 
 - The model's tokens are kept as sampled, with their log-probs and version.
@@ -20,23 +23,44 @@ keeps that episode's conversation as one token sequence (a `Transcript`), as
   model is never shown a re-rendering that it did not sample from.
 
 A request that changes an earlier message is refused (HTTP 400): that
-conversation is not one sequence. `meshrl.envs.agent` plays an agent task's
+conversation is not one sequence.
+
+The endpoint is bounded, so that no client can stall the run that serves it:
+bodies over `MAX_BODY_BYTES` get 413; a prompt too long for the model's context
+is refused by its length in characters before it is tokenized; requests are
+answered by a fixed pool of threads, each connection with a read timeout
+(`meshrl.front.BoundedServer`); every malformed request, an unknown model name
+and a temperature or top_p out of range get 400; a client that hangs up costs
+no traceback. `meshrl.envs.agent` plays an agent task's
 episodes through this server.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from meshrl.config import MAX_TEMPERATURE, MIN_TEMPERATURE
+from meshrl.front import BoundedServer
 from meshrl.mesh import RemoteCallError, wait
+from meshrl.models import max_token_chars
 from meshrl.rollout import ChatFormat, share
+
+MAX_BODY_BYTES = 8 << 20
+"""The largest request body read (413 above it)."""
+WORKERS = 128
+"""Threads answering requests: as many agents as that may wait on generation at once."""
+READ_TIMEOUT_S = 10.0
+"""Seconds a connection has to send each read of its request."""
 
 
 class RequestError(ValueError):
@@ -163,6 +187,7 @@ class Transcript:
     """One episode's calls as one token sequence (the rollout's `EpisodeState` shape)."""
 
     max_calls: int
+    secret: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -172,6 +197,9 @@ class Transcript:
     text: str = ""  # completions: the prompt and the answers so far
     kind: str = ""  # "chat" or "completions", fixed by the first call
     calls: int = 0
+    truncated: bool = False
+    """A call came after the turn limit: the episode ended there, as a rollout's
+    does at `max_turns` (`episodes/truncated`)."""
     last_turn: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -180,8 +208,6 @@ class Transcript:
 
     def continuation(self, fmt: ChatFormat, kind: str, body: dict) -> list[int]:
         """The ids that a request adds to the episode (the whole prompt on the first call)."""
-        if self.calls >= self.max_calls:
-            raise RequestError(f"the episode's turn limit ({self.max_calls} calls) is reached")
         if self.kind and kind != self.kind:
             raise RequestError(f"an episode's calls are all {self.kind} calls; this is {kind}")
         if kind == "completions":
@@ -250,6 +276,7 @@ class PolicyServer:
         model_name: str = "meshrl-policy",
         sampling: str = "run",
         record_path: str | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ):
         self.router, self.format, self.context = router, fmt, context
         self.model_name, self.sampling = model_name, sampling
@@ -259,7 +286,22 @@ class PolicyServer:
         self.episodes: dict[str, Transcript] = {}
         self.lock = threading.Lock()
         self.requests = 0
-        self.httpd = _HTTPServer(("127.0.0.1", port), _handler(self))
+        self.refused = 0
+        """Calls under `/episodes/` refused: no open episode with that key and secret."""
+        self.token_chars = max_token_chars(fmt.tokenizer)
+        """At most this many characters make one token: a text longer than the
+        context times this cannot fit, and is refused before it is tokenized."""
+        try:
+            self.httpd = BoundedServer(
+                ("127.0.0.1", port), _handler(self), workers=WORKERS, timeout_s=read_timeout_s
+            )
+        except OSError as error:
+            from meshrl.config import ConfigError
+
+            raise ConfigError(
+                f"config key 'policy.serve_port': cannot listen on 127.0.0.1:{port} "
+                f"({error.strerror})"
+            ) from None
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -269,11 +311,28 @@ class PolicyServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def episode_url(self, key: str) -> str:
-        return f"http://127.0.0.1:{self.port}/episodes/{key}/v1"
-
-    def open(self, key: str, max_calls: int) -> None:
+        """The base URL only the agent of episode `key` is handed (its secret in it)."""
         with self.lock:
-            self.episodes[key] = Transcript(max_calls)
+            transcript = self.episodes.get(key)
+        secret = transcript.secret if transcript is not None else ""
+        return f"http://127.0.0.1:{self.port}/episodes/{key}~{secret}/v1"
+
+    def open(self, key: str, max_calls: int) -> str:
+        """Open episode `key` for `max_calls` calls; returns its URL."""
+        with self.lock:
+            self.episodes[key] = Transcript(max_calls, secrets.token_urlsafe(16))
+        return self.episode_url(key)
+
+    def _episode(self, segment: str) -> Transcript:
+        """The open episode a URL's `<key>~<secret>` names, or LookupError (counted)."""
+        key, _, secret = segment.partition("~")
+        with self.lock:
+            transcript = self.episodes.get(key)
+            # Compared in constant time: the answer's timing tells nothing of the secret.
+            if transcript is None or not hmac.compare_digest(transcript.secret, secret):
+                self.refused += 1
+                raise LookupError("no open episode at this URL (it ended, or never was)")
+        return transcript
 
     def close_episode(self, key: str) -> Transcript | None:
         with self.lock:
@@ -288,14 +347,30 @@ class PolicyServer:
 
     def answer(self, kind: str, body: dict, key: str | None) -> dict:
         """One request's OpenAI-shaped answer; under an episode `key`, recorded."""
+        # Without a key: stateless, a one-call episode that nothing trains on.
+        transcript = self._episode(key) if key is not None else Transcript(max_calls=1)
         _check_body(kind, body)
+        if body.get("model", self.model_name) != self.model_name:
+            raise RequestError(
+                f"model {body.get('model')!r} is not served here: {self.model_name!r}"
+            )
+        chars = _text_chars(kind, body)
+        if chars > self.context * self.token_chars:
+            raise RequestError(
+                f"the prompt ({chars} characters) cannot fit the model's context of "
+                f"{self.context} tokens"
+            )
+        sampling = self._sampling(body)
+        limit = _max_tokens(body, self.router.generation.max_new_tokens)
         with self.lock:
             self.requests += 1
-            transcript = self.episodes.get(key) if key is not None else None
-        if key is not None and transcript is None:
-            raise LookupError(f"no open episode '{key}' (it ended or timed out)")
-        transcript = transcript or Transcript(max_calls=1)  # stateless: a one-call episode
         with transcript.lock:  # an episode's calls come one after another
+            if transcript.calls >= transcript.max_calls:
+                # Past the turn limit the episode has ended: the call is answered
+                # with nothing sampled (finish_reason "length"), and the agent
+                # goes on to its reward.
+                transcript.truncated = True
+                return self._reply(kind, body, transcript.context(), "", None, [], "length", -1)
             added = transcript.continuation(self.format, kind, body)
             context = transcript.context() + added if transcript.calls else added
             room = self.context - len(context)
@@ -304,8 +379,7 @@ class PolicyServer:
                     f"the conversation ({len(context)} tokens) fills the model's "
                     f"context of {self.context}"
                 )
-            max_tokens = min(room, _max_tokens(body, self.router.generation.max_new_tokens))
-            sampling = self._sampling(body)
+            max_tokens = min(room, limit)
             sampled = self.router.generate(context, max_tokens, *sampling)
             tokenizer = self.format.tokenizer
             text = tokenizer.decode(sampled.tokens, skip_special_tokens=True)
@@ -313,20 +387,38 @@ class PolicyServer:
         if self.record_path is not None:
             self._record(key, context, sampled)
         finish = "length" if len(sampled.tokens) >= max_tokens else "stop"
+        return self._reply(
+            kind, body, context, text, sampled.tokens, sampled.logprobs, finish, sampled.version
+        )
+
+    def _reply(
+        self,
+        kind: str,
+        body: dict,
+        context: list[int],
+        text: str,
+        tokens: list[int] | None,
+        logprobs_: list[float] | None,
+        finish: str,
+        version: int,
+    ) -> dict:
+        """The OpenAI-shaped answer of one call."""
+        tokens = tokens or []
+        tokenizer = self.format.tokenizer
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        choice["token_ids"] = sampled.tokens
+        choice["token_ids"] = tokens
         logprobs = None
         if body.get("logprobs"):
-            pieces = [tokenizer.decode([t]) for t in sampled.tokens]
+            pieces = [tokenizer.decode([t]) for t in tokens]
             if kind == "chat":
                 logprobs = {
                     "content": [
                         {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                        for p, lp in zip(pieces, sampled.logprobs, strict=True)
+                        for p, lp in zip(pieces, logprobs_ or [], strict=True)
                     ]
                 }
             else:
-                logprobs = {"tokens": pieces, "token_logprobs": sampled.logprobs}
+                logprobs = {"tokens": pieces, "token_logprobs": logprobs_ or []}
         choice["logprobs"] = logprobs
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -340,10 +432,10 @@ class PolicyServer:
             "choices": [choice],
             "usage": {
                 "prompt_tokens": len(context),
-                "completion_tokens": len(sampled.tokens),
-                "total_tokens": len(context) + len(sampled.tokens),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(context) + len(tokens),
             },
-            "meshrl": {"weight_version": sampled.version, "prompt_token_ids": context},
+            "meshrl": {"weight_version": version, "prompt_token_ids": context},
         }
 
     def _record(self, key: str | None, context: list[int], sampled: Sampled) -> None:
@@ -361,41 +453,78 @@ class PolicyServer:
 
     def _sampling(self, body: dict) -> tuple[float, float]:
         generation = self.router.generation
+        temperature = body.get("temperature", generation.temperature)
+        top_p = body.get("top_p", generation.top_p)
+        if temperature is None:
+            temperature = generation.temperature
+        if top_p is None:
+            top_p = generation.top_p
+        # Checked whichever settings sample: a request is malformed or it is not.
+        if not _number(temperature) or not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+            raise RequestError(
+                f"temperature must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            )
+        if not _number(top_p) or not 1e-6 <= top_p <= 1:
+            raise RequestError("top_p must be a number in [1e-6, 1]")
         if self.sampling == "run":
             return generation.temperature, generation.top_p
-        temperature = float(body.get("temperature", generation.temperature))
-        top_p = float(body.get("top_p", generation.top_p))
-        if not (temperature > 0 and 0 < top_p <= 1):
-            raise RequestError("temperature must be > 0 and top_p in (0, 1]")
-        return temperature, top_p
+        return float(temperature), float(top_p)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_body(kind: str, body: dict) -> None:
     need = "messages" if kind == "chat" else "prompt"
     if need not in body:
         raise RequestError(f"the request has no '{need}'")
-    if kind == "chat" and not (isinstance(body["messages"], list) and body["messages"]):
-        raise RequestError("'messages' must be a non-empty list")
+    if kind == "chat":
+        messages = body["messages"]
+        if not (isinstance(messages, list) and messages):
+            raise RequestError("'messages' must be a non-empty list")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'")
+            content = message.get("content")
+            parts_ok = isinstance(content, list) and all(
+                isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content
+            )
+            if not (content is None or isinstance(content, str) or parts_ok):
+                raise RequestError(f"messages[{i}].content must be a string or text parts")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise RequestError("'tools' must be a list")
     if kind == "completions" and not isinstance(body["prompt"], str):
         raise RequestError("'prompt' must be one string")
     if body.get("stream"):
         raise RequestError("stream is not supported")
-    if int(body.get("n", 1)) != 1:
+    if body.get("n", 1) != 1:
         raise RequestError("n must be 1 (send one request per sample)")
+    if not isinstance(body.get("model", ""), str):
+        raise RequestError("'model' must be a string")
+
+
+def _text_chars(kind: str, body: dict) -> int:
+    """Characters of text the request would tokenize (every message's, or the prompt)."""
+    if kind == "completions":
+        return len(body["prompt"])
+    total = len(json.dumps(body.get("tools"))) if body.get("tools") else 0
+    for message in body["messages"]:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            total += sum(len(p.get("text", "")) for p in content)
+        else:
+            total += len(content)
+    return total
 
 
 def _max_tokens(body: dict, limit: int) -> int:
     asked = body.get("max_completion_tokens", body.get("max_tokens"))
     if asked is None:
         return limit
-    if not (isinstance(asked, int) and asked >= 1):
+    if not (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1):
         raise RequestError("max_tokens must be a positive integer")
     return min(asked, limit)
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # many agents connect at once (the default, 5, refuses them)
 
 
 def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
@@ -405,11 +534,14 @@ def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
 
         def _reply(self, status: int, payload: dict) -> None:
             data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                self.close_connection = True  # the client left: its answer goes nowhere
 
         def _error(self, status: int, message: str, kind: str) -> None:
             self._reply(status, {"error": {"message": message, "type": kind, "code": status}})
@@ -429,13 +561,34 @@ def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
                 self._error(404, f"no route POST {self.path}", "not_found")
                 return
             try:
-                length = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(length) or b"{}")
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                self._error(400, "Content-Length is not a number", "invalid_request_error")
+                return
+            if length > MAX_BODY_BYTES or length < 0:
+                self.close_connection = True  # its body is not read
+                self._error(
+                    413, f"the body is over {MAX_BODY_BYTES} bytes", "invalid_request_error"
+                )
+                return
+            try:
+                data = self.rfile.read(length)
+            except (OSError, TimeoutError):
+                self.close_connection = True
+                return  # too slow, or gone: nothing to answer
+            try:
+                body = json.loads(data or b"{}")
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
                 self._reply(200, server.answer(kind, body, key))
-            except (RequestError, json.JSONDecodeError, TypeError, ValueError) as error:
-                self._error(400, str(error), "invalid_request_error")
+            except (
+                RequestError,
+                json.JSONDecodeError,
+                TypeError,
+                ValueError,
+                UnicodeError,
+            ) as error:
+                self._error(400, str(error).splitlines()[0][:500], "invalid_request_error")
             except LookupError as error:
                 self._error(404, str(error), "not_found")
             except Exception as error:  # noqa: BLE001 - the client gets the reason, the server goes on
@@ -446,7 +599,8 @@ def _handler(server: PolicyServer) -> type[BaseHTTPRequestHandler]:
 
 
 def _route(path: str) -> tuple[str | None, str]:
-    """`/episodes/<key>/v1/<route>` or `/v1/<route>` -> (key or None, `/<route>`)."""
+    """`/episodes/<key>~<secret>/v1/<route>` or `/v1/<route>` -> (`<key>~<secret>`
+    or None, `/<route>`)."""
     path = path.split("?")[0].rstrip("/")
     key = None
     if path.startswith("/episodes/"):

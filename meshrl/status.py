@@ -11,6 +11,7 @@ actor (which answers while the proc's other actors compute or hang). Read it:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -92,6 +93,7 @@ class StatusFile:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._unwritable = False  # said once until a write works again
 
     def write(self, procs: list[dict], step: int | None = None) -> None:
         with self._lock:
@@ -106,9 +108,20 @@ class StatusFile:
                 **(self.scheduler() if self.scheduler is not None else {}),
                 "procs": procs,
             }
-            with open(self.path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(self.path + ".tmp", self.path)
+            try:
+                # Readable by its owner only: it holds the dashboard's token.
+                fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f)
+                os.replace(self.path + ".tmp", self.path)
+            except OSError as error:  # a view: the run goes on, the old status.json stays
+                with contextlib.suppress(OSError):
+                    os.remove(self.path + ".tmp")
+                if not self._unwritable:
+                    logger.warning("cannot write %s: %s", self.path, error.strerror or error)
+                self._unwritable = True
+                return
+            self._unwritable = False
 
     def start(self) -> None:
         if self.every_s > 0 and self._thread is None:

@@ -36,7 +36,9 @@ def reverse_with_a_tool(base_url: str, prompt) -> float:
     messages = [{"role": "user", "content": prompt.text}]
     reward = 0.0
     for turn in range(2):
-        out = client.chat.completions.create(model="policy", messages=messages, logprobs=True)
+        out = client.chat.completions.create(
+            model="meshrl-policy", messages=messages, logprobs=True
+        )
         choice = out.choices[0]
         answer = choice.message.content
         with _lock:
@@ -62,7 +64,8 @@ def reverse_with_a_tool(base_url: str, prompt) -> float:
 def sometimes_failing(base_url: str, prompt) -> float:
     """The run's first episode raises, its third makes no call (two groups of
     two); every other episode plays normally."""
-    index = int(base_url.split("/episodes/")[1].split("/")[0].rsplit(".", 1)[1])
+    key = base_url.split("/episodes/")[1].split("/")[0].partition("~")[0]
+    index = int(key.rsplit(".", 1)[1])
     kind = {0: "raise", 2: "silent"}.get(index, "")
     with _lock:
         if kind and _failures[kind]:
@@ -87,7 +90,7 @@ def calculator(base_url: str, prompt) -> float:
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": prompt.text}]
     for _ in range(3):
-        reply = client.chat.completions.create(model="policy", messages=messages)
+        reply = client.chat.completions.create(model="meshrl-policy", messages=messages)
         text = reply.choices[0].message.content
         answer = re.search(r"<answer>(.*?)</answer>", text)
         if answer:
@@ -102,3 +105,12 @@ def calculator(base_url: str, prompt) -> float:
             {"role": "tool", "content": f" <result>{result}</result> "},
         ]
     return 0.0
+
+
+def slow_to_start(base_url: str, prompt) -> float:
+    """`reverse_with_a_tool`, after a second's wait before its first call: the
+    window in which another local process could reach the episode first."""
+    import time
+
+    time.sleep(1.0)
+    return reverse_with_a_tool(base_url, prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import pytest
 
@@ -14,9 +15,58 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
 
 
+# Every process this pytest process starts inherits this tag (Monarch's procs,
+# subprocess hosts, SLURM jobs through sbatch's `--export=ALL`): the checks
+# below count the suite's own processes, not another run's on the same machine
+# (nor the other worker's, with `pytest -n 2`).
+TAG = f"MESHRL_TEST_SESSION={os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ["MESHRL_TEST_SESSION"] = TAG.split("=", 1)[1]
+
+
+def own_pids() -> set[int]:
+    """Pids of live processes started by this pytest process (by `TAG`)."""
+    mark, found = TAG.encode(), set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.add(int(entry))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
 def monarch_procs() -> set[int]:
-    """Pids of live Monarch worker processes on this machine."""
-    return monarch_pids()
+    """Pids of live Monarch worker processes that this pytest process started."""
+    return monarch_pids() & own_pids()
+
+
+def listeners(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket that one of `pids` listens on."""
+    import ipaddress
+
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw, port = fields[1].split(":")
+                data = bytes.fromhex(raw)
+                # /proc prints each 32-bit word of the address in host (little-endian) order.
+                data = b"".join(data[i : i + 4][::-1] for i in range(0, len(data), 4))
+                found.append((str(ipaddress.ip_address(data)), int(port, 16)))
+    return found
 
 
 def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]:

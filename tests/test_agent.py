@@ -5,6 +5,7 @@ rewrites earlier turns."""
 
 import json
 import random
+import time
 import urllib.error
 import urllib.request
 
@@ -103,7 +104,7 @@ def test_an_agent_trains_on_exactly_the_tokens_it_was_served(agent_data, tmp_pat
     tok = algo.tokenizer
     rewritten = 0
     for episode in algo.last_episodes:
-        url = next(u for u in agent_for_tests.CALLS if f"/episodes/{episode.key}/" in u)
+        url = next(u for u in agent_for_tests.CALLS if f"/episodes/{episode.key}~" in u)
         first, second = agent_for_tests.CALLS[url]
         assert episode.prompt_ids == first["prompt_token_ids"] and episode.turns == 2
         n1, n2 = len(first["token_ids"]), len(second["token_ids"])
@@ -124,6 +125,65 @@ def test_an_agent_trains_on_exactly_the_tokens_it_was_served(agent_data, tmp_pat
             second["content"].split("</think>")[-1], episode.prompt.text[:3][::-1]
         )
     assert rewritten, "no first answer had a <think> block for the template to drop"
+
+
+def test_a_local_process_that_guesses_episode_urls_trains_on_none_of_its_calls(
+    agent_data, tmp_path, no_stray_procs
+):
+    """Another local process knows the endpoint's port and how episode keys are
+    made (`<version>.<attempt>.<i>`), and posts its own prompt to every key while
+    the agents wait a second before their first call. Without each episode's
+    secret every call gets 404 and is counted; what trains is the agents'.
+    With `task.max_turns=1` the agents' second calls come after the episode's
+    end: answered empty ("length"), the episodes kept, truncated at one turn."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop, answered, refused = threading.Event(), [], []
+    body = json.dumps(
+        {"model": "meshrl-policy", "messages": [{"role": "user", "content": "hijacked"}]}
+    )
+
+    def guess():
+        while not stop.is_set():
+            for key in [f"{v}.{a}.{i}" for v in range(3) for a in range(2) for i in range(8)]:
+                for segment in (key, f"{key}~", f"{key}~AAAAAAAAAAAAAAAAAAAAAA"):
+                    url = f"http://127.0.0.1:{port}/episodes/{segment}/v1/chat/completions"
+                    request = urllib.request.Request(url, body.encode(), method="POST")
+                    try:
+                        with urllib.request.urlopen(request, timeout=5) as answer:
+                            answered.append(answer.status)
+                    except urllib.error.HTTPError as error:
+                        refused.append(error.code)
+                    except OSError:
+                        time.sleep(0.05)  # not listening yet, or gone
+            time.sleep(0.01)
+
+    guesser = threading.Thread(target=guess, daemon=True)
+    guesser.start()
+    try:
+        algo, history = agent_run(
+            agent_data,
+            tmp_path,
+            "slow_to_start",
+            "warm_start.steps=0",
+            "generation.max_new_tokens=8",
+            f"policy.serve_port={port}",
+            "task.max_turns=1",
+        )
+    finally:
+        stop.set()
+        guesser.join(timeout=10)
+    assert not answered, f"{len(answered)} guessed calls were answered"
+    assert refused and set(refused) == {404}
+    assert sum(r["episodes/refused_calls"] for r in history) > 0
+    assert all(r["samples/trained"] == 8 and r["episodes/truncated"] == 8 for r in history)
+    assert all(e.turns == 1 and e.truncated for e in algo.last_episodes)
+    for episode in algo.last_episodes:
+        assert "hijacked" not in algo.tokenizer.decode(episode.prompt_ids + episode.tokens)
 
 
 def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
@@ -159,33 +219,35 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == ["meshrl-policy"]
-        out = client.completions.create(model="p", prompt="12>", max_tokens=3, logprobs=1)
+        out = client.completions.create(
+            model="meshrl-policy", prompt="12>", max_tokens=3, logprobs=1
+        )
         assert len(out.choices[0].model_extra["token_ids"]) <= 3
         assert len(out.choices[0].logprobs.token_logprobs) == len(
             out.choices[0].model_extra["token_ids"]
         )
         chat = client.chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "12>"}], max_tokens=4
+            model="meshrl-policy", messages=[{"role": "user", "content": "12>"}], max_tokens=4
         )
         assert chat.choices[0].finish_reason in ("stop", "length")
         server = algo.collector.endpoint()
         server.open("e1", 4)
         episode = OpenAI(base_url=server.episode_url("e1"), api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "34>"}]
-        answer = episode.chat.completions.create(model="p", messages=messages)
+        answer = episode.chat.completions.create(model="meshrl-policy", messages=messages)
         edited = [
             *messages,
             {"role": "assistant", "content": answer.choices[0].message.content + "!"},
         ]
         with pytest.raises(BadRequestError, match="do not continue the episode"):
             episode.chat.completions.create(
-                model="p", messages=[*edited, {"role": "user", "content": "again"}]
+                model="meshrl-policy", messages=[*edited, {"role": "user", "content": "again"}]
             )
         with pytest.raises(BadRequestError, match="stream is not supported"):
-            episode.chat.completions.create(model="p", messages=messages, stream=True)
+            episode.chat.completions.create(model="meshrl-policy", messages=messages, stream=True)
         gone = OpenAI(base_url=server.episode_url("nope"), api_key="x", max_retries=0)
         with pytest.raises(NotFoundError, match="no open episode"):
-            gone.chat.completions.create(model="p", messages=messages)
+            gone.chat.completions.create(model="meshrl-policy", messages=messages)
     finally:
         algo.stop(save=False)
     with pytest.raises(urllib.error.URLError):  # the endpoint stopped with the run

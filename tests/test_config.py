@@ -2,6 +2,7 @@
 
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -279,6 +280,60 @@ def test_overlong_prompts_are_skipped_and_counted_or_refused():
         collector.sample_prompts(64)
 
 
+def test_a_prompt_too_long_to_fit_is_tokenized_at_most_once(tmp_path):
+    """A 2 MB row is known too long by its characters (never tokenized); a row
+    a few tokens too long is tokenized the first time it is drawn, then skipped
+    by its key."""
+    rows = [{"prompt": "1" * (2 << 20), "answer": "x"}, {"prompt": "123456789", "answer": "x"}]
+    rows += [{"prompt": "12", "answer": "21"}] * 2
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = ["task.name=math", f"task.dataset={tmp_path / 'rows.jsonl'}", "task.prompt_field=prompt"]
+    keys += ["model.max_positions=12", "generation.max_new_tokens=5"]
+    state, collector = prompt_collector(load_config(GRPOConfig, DEFAULT_CONFIG, keys))
+    encoded = []
+    encode = collector.encode
+    collector.encode = lambda prompts: (encoded.extend(p.text for p in prompts), encode(prompts))[1]
+    for _ in range(5):
+        assert {p.text for p in collector.sample_prompts(8)} == {"12"}
+    assert encoded.count("123456789") == 1 and "1" * (2 << 20) not in encoded
+    assert state.counters["skipped_prompts"] > 2
+
+
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({"prompt": None, "answer": "1"}, "line 2: field 'prompt' is null, not text"),
+        ({"prompt": "  ", "answer": "1"}, "line 2: field 'prompt' is empty"),
+        ({"prompt": "2+2", "answer": 4}, "line 2: field 'answer' is a int (4), not text"),
+        ({"prompt": ["2", "+2"], "answer": "4"}, "line 2: field 'prompt' is a list"),
+        ({"answer": "4"}, "line 2: missing field 'prompt'"),
+    ],
+)
+def test_bad_dataset_rows_are_refused_when_the_config_loads(tmp_path, row, says):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match="config key 'task.dataset': dataset file") as info:
+        load_config(GRPOConfig, DEFAULT_CONFIG, ["task.name=math", f"task.dataset={path}"])
+    assert says in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_dataset_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"rows.jsonl, line 2: not UTF-8 \(byte 13"):
+        load_config(GRPOConfig, DEFAULT_CONFIG, ["task.name=math", f"task.dataset={path}"])
+
+
+def test_parquet_keeps_its_types_and_an_integer_answer_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1", "2+2"], "answer": [2, 4]}), path)
+    with pytest.raises(ConfigError, match=r"row 0: field 'answer' is a int \(2\), not text"):
+        load_config(GRPOConfig, DEFAULT_CONFIG, ["task.name=math", f"task.dataset={path}"])
+
+
 def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():
     """What a policy proc on a host without vllm or a GPU raises (a multi-host job
     whose controller cannot check the policy hosts up front)."""
@@ -294,3 +349,45 @@ def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():
     assert "\n" not in str(info.value)
     if not torch.cuda.is_available():
         assert "vllm is not installed" in str(info.value) or "CUDA GPU" in str(info.value)
+
+
+def test_a_busy_serve_port_and_an_unreadable_override_are_one_line_naming_them():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"'policy.serve_port': port {port} is in use"):
+            load_config(GRPOConfig, DEFAULT_CONFIG, [f"policy.serve_port={port}"])
+    with pytest.raises(ConfigError, match=r"override 'task.name=\"abc': not a YAML value") as info:
+        load_config(GRPOConfig, DEFAULT_CONFIG, ['task.name="abc'])
+    assert "\n" not in str(info.value)
+
+
+def test_one_line_keeps_a_wrapped_sentence_whole():
+    from meshrl.mesh import one_line
+
+    error = ValueError(
+        "The tokenizer at /x cannot be loaded because its vocabulary\nfile is missing.\n\nDetails: ..."
+    )
+    assert one_line(error) == (
+        "ValueError: The tokenizer at /x cannot be loaded because its vocabulary file is missing."
+    )
+
+
+def test_a_placement_larger_than_the_machine_is_refused_before_any_proc_starts(
+    tmp_path, no_stray_procs
+):
+    from algorithms.grpo import GRPO
+
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        ["placement.policy=400", f"run.dir={tmp_path}", "run.progress=false"],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"'placement': 402 procs \(.*policy=400\) need about .* GB of memory; this machine has",
+    ):
+        GRPO(cfg).run()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -17,12 +18,14 @@ import pytest
 
 from meshrl.config import ConfigError
 from meshrl.observe import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL, Observe
-from tests.conftest import REPO
+from tests.conftest import REPO, listeners, own_pids
 from tests.test_e2e import grpo_command
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def _get(url: str, token: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
 
@@ -66,7 +69,9 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
     `generate` and `train_step` messages; SQL through the telemetry returns the
     actors by role and joins each step's record with its messages; the profile
     of steps 1-2 has a trace per proc whose roles' times add up to the step.
-    After Ctrl-C nothing listens on the dashboard's port and no proc is left."""
+    The dashboard answers only with the run's token, and nothing of the run
+    listens beyond loopback. After Ctrl-C nothing listens on the dashboard's
+    port and no proc is left."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -91,18 +96,26 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             status = _until(
                 lambda: json.loads((run_dir / "status.json").read_text()), 120, "status.json"
             )
-            dashboard, telemetry = status["dashboard_url"], status["telemetry_url"]
+            assert (run_dir / "status.json").stat().st_mode & 0o077 == 0  # it holds the token
+            url, telemetry = status["dashboard_url"], status["telemetry_url"]
+            dashboard, token = url.split("/?token=")
             port = int(dashboard.rsplit(":", 1)[1])
-            assert port != busy_port
+            assert port != busy_port and dashboard.startswith("http://127.0.0.1:")
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                _get(f"{dashboard}/api/summary")
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                _get(f"{dashboard}/api/summary", token="not-" + token)
+            wide = [(a, p) for a, p in listeners(own_pids()) if not a.startswith(("127.", "::1"))]
+            assert not wide, f"the run listens beyond loopback: {wide}"
 
             def summary_ready():
-                summary = _get(f"{dashboard}/api/summary")
+                summary = _get(f"{dashboard}/api/summary", token)
                 counts = summary["message_counts"]["by_endpoint"]
                 return summary if counts.get("generate") and counts.get("train_step") else None
 
             summary = _until(summary_ready, 120, "generate and train_step messages")
             assert summary["errors"]["failed_actors"] == []
-            meshes = {m["given_name"] for m in _get(f"{dashboard}/api/meshes")}
+            meshes = {m["given_name"] for m in _get(f"{dashboard}/api/meshes", token)}
             assert {"policy", "trainer", "environment"} <= meshes
 
             by_role = {(r["role"], r["actor"]) for r in _sql(telemetry, ACTORS_SQL)}
@@ -118,7 +131,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             shown = _meshrl("status", str(run_dir))  # any shell: Monarch's states, live
             assert shown.returncode == 0, shown.stderr
             lines = shown.stdout.splitlines()
-            assert f"dashboard: {dashboard}" in lines
+            assert f"dashboard: {url}" in lines
             (head,) = [line for line in lines if line.startswith("mesh ")]
             assert head.split()[:4] == ["mesh", "actor", "state", "monarch"]
             (row,) = [line for line in lines if line.startswith("trainer[0]")]
@@ -140,7 +153,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
     assert proc.returncode == 130, out[-3000:]  # the CLI's code for a run stopped by Ctrl-C
     assert "USDT" not in out  # torch's profiler kept quiet
     assert f"run.dashboard_port {busy_port} is in use" in out
-    assert f"dashboard at {dashboard}" in out
+    assert f"dashboard at {url}" in out
     assert not _listening(port), f"the dashboard still listens on {port}"
 
     finished = _meshrl("profile", str(run_dir))

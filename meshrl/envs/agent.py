@@ -42,6 +42,12 @@ class AgentTask(Env):
     """Calls an episode may make to the endpoint (task.max_turns overrides)."""
     is_agent = True
 
+    @property
+    def multi_turn(self) -> bool:
+        """Always: the agent plays each episode through the endpoint, whatever its
+        turn limit (`task.max_turns=1` included)."""
+        return True
+
     def __init__(self, cfg: Any = None):
         super().__init__(cfg)
         self.function = load_agent(cfg.name)
@@ -71,11 +77,10 @@ class AgentTask(Env):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="agent")
         keys = [f"{key_prefix}{i}" for i in range(len(prompts))]
-        for key in keys:
-            server.open(key, self.turns)
+        urls = [server.open(key, self.turns) for key in keys]
         futures = [
-            self._pool.submit(self.function, server.episode_url(key), prompt)
-            for key, prompt in zip(keys, prompts, strict=True)
+            self._pool.submit(self.function, url, prompt)
+            for url, prompt in zip(urls, prompts, strict=True)
         ]
         limit = self.cfg.step_timeout_s * self.turns
         deadline = started + limit * max(1, -(-len(prompts) // workers))
@@ -96,7 +101,7 @@ class AgentTask(Env):
             if transcript is not None and transcript.calls:
                 episode.tokens, episode.loss_mask = transcript.tokens, transcript.loss_mask
                 episode.logprobs, episode.versions = transcript.logprobs, transcript.versions
-                episode.turns = transcript.calls
+                episode.turns, episode.truncated = transcript.calls, transcript.truncated
             elif not failed:
                 failed = "the agent made no call to the policy endpoint"
             episode.reward, episode.done = reward, True

@@ -106,9 +106,9 @@ class Env:
         task.answer_field; the whole row travels as `data`, and its `images`
         (file paths) go to a vision-language model with the text."""
         images = row.get("images")
-        return Prompt(
-            text=str(row[self.cfg.prompt_field]),
-            answer=str(row.get(self.cfg.answer_field, "")),
+        return Prompt(  # the fields' types were checked when the rows were read (`task_rows`)
+            text=row[self.cfg.prompt_field],
+            answer=row.get(self.cfg.answer_field, ""),
             data=row,
             images=[images] if isinstance(images, str) else images,
         )
@@ -118,9 +118,9 @@ class Env:
         if not dataset:
             return [self.generate(rng) for _ in range(num_prompts)]
         if self._rows is None:
-            from meshrl.data import read_rows
+            from meshrl.data import task_rows
 
-            self._rows = read_rows(dataset, [self.cfg.prompt_field], "task.dataset")
+            self._rows = task_rows(dataset, self.cfg.prompt_field, self.cfg.answer_field)
         return [self.from_row(rng.choice(self._rows)) for _ in range(num_prompts)]
 
     def episode(self, prompt: Prompt) -> Episode:
