@@ -161,10 +161,12 @@ def read(path: str, device: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
-        reason = str(error).strip().splitlines()
-        hint = next((line for line in reason if "Unsupported" in line), reason[0] if reason else "")
+        # torch's message wraps the reason (the global refused) in boilerplate.
+        parts = [" ".join(p.split()) for p in str(error).split("\n\n") if p.strip()]
+        boiler = ("Weights only load failed", "Check the documentation", "Please file an issue")
+        reason = [p for p in parts if not p.startswith(boiler)] or parts or [type(error).__name__]
         raise CheckpointError(
-            f"{path} is not a checkpoint file meshrl can read safely: {hint[:200]}"
+            f"{path} is not a checkpoint file meshrl can read safely: {reason[0]}"
         ) from None
 
 

@@ -84,25 +84,19 @@ def test_a_pickle_payload_in_any_checkpoint_file_is_refused_naming_the_file(
     saved, tmp_path, no_stray_procs
 ):
     marker = tmp_path / "payload_ran"
-    # The controller's loop state, on resume.
-    run = copy_run(saved, tmp_path, "loop")
-    plant(step_dir(run, 3) / "loop.pt", marker)
-    cfg = load_config(
-        GRPOConfig, DEFAULT_CONFIG,
-        overrides(tmp_path, "loop", f"checkpoint.resume={step_dir(run, 3)}", "steps=4"),
-    )  # fmt: skip
-    with pytest.raises(CheckpointError, match=r"loop\.pt is not a checkpoint file") as error:
-        GRPO(cfg).run()
-    assert "\n" not in str(error.value) and "posix.mkdir" in str(error.value)
-    # The trainer's part, read in the trainer's proc on resume.
-    run = copy_run(saved, tmp_path, "trainer")
-    plant(step_dir(run, 3) / "trainer.pt", marker)
-    cfg = load_config(
-        GRPOConfig, DEFAULT_CONFIG,
-        overrides(tmp_path, "trainer", f"checkpoint.resume={step_dir(run, 3)}", "steps=4"),
-    )  # fmt: skip
-    with pytest.raises(Exception, match=r"trainer\.pt is not a checkpoint file") as error:
-        GRPO(cfg).run()
+    # The controller's loop state, and the trainer's part (read in its proc), on resume.
+    for name in ("loop", "trainer"):
+        run = copy_run(saved, tmp_path, name)
+        plant(step_dir(run, 3) / f"{name}.pt", marker)
+        cfg = load_config(
+            GRPOConfig, DEFAULT_CONFIG,
+            overrides(tmp_path, name, f"checkpoint.resume={step_dir(run, 3)}", "steps=4"),
+        )  # fmt: skip
+        with pytest.raises(Exception, match=rf"{name}\.pt is not a checkpoint file") as error:
+            GRPO(cfg).run()
+        assert "posix.mkdir" in str(error.value)
+        if name == "loop":
+            assert isinstance(error.value, CheckpointError) and "\n" not in str(error.value)
     # The same file as another run's starting model (`model.path`, exported here).
     with pytest.raises(ConfigError, match=r"'model.path': .*trainer\.pt is not a checkpoint"):
         GRPO(load_config(GRPOConfig, DEFAULT_CONFIG, [f"model.path={step_dir(run, 3)}"]))
@@ -178,4 +172,4 @@ def test_damaged_bytes_are_named_and_resume_auto_falls_back_to_an_intact_checkpo
     assert f"checkpoint {step_dir(run, 3)} is damaged, skipped" in out
     assert f"checkpoint {step_dir(run, 2)} is damaged, skipped" in out
     assert f"resumed from {step_dir(run, 1)} at step 1" in out
-    assert [r["step"] for r in history] == [1, 2, 3]
+    assert [r["step"] for r in history] == [0, 1, 2, 3]  # step 0's record kept from before
