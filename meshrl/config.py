@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
 from meshrl.architectures import ARCHITECTURES, VISION_ARCHITECTURES
-from meshrl.config_files import ConfigError, load_config, parse_cli, save_config  # noqa: F401
+from meshrl.config_files import ConfigError, first_paragraph, load_config, parse_cli, save_config  # noqa: F401
 from meshrl.config_files import check as _check
 from meshrl.config_policy import PolicyConfig  # noqa: F401
 from meshrl.config_trainer import TrainerConfig  # noqa: F401
@@ -164,8 +164,9 @@ def _check_tokenizer_fits(path: str, key: str) -> None:
         vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size  # (a VLM's: its LM's)
         tokenizer = saved_tokenizer(path)
     except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"config key '{key}': cannot load {path}: {first}") from None
+        raise ConfigError(
+            f"config key '{key}': cannot load {path}: {first_paragraph(error)}"
+        ) from None
     _check(
         len(tokenizer) <= vocab,
         key,

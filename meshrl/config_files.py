@@ -26,10 +26,19 @@ def check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"config key '{key}': {message}")
 
 
+def first_paragraph(error: BaseException) -> str:
+    """An error's message up to its first blank line, on one line: a library's
+    sentence that wraps over lines stays whole (a first line alone may end
+    mid-sentence), what follows a blank line is detail. Its type's name when the
+    message is empty."""
+    text = " ".join(str(error).strip().split("\n\n")[0].split())
+    return text or type(error).__name__
+
+
 def _omegaconf_message(error: OmegaConfBaseException) -> str:
     """omegaconf errors span several lines; keep the first and name the key."""
     key = getattr(error, "full_key", None)
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first_paragraph(error)
     if key:
         return f"config key '{key}': {first}"
     return first

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from meshrl import faultlog, proc_pool
-from meshrl.config_files import ConfigError
+from meshrl.config_files import ConfigError, first_paragraph
 
 # (Their old home: callers import them from here.)
 from meshrl.faultlog import debugging, log_fault  # noqa: F401
@@ -76,10 +76,10 @@ def one_line(error: BaseException) -> str:
         return error.strerror  # meshrl's own (`cannot write FILE: ...`) or the OS's words
     if isinstance(error, (ConfigError, RemoteCallError, OSError)):
         return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    # A library's message may wrap a sentence over lines: its first paragraph,
-    # whole, on one line (what follows a blank line is detail).
-    text = " ".join(str(error).strip().split("\n\n")[0].split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = first_paragraph(error)  # a sentence wrapped over lines stays whole
+    return (
+        type(error).__name__ if text == type(error).__name__ else f"{type(error).__name__}: {text}"
+    )
 
 
 # --- faults --------------------------------------------------------------------------
