@@ -87,6 +87,11 @@ def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
 
 
+class ShardIndexError(ValueError):
+    """An FSDP checkpoint's shard index that meshrl refuses to read; one line
+    naming the file."""
+
+
 def _metadata_global(module: str, name: str) -> Any:
     """What DCP's `.metadata` pickle may name: DCP's own metadata classes, torch
     sizes, dtypes and layouts, paths. Anything else (`os.system`, ...) is refused."""
@@ -142,14 +147,12 @@ def safe_reader(path: str) -> Any:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from meshrl.checkpoint import CheckpointError
-
             where = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(where, "rb") as f:
                 try:
                     metadata = Unpickler(f).load()
                 except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
-                    raise CheckpointError(
+                    raise ShardIndexError(
                         f"{where}: not a shard index meshrl reads ({error})"
                     ) from None
             if getattr(metadata, "storage_meta", None) is None:

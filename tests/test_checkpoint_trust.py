@@ -109,7 +109,7 @@ def test_a_payload_in_the_shard_index_is_refused_and_real_shards_load(tmp_path):
     with an unpickler that builds DCP's metadata classes and nothing else."""
     import torch.distributed.checkpoint as dcp
 
-    from meshrl.parallel import load_dcp
+    from meshrl.parallel import ShardIndexError, load_dcp
 
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}}
     dcp.save(state, checkpoint_id=str(tmp_path / "good"))
@@ -122,7 +122,7 @@ def test_a_payload_in_the_shard_index_is_refused_and_real_shards_load(tmp_path):
         import pickle
 
         pickle.dump(Payload(str(marker)), f)
-    with pytest.raises(CheckpointError, match=r"\.metadata: not a shard index .*posix\.mkdir"):
+    with pytest.raises(ShardIndexError, match=r"\.metadata: not a shard index .*posix\.mkdir"):
         load_dcp(loaded, str(tmp_path / "bad"))
     assert not marker.exists()
 
