@@ -36,6 +36,24 @@ def own_pids() -> set[int]:
     return found
 
 
+def descendants(root: int) -> set[int]:
+    """`root` and every live process below it."""
+    parents: dict[int, int] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid]
+        found.update(children)
+        frontier += children
+    return found
+
+
 def monarch_procs() -> set[int]:
     """Pids of live Monarch worker processes that this pytest process started."""
     return monarch_pids() & own_pids()

@@ -12,13 +12,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from meshrl.config import ConfigError
 from meshrl.observe import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL, Observe
-from tests.conftest import REPO, listeners, own_pids
+from meshrl.proc_pool import monarch_pids
+from tests.conftest import REPO, descendants, listeners, own_pids
 from tests.test_e2e import grpo_command
 
 
@@ -105,7 +107,12 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
                 _get(f"{dashboard}/api/summary")
             with pytest.raises(urllib.error.HTTPError, match="401"):
                 _get(f"{dashboard}/api/summary", token="not-" + token)
-            wide = [(a, p) for a, p in listeners(own_pids()) if not a.startswith(("127.", "::1"))]
+            # The run's own processes: the CLI's tree (its procs, Monarch's sidecar).
+            ours = descendants(proc.pid) | {
+                pid for pid in monarch_pids() & own_pids()
+                if b"_job_sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            }  # fmt: skip
+            wide = [(a, p) for a, p in listeners(ours) if not a.startswith(("127.", "::1"))]
             assert not wide, f"the run listens beyond loopback: {wide}"
 
             def summary_ready():
