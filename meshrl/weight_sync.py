@@ -239,13 +239,25 @@ class WeightSync:
         if pulls is None:
             return
         future, replicas, respawns = pulls
-        try:
-            self._collect(future, replicas)
-        except RemoteCallError as error:
-            if not error.proc_lost:
-                raise
-            if respawns == replicas.respawns:  # else: replaced (and caught up) since
-                self.sup.recover(replicas, error)
+        for attempt in range(2):
+            try:
+                self._collect(future, replicas)
+                return
+            except RemoteCallError as error:
+                if not error.proc_lost and not attempt and "timed out" in str(error):
+                    # A transfer that timed out (RDMA's TCP fallback): its source may
+                    # be dying before supervision says so (a SLURM job's kill). Pull
+                    # once more: it completes, or the loss surfaces and is handled.
+                    log_fault(f"{replicas.name}.load_weights timed out, pulling again: {error}")
+                    future = self._send(replicas, self.handle)
+                    if future is None:
+                        return
+                    continue
+                if not error.proc_lost:
+                    raise
+                if respawns == replicas.respawns:  # else: replaced (and caught up) since
+                    self.sup.recover(replicas, error)
+                return
 
     def _collect(self, future: Any, replicas: Role) -> None:
         answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
