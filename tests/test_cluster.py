@@ -225,38 +225,83 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
     assert_clean_end(cluster)
 
 
-def test_a_requeued_trainer_job_checkpoints_first_and_the_run_ends_bitwise_equal(
-    slurm_cluster, tmp_path, no_stray_procs
-):
-    cluster = slurm_cluster
-    same = ["steps=120", "checkpoint.every=100", "run.seed=3"]
-    straight = start(cluster, tmp_path, "straight", *same)
-    out = finish(straight)
-    assert straight.returncode == 0, out[-3000:]
+SAME = ["steps=120", "checkpoint.every=100", "run.seed=3"]
 
-    proc = start(cluster, tmp_path, "requeued", *same)
 
-    def requeue():
-        job_id = status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"]
-        cluster.run("scontrol", "requeue", job_id)
-        return job_id
-
-    thread, done = at_step(tmp_path, "requeued", 4, requeue, proc)
+@pytest.fixture(scope="module")
+def straight(slurm_cluster, tmp_path_factory):
+    """The uninterrupted run the requeued ones must equal, bit for bit."""
+    root = tmp_path_factory.mktemp("straight")
+    proc = start(slurm_cluster, root, "straight", *SAME)
     out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert "result" in done, "the requeue was never made"
+    return load_file(str(root / "straight" / "final" / "model.safetensors"))
+
+
+def set_time_limit(cluster, job_id: str, minutes_left: float) -> None:
+    """The job's time limit moved to `minutes_left` from now (SLURM counts whole
+    minutes from the job's start)."""
+    out = cluster.run("squeue", "-h", "-j", job_id, "-o", "%M")  # elapsed, [[D-]H:]M:S
+    parts = [int(p) for p in out.strip().replace("-", ":").split(":")]
+    elapsed_s = sum(v * 60**k for k, v in enumerate(reversed(parts)))
+    limit = math.ceil((elapsed_s + minutes_left * 60) / 60)
+    cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}")
+
+
+@pytest.mark.parametrize("how", ["requeue", "time_limit"])
+def test_a_requeued_trainer_job_checkpoints_first_and_the_run_ends_bitwise_equal(
+    how, straight, slurm_cluster, tmp_path, no_stray_procs
+):
+    """`requeue`: `scontrol requeue` of the trainer's job (what a preemption by
+    requeue does): SLURM's SIGTERM is the notice. `time_limit`: the trainer's job
+    has `--time` with `--signal` and its limit is brought near mid-run: SLURM's
+    warning is the notice, and the run requeues the job itself. Either way a
+    checkpoint is written before the kill, the run goes on when SLURM starts the
+    job again, and the final weights equal the uninterrupted run's."""
+    cluster = slurm_cluster
+    # A slower environment (the same math) keeps the run going until SLURM, which
+    # checks time limits every 30 s, has sent its warning.
+    slow = ["faults.episode_latency=0.3,0x1"]
+    extra = (
+        [*slow, "job.time_limit=00:30:00", "job.warn_before_s=90"] if how == "time_limit" else []
+    )
+    proc = start(cluster, tmp_path, "requeued", *SAME, *extra)
+
+    def interrupt():
+        job_id = status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"]
+        if how == "requeue":
+            cluster.run("scontrol", "requeue", job_id)
+        else:
+            set_time_limit(cluster, job_id, 1.0)  # inside the 90 s warning
+        return job_id
+
+    # SLURM checks time limits every 30 s: the warning may come that late, so the
+    # limit is brought near early enough for it to land mid-run.
+    thread, done = at_step(tmp_path, "requeued", 4 if how == "requeue" else 1, interrupt, proc)
+    if how == "time_limit":  # once warned and requeued, the job's limit goes back
+        thread.join(timeout=240)
+        faults = tmp_path / "requeued" / "faults.log"
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if faults.exists() and "trainer job warning" in faults.read_text():
+                cluster.run("scontrol", "update", f"JobId={done['result']}", "TimeLimit=30")
+                break
+            time.sleep(0.2)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "result" in done, "the job was never interrupted"
     with open(tmp_path / "requeued" / "faults.log") as f:
         faults = f.read()
-    assert "written on SLURM's notice (trainer job terminated)" in faults, faults
+    said = "trainer job terminated" if how == "requeue" else "trainer job warning"
+    assert f"written on SLURM's notice ({said}" in faults, faults
     records = history(tmp_path, "requeued")
     assert [r["step"] for r in records] == list(range(120))
     assert records[-1]["faults/recoveries"] == 1  # the trainer's procs were killed after it
     assert_ledger_exact(records)
     # The same job, started again by SLURM, holds the trainer.
     assert status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"] == done["result"]
-    a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "requeued" / "final" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
+    assert all(torch.equal(straight[k], b[k]) for k in straight), "parameters differ"
     assert_clean_end(cluster)
 
 
