@@ -226,6 +226,9 @@ def commit(partial: str, keep: int) -> str:
     final = os.path.join(os.path.dirname(partial), os.path.basename(partial)[len(".partial_") :])
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
+    # Its digests were just taken from the bytes written: not hashed again by `latest`.
+    stat = os.stat(os.path.join(final, MANIFEST))
+    _checked[(os.path.abspath(final), stat.st_ino, stat.st_mtime_ns)] = ""
     for old in complete(os.path.dirname(final))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
