@@ -79,7 +79,7 @@ class Collector:
         """The policy's OpenAI-compatible endpoint (`endpoint()`), once started."""
         self._refused = 0  # the endpoint's refused calls already reported
         self._overlong: dict[str, str] = {}  # prompt key -> its length, for prompts that do not fit
-        self._token_chars: int | None = None  # `max_token_chars` of the tokenizer
+        self._token_chars = max_token_chars(tokenizer)  # a text over room x this cannot fit
 
     # --- prompts --------------------------------------------------------------------------
 
@@ -93,8 +93,6 @@ class Collector:
         room = self.context - generation.max_new_tokens
         prompts: list[Prompt] = []
         message = "every prompt drawn is held out for evaluation (eval.sets)"
-        if self._token_chars is None:
-            self._token_chars = max_token_chars(self.tokenizer)
         for _ in range(100):  # draws of a batch, before concluding nothing fits
             drawn = self.task.sample(num_prompts - len(prompts), rng)
             # A prompt found too long once is not tokenized again (a 2 MB row

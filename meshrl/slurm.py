@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshrl.config_policy import port_free
 from meshrl.slurm_faults import note_lost, quarantined
 from meshrl.slurm_queue import (
     GONE,
@@ -360,13 +361,7 @@ def ephemeral_low() -> int:
 
 def _free_here(base: int, span: int) -> bool:
     """No listener on 127.0.0.1 at base..base+span (nodes that share this host)."""
-    for port in range(base, base + span):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
+    return all(port_free(port) for port in range(base, base + span))
 
 
 def _listening(addr: str, port: int) -> bool:

@@ -16,7 +16,7 @@ from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, TaskConfig, load_config
 from meshrl.envs import make_task
 from meshrl.types import Prompt
-from tests.conftest import DEFAULT_CONFIG
+from tests.conftest import DEFAULT_CONFIG, descendants
 from tests.openenv_env_for_tests import MARKERS, play
 from tests.test_environments import grpo
 
@@ -26,27 +26,17 @@ ENV = "openenv:tests.openenv_env_for_tests"
 SHORT = ["warm_start.steps=0", "generation.max_new_tokens=6", "eval.every=0"]
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def openenv_servers() -> set[int]:
     """Pids of the openenv servers meshrl started in this test process or its procs."""
     found = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"openenv_server.py" not in f.read():
-                    continue
-            pid = int(entry)
-            while pid > 1 and pid != os.getpid():
-                pid = _parent(pid)
+                if b"openenv_server.py" in f.read():
+                    found.add(int(entry))
         except OSError:
             continue  # it ended meanwhile
-        if pid == os.getpid():
-            found.add(int(entry))
-    return found
+    return found & descendants(os.getpid())
 
 
 def assert_no_servers_left(timeout_s: float = 10.0) -> None:
