@@ -161,6 +161,20 @@ class Supervisor:
             flush=True,
         )
 
+    def check_alive(self, role: Role) -> None:
+        """Ask each proc of `role` (its watch) whether it is there; a proc gone is
+        recovered as a loss (`recover`: `RoleLost` for a role without catch-up)."""
+        own = self.run.meshes.share.get(role.name, role.name)
+        watch = self.run.meshes.watches.get(own)
+        if watch is None:
+            return
+        try:
+            self.wait(watch.status.call(), f"{role.name}.status")
+        except RemoteCallError as error:
+            if error.proc_lost:
+                self.recover(role, error)
+            raise
+
     def spend_recovery(self, role: str, error: RemoteCallError) -> None:
         """One recovery of the `faults.max_recoveries` budget, or the error."""
         if len(self.state.recoveries) >= self.faults.max_recoveries:

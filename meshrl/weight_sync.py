@@ -151,6 +151,7 @@ class WeightSync:
         self._hosts: dict[int, str] = {}  # replica rank -> host
         self._hosts_of: tuple = ()  # (respawns, resizes) of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
+        self.source: Role | None = None  # the trainer role of the newest publish
         self.before_pull: Callable[[], None] = lambda: None
         """Runs as `pull` begins: work by pull hands out its drawn groups first
         (`meshrl.dispatch.Dispatcher.hand_out`)."""
@@ -173,6 +174,7 @@ class WeightSync:
                 self.sup.recover(trainer, error)
             raise
         self.handle = WeightHandle.merge(handles)
+        self.source = trainer
         self.published += 1
         return self.handle
 
@@ -249,6 +251,12 @@ class WeightSync:
                     # be dying before supervision says so (a SLURM job's kill). Pull
                     # once more: it completes, or the loss surfaces and is handled.
                     log_fault(f"{replicas.name}.load_weights timed out, pulling again: {error}")
+                    if self.source is not None:
+                        # Its source lost with its node: the reads wait out the
+                        # transport's timeout, by when supervision knows. Asked
+                        # now, the loss surfaces (the loop goes back to its
+                        # checkpoint) instead of a second pull from the dead procs.
+                        self.sup.check_alive(self.source)
                     future = self._send(replicas, self.handle)
                     if future is None:
                         return
