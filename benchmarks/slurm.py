@@ -2,11 +2,12 @@
 
 - seconds from the command to the first step, GRPO on SLURM (trainer, 2 policy nodes,
   environment: 4 allocations) beside the same config on `local`, as a ratio;
-- time to serve again after a policy node is lost (p50/p95 over --losses losses:
-  `faults/time_to_serve_s`, from the moment the controller saw the loss);
+- a policy node lost, to the run's next step, seen by Monarch's supervision alone
+  (`faults.detect_s=0`) and by meshrl's dial of the workers (the default), as a
+  ratio; and `faults/time_to_serve_s` (from the moment the controller saw the loss);
 - time from `scontrol requeue` of the trainer's job to the run's next step.
 
-    python benchmarks/slurm.py [--losses 5]
+    python benchmarks/slurm.py [--losses 3]
 
 Every setting it does not measure is pinned here (the shipped config's steps, eval,
 threads and seeds are overridden), so a change to a shipped config does not move it.
@@ -64,13 +65,50 @@ def to_first_step(env, root, name, *overrides) -> float:
     return took
 
 
+running: dict[str, subprocess.Popen] = {}
+
+
+def lose_policy_nodes(cluster, root, name, losses, overrides):
+    """Start a run, lose a policy node every few steps, `losses` times; per loss the
+    seconds from the kill to the first step logged after its recovery, and
+    `faults/time_to_serve_s` (from when the controller saw it); the nodes lost."""
+    proc = running[name] = launch(cluster.env, root, name, *overrides)
+    to_step, lost, seen = [], [], 0
+    while len(lost) < losses:
+        records = lines(os.path.join(root, name))
+        if records and len(records) > seen + 3:
+            with open(os.path.join(root, name, "status.json")) as f:
+                nodes = json.load(f)["slurm"]["policy"]["nodes"]
+            if nodes:
+                killed = time.monotonic()
+                cluster.lose_node(nodes[-1])
+                lost.append(nodes[-1])
+                while max(r.get("faults/recoveries", 0) for r in lines(os.path.join(root, name)) or [{}]) < len(lost):  # fmt: skip
+                    if proc.poll() is not None:
+                        raise SystemExit(f"the {name} run ended (exit {proc.returncode})")
+                    time.sleep(0.1)
+                count = len(lines(os.path.join(root, name)))
+                while len(lines(os.path.join(root, name))) == count:  # its next step
+                    time.sleep(0.05)
+                to_step.append(time.monotonic() - killed)
+                seen = len(lines(os.path.join(root, name)))
+        if proc.poll() is not None:
+            raise SystemExit(f"the {name} run ended (exit {proc.returncode})")
+        time.sleep(0.2)
+    serve = sorted({
+        (r["faults/recoveries"], r["faults/time_to_serve_s"])
+        for r in lines(os.path.join(root, name)) if "faults/time_to_serve_s" in r
+    })  # fmt: skip
+    return to_step, [t for _, t in serve], lost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--losses", type=int, default=5)
+    parser.add_argument("--losses", type=int, default=3, help="per detection, each way")
     args = parser.parse_args()
     slurm = ["job.kind=slurm", f"job.python_exe={sys.executable}", "job.hosts.policy=2"]
     with tempfile.TemporaryDirectory(prefix="meshrl-slurm-bench-") as root:
-        cluster = Cluster(os.path.join(root, "cluster"), nodes=4 + args.losses + 2).start()
+        cluster = Cluster(os.path.join(root, "cluster"), nodes=4 + 2 * args.losses + 2).start()
         env = cluster.env
         try:
             local = to_first_step(env, root, "local_first")
@@ -80,38 +118,31 @@ def main() -> None:
                 f"(slurm/local {on_slurm / local:.2f}x)"
             )
 
-            # Node losses: a policy node each few steps; quarantine at once.
-            name = "losses"
-            proc = launch(env, root, name, "steps=100000", "faults.quarantine_after=1",
-                          "faults.max_recoveries=100", *slurm)  # fmt: skip
-            seen = 0
-            lost = []
-            while len(lost) < args.losses:
-                records = lines(os.path.join(root, name))
-                recovered = max([r.get("faults/recoveries", 0) for r in records] or [0])
-                if records and recovered == len(lost) and len(records) > seen + 3:
-                    with open(os.path.join(root, name, "status.json")) as f:
-                        nodes = json.load(f)["slurm"]["policy"]["nodes"]
-                    if nodes:
-                        cluster.lose_node(nodes[-1])
-                        lost.append(nodes[-1])
-                        seen = len(records)
-                if proc.poll() is not None:
-                    raise SystemExit(f"the loss run ended (exit {proc.returncode})")
-                time.sleep(0.2)
-            while max([r.get("faults/recoveries", 0) for r in lines(os.path.join(root, name))]
-                      or [0]) < args.losses:  # fmt: skip
-                time.sleep(0.2)
-            serve = sorted({
-                (r["faults/recoveries"], r["faults/time_to_serve_s"])
-                for r in lines(os.path.join(root, name)) if "faults/time_to_serve_s" in r
-            })  # fmt: skip
-            times = [t for _, t in serve]
-            p95 = sorted(times)[max(0, round(0.95 * len(times)) - 1)]
-            print(
-                f"policy node lost -> serving again: p50 {statistics.median(times):.1f}s, "
-                f"p95 {p95:.1f}s over {len(times)} losses ({', '.join(lost)})"
+            # Node losses: a policy node each few steps; quarantine at once. Once as
+            # Monarch alone sees them (faults.detect_s=0), once with meshrl's dial of
+            # the workers (the default), the same losses in each.
+            figures = {}
+            for label, detect in (("monarch", "0"), ("meshrl", "0.5")):
+                name = f"losses_{label}"
+                figures[label] = lose_policy_nodes(cluster, root, name, args.losses, [
+                    "steps=100000", "faults.quarantine_after=1", "faults.max_recoveries=100",
+                    f"faults.detect_s={detect}", *slurm,
+                ])  # fmt: skip
+                if label == "monarch":
+                    running[name].terminate()
+                    running[name].wait(timeout=120)
+            for label, (to_step, serve, lost) in figures.items():
+                print(
+                    f"policy node lost, seen by {label}: to the next step p50 "
+                    f"{statistics.median(to_step):.1f}s (max {max(to_step):.1f}s); serving "
+                    f"again after the loss was seen p50 {statistics.median(serve):.1f}s, "
+                    f"over {len(to_step)} losses ({', '.join(lost)})"
+                )
+            ratio = statistics.median(figures["monarch"][0]) / statistics.median(
+                figures["meshrl"][0]
             )
+            print(f"node loss to the next step: monarch/meshrl {ratio:.1f}x")
+            name, proc = "losses_meshrl", running["losses_meshrl"]
 
             # Requeue of the trainer's job -> the next step.
             with open(os.path.join(root, name, "status.json")) as f:
@@ -132,6 +163,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=120)
         finally:
+            for left in running.values():
+                if left.poll() is None:
+                    left.kill()
+                    left.wait()
             cluster.stop()
 
 

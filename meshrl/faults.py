@@ -86,9 +86,11 @@ class FaultsConfig:
     actor loaded (a policy standby takes each published version), each replaces a
     lost proc at once; a new one is then spawned in the background."""
     detect_s: float = 0.5
-    """How often meshrl checks that the elastic roles' procs live (their pids, on
-    `local` and `process` jobs): a lost one is seen within this, not after
-    Monarch's supervision (about 10 s). 0: Monarch's only."""
+    """How often meshrl checks that procs live: the elastic roles' pids on `local`
+    and `process` jobs (a lost one is seen within this, not after Monarch's
+    supervision, about 10 s), and on SLURM each node's worker, dialled (a node
+    lost is seen within twice this, not after Monarch's channel to it gives up
+    reconnecting, a minute). 0: Monarch's only."""
     quarantine_after: int = 2
     """SLURM: a node on which procs were lost this many times is quarantined:
     no later allocation of the run gets it (`--exclude`); named in faults.log

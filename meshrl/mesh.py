@@ -124,7 +124,8 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
             lost = type(error).__name__ == "SupervisionError"
             raise RemoteCallError(f"{what} failed: {_first_line(error)}", what, lost) from error
         if proc_pool.lost and proc_pool.is_lost(what):  # seen gone before Monarch says
-            raise RemoteCallError(f"{what} failed: its proc is gone (pid check)", what, True)
+            gone = "its proc is gone (seen before Monarch's supervision says so)"
+            raise RemoteCallError(f"{what} failed: {gone}", what, True)
         if time.monotonic() > deadline:
             raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
 

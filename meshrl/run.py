@@ -17,6 +17,7 @@ process's, so runs one after another in a notebook kernel never share one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import logging
 import os
@@ -182,10 +183,13 @@ class Run:
         self.notices: Any = (
             None  # SLURM's notices to the run's jobs (`meshrl.slurm_faults.NoticeWatch`)
         )
+        self.workers: Any = None  # (`meshrl.slurm_faults.WorkerWatch`)
         if cfg.job.kind == "slurm":
             self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
         faults = getattr(cfg, "faults", None)
+        if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
+            self.workers = slurm_faults.WorkerWatch(self._watched, faults.detect_s)
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
             groups = self.meshes.meshes
             self.detector = Detector(
@@ -231,10 +235,50 @@ class Run:
     def __contains__(self, role: str) -> bool:
         return role in self.roles
 
+    def _watched(self) -> list[tuple[Any, Any]]:
+        """Each SLURM allocation of the run, with what names the procs on its
+        workers (`meshrl.slurm_faults.WorkerWatch`): the roles' own jobs, and the
+        one-node jobs of hosts that joined an elastic role's pool."""
+        found = [
+            (alloc, functools.partial(self._procs_on, name))
+            for name, alloc in self.meshes.job.allocations.jobs.items()
+        ]
+        for role in self.meshes.elastic & set(self.meshes.meshes):
+            for index, host in enumerate(list(self.meshes.meshes[role].hosts)):
+                if host.job is not None:
+                    found += [
+                        (alloc, functools.partial(self._members_on, role, [index]))
+                        for alloc in host.job.allocations.jobs.values()
+                    ]
+        return found
+
+    def _procs_on(self, mesh_name: str, workers: list[int] | None) -> list[str]:
+        """`role[rank]` of the procs on those workers (hosts) of host mesh
+        `mesh_name`'s own job (None: all), every role sharing them included."""
+        if mesh_name in self.meshes.elastic:  # its members one by one, on their hosts
+            group = self.meshes.meshes.get(mesh_name)
+            own = [i for i, h in enumerate(group.hosts) if h.job is None] if group else []
+            return self._members_on(mesh_name, [i for i in own if workers is None or i in workers])
+        roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == mesh_name]
+        return [f"{r}[{rank}]" for r in roles for rank in range(self.meshes.size(mesh_name))]
+
+    def _members_on(self, role: str, hosts: list[int], workers: Any = None) -> list[str]:
+        """`role[rank]` of an elastic role's members on those of its pool's hosts,
+        every role sharing its procs included."""
+        group = self.meshes.meshes.get(role)
+        ranks = [r for r, m in enumerate(group.members) if m.host in hosts] if group else []
+        roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == role]
+        return [f"{r}[{rank}]" for r in roles for rank in ranks]
+
     def respawn(self, role: str) -> list[Role]:
         """Replace the procs `role` runs in (after one of them died) and spawn
         again the actors of every role in them; returns those roles."""
         own = self.meshes.share.get(role, role)
+        if self.workers is not None and own not in self.meshes.elastic:
+            # (An elastic role's replaced members clear their own, `meshrl.pool`.)
+            self.workers.forget(
+                self.meshes.job.allocations.jobs.get(own), self._procs_on(own, None)
+            )
         self.meshes.respawn(own)
         again = [h for r, h in self.roles.items() if self.meshes.share.get(r, r) == own]
         for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
@@ -313,6 +357,8 @@ class Run:
             self.detector.close()
         if self.notices is not None:
             self.notices.close()
+        if self.workers is not None:
+            self.workers.close()
         self.meshes.stop()
         if faultlog.path == f"{self.dir}/faults.log":
             faultlog.path = None

@@ -208,6 +208,11 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
         assert last > sum(r["reward/mean"] for r in records[:3]) / 3
         with open(tmp_path / "lost" / "faults.log") as f:
             faults = f.read()
+        # Each loss seen by meshrl's dial of the workers, not after Monarch's channel
+        # gave up reconnecting (a minute): the call waiting on the node failed then.
+        for role in ("policy", "trainer"):
+            assert f"the {role} workers on SLURM node(s)" in faults, faults
+        assert "seen before Monarch's supervision says so" in faults, faults
         quarantined = status(tmp_path, "lost")["quarantined"]
         for node in (lost["result"], lost_trainer["result"]):
             assert f"quarantined SLURM node {node}" in faults
