@@ -149,11 +149,6 @@ class Policy(Drillable, Actor):
         return self.weights.host
 
     @endpoint
-    def rng_state(self) -> torch.Tensor:
-        """This replica's sampling generator state (for checkpoints)."""
-        return self.generator.get_state().cpu()
-
-    @endpoint
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 

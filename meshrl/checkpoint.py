@@ -2,9 +2,10 @@
 
 A checkpoint is a directory `<run dir>/checkpoints/step_<NNNNNNNN>/` holding one
 file per stateful role (the trainer's model, optimizer and schedule, the
-reference's frozen weights, the critic's model and optimizer) and the
-controller's `controller.pt` (the next step, its random generators, the policy
-replicas' sampling generators). It is assembled under a temporary name and
+reference's frozen weights, the critic's model and optimizer), each policy
+replica's sampling generator (`policy_rng_<rank>.pt`) and the controller's
+`loop.pt` (the next step, its random generators, the prompts and batches in
+flight). It is assembled under a temporary name and
 renamed into place only when every part is written, with a `COMPLETE` marker
 last, so a crash while writing leaves the previous checkpoint as the newest
 valid one.

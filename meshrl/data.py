@@ -102,12 +102,6 @@ def split_holdout(
     return [p for p in pairs if p.prompt not in held], [p for p in pairs if p.prompt in held]
 
 
-def write_jsonl(path: str, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-
-
 def read_records(path: str, key: str) -> list[tuple[str, dict]]:
     """(where, row) of each row of a `.jsonl` or `.parquet` file, or of a
     directory written by HF `datasets` `save_to_disk` (its `train` split when it

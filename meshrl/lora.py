@@ -80,8 +80,3 @@ def unmerged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             owner, leaf = name.split(".base_layer.")
             if leaf == "weight" and ADAPTER in getattr(modules[owner], "lora_A", {}):
                 yield f"{owner}.{leaf}", param
-
-
-def trainable_fraction(model: torch.nn.Module) -> float:
-    total = sum(p.numel() for p in model.parameters())
-    return sum(p.numel() for p in model.parameters() if p.requires_grad) / max(total, 1)
