@@ -68,6 +68,12 @@ def to_first_step(env, root, name, *overrides) -> float:
 running: dict[str, subprocess.Popen] = {}
 
 
+def recoveries(run_dir: str) -> int:
+    """`faults/recoveries` of the run's newest step (0 before its first)."""
+    records = lines(run_dir)
+    return records[-1].get("faults/recoveries", 0) if records else 0
+
+
 def lose_policy_nodes(cluster, root, name, losses, overrides):
     """Start a run, lose a policy node every few steps, `losses` times; per loss the
     seconds from the kill to the first step logged after its recovery, and
@@ -83,7 +89,7 @@ def lose_policy_nodes(cluster, root, name, losses, overrides):
                 killed = time.monotonic()
                 cluster.lose_node(nodes[-1])
                 lost.append(nodes[-1])
-                while max(r.get("faults/recoveries", 0) for r in lines(os.path.join(root, name)) or [{}]) < len(lost):  # fmt: skip
+                while recoveries(os.path.join(root, name)) < len(lost):
                     if proc.poll() is not None:
                         raise SystemExit(f"the {name} run ended (exit {proc.returncode})")
                     time.sleep(0.1)

@@ -183,7 +183,7 @@ class Run:
         self.notices: Any = (
             None  # SLURM's notices to the run's jobs (`meshrl.slurm_faults.NoticeWatch`)
         )
-        self.workers: Any = None  # (`meshrl.slurm_faults.WorkerWatch`)
+        self.workers: slurm_faults.WorkerWatch | None = None
         if cfg.job.kind == "slurm":
             self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
@@ -246,8 +246,10 @@ class Run:
         for role in self.meshes.elastic & set(self.meshes.meshes):
             for index, host in enumerate(list(self.meshes.meshes[role].hosts)):
                 if host.job is not None:
+                    # A joined host is a one-node job: whichever worker is down, it is this host.
+                    procs = functools.partial(self._members_on, role, [index])
                     found += [
-                        (alloc, functools.partial(self._members_on, role, [index]))
+                        (alloc, lambda _down, procs=procs: procs())
                         for alloc in host.job.allocations.jobs.values()
                     ]
         return found
@@ -262,7 +264,7 @@ class Run:
         roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == mesh_name]
         return [f"{r}[{rank}]" for r in roles for rank in range(self.meshes.size(mesh_name))]
 
-    def _members_on(self, role: str, hosts: list[int], workers: Any = None) -> list[str]:
+    def _members_on(self, role: str, hosts: list[int]) -> list[str]:
         """`role[rank]` of an elastic role's members on those of its pool's hosts,
         every role sharing its procs included."""
         group = self.meshes.meshes.get(role)
