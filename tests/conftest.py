@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -140,10 +142,22 @@ def slurm_cluster(tmp_path_factory):
     why = Cluster.unavailable()
     if why:
         pytest.skip(f"no SLURM cluster here: {why}")
-    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=8).start()
+    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=8)
+    # A pytest worker interrupted hard (Ctrl-C under `-n`) runs no teardown: this
+    # process, in a session of its own, stops the cluster once the worker is gone.
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "tests.slurm_cluster", "stop", "--dir", cluster.root]
+        + ["--after", str(os.getpid())],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        yield cluster
+        yield cluster.start()
     finally:
         cluster.stop()
+        reaper.kill()
+        reaper.wait()
     assert not cluster.pids(), "a SLURM daemon outlived the suite"
     assert not cluster.processes(), f"processes of the cluster outlived it: {cluster.processes()}"

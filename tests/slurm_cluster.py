@@ -10,7 +10,7 @@ same nodes at a higher priority tier, whose jobs preempt `debug` jobs by
 requeueing them (`PreemptMode=REQUEUE`).
 
     python -m tests.slurm_cluster start [--dir runs/slurm] [--nodes 8]
-    python -m tests.slurm_cluster stop [--dir runs/slurm]
+    python -m tests.slurm_cluster stop [--dir runs/slurm] [--after PID]
 
 `Cluster.start()` installs the three packages when they are missing and it can
 (root and apt-get); `Cluster.unavailable()` says in one line why it cannot.
@@ -281,9 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("action", choices=["start", "stop"])
     parser.add_argument("--dir", default="runs/slurm", help="where every file of it lies")
     parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument(
+        "--after", type=int, metavar="PID", help="stop: first wait for process PID to end"
+    )
     args = parser.parse_args(argv)
     cluster = Cluster(args.dir, args.nodes)
     if args.action == "stop":
+        while args.after and alive(args.after):
+            time.sleep(1.0)
         cluster.stop()
         print(f"stopped the SLURM cluster in {cluster.root}")
         return
