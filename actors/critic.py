@@ -1,6 +1,6 @@
 """Critic: per-token value estimates for PPO, trained on its own mesh.
 
-A value head on the policy architecture's backbone (`meshrl.models.ValueModel`)
+A value head on the policy architecture's backbone (`meshrl.model.models.ValueModel`)
 with its own optimizer, data-parallel over the procs of the critic mesh. Its
 backbone starts from the trainer's published weights (the policy RL starts
 from), pulled over RDMA like a policy replica's.
@@ -13,17 +13,17 @@ import math
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
-from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
-from meshrl.faults import Drillable
-from meshrl.losses import value_loss
-from meshrl.models import completion_values, device_for_this_proc, load_value_model
-from meshrl.optim import build_optimizer
-from meshrl.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
-from meshrl.telemetry import observed
+from meshrl.loop.checkpoint import load_state, save_state
+from meshrl.model.losses import value_loss
+from meshrl.model.models import completion_values, device_for_this_proc, load_value_model
+from meshrl.model.optim import build_optimizer
+from meshrl.observe.telemetry import observed
+from meshrl.procs.faults import Drillable
+from meshrl.procs.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
 from meshrl.types import TrainBatch
-from meshrl.weight_receiver import WeightReceiver
-from meshrl.weights import WeightHandle
+from meshrl.weights.publisher import WeightHandle
+from meshrl.weights.receiver import WeightReceiver
 
 
 class Critic(Drillable, Actor):
@@ -40,7 +40,7 @@ class Critic(Drillable, Actor):
         micro_batches: int = 1,
         layout: str = "padded",
     ):
-        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.packing)."""
+        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.model.packing)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())

@@ -22,9 +22,9 @@ from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import Episode, Step, make_task, sandbox
 from meshrl.envs.base import checked_reward
 from meshrl.envs.sandbox import SandboxConfig
-from meshrl.faults import Drillable
-from meshrl.models import load_tokenizer
-from meshrl.telemetry import observed, record
+from meshrl.model.models import load_tokenizer
+from meshrl.observe.telemetry import observed, record
+from meshrl.procs.faults import Drillable
 from meshrl.types import Prompt
 
 

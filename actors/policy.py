@@ -14,16 +14,16 @@ import time
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.checkpoint import read
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
-from meshrl.engines import make_engine
-from meshrl.faults import Drillable
-from meshrl.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
-from meshrl.routing import moe_problem, routers
-from meshrl.telemetry import observed, proc_rank, record
+from meshrl.loop.checkpoint import read
+from meshrl.model.engines import make_engine
+from meshrl.model.models import device_for_this_proc, load_model, load_tokenizer, stop_token_ids
+from meshrl.model.routing import moe_problem, routers
+from meshrl.observe.telemetry import observed, proc_rank, record
+from meshrl.procs.faults import Drillable
 from meshrl.types import Completions
-from meshrl.weight_receiver import Pulled, WeightReceiver
-from meshrl.weights import TornWeights, WeightHandle
+from meshrl.weights.publisher import TornWeights, WeightHandle
+from meshrl.weights.receiver import Pulled, WeightReceiver
 
 
 class Policy(Drillable, Actor):
@@ -43,7 +43,7 @@ class Policy(Drillable, Actor):
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
-        if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: meshrl.weights)
+        if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: weights.publisher)
             self.model.to(getattr(torch, policy_cfg.dtype))
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id = tokenizer.pad_token_id
@@ -80,7 +80,7 @@ class Policy(Drillable, Actor):
         `seeds`: each row's sampling seed (the controller's, so a sample does not
         depend on the replica that draws it); None: from this replica's generator.
         `images`: the rows' pixels [B, I, C, H, W] and image counts [B]
-        (`meshrl.vision`), returned with the completions for the trainer."""
+        (`meshrl.model.vision`), returned with the completions for the trainer."""
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
@@ -144,7 +144,7 @@ class Policy(Drillable, Actor):
 
     @endpoint
     def host_id(self) -> str:
-        """This replica's host (`meshrl.weights.host_id`): replicas of one host
+        """This replica's host (`meshrl.weights.publisher.host_id`): replicas of one host
         copy weights from each other's shared memory."""
         return self.weights.host
 

@@ -9,21 +9,21 @@ from __future__ import annotations
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig
-from meshrl.faults import Drillable
-from meshrl.models import completion_logprobs, device_for_this_proc, load_model
-from meshrl.telemetry import observed
+from meshrl.loop.checkpoint import load_state, save_state
+from meshrl.model.models import completion_logprobs, device_for_this_proc, load_model
+from meshrl.observe.telemetry import observed
+from meshrl.procs.faults import Drillable
 from meshrl.types import TrainBatch
-from meshrl.weight_receiver import WeightReceiver
-from meshrl.weights import WeightHandle
+from meshrl.weights.publisher import WeightHandle
+from meshrl.weights.receiver import WeightReceiver
 
 
 class Reference(Drillable, Actor):
     role = "reference"
 
     def __init__(self, model_cfg: ModelConfig, seed: int = 0, layout: str = "padded"):
-        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.packing)."""
+        """`layout`: the forward pass's batch layout (`trainer.layout`, meshrl.model.packing)."""
         self.layout = layout
         self.rank = current_rank().rank  # read in __init__: endpoints see no rank here
         self.device = device_for_this_proc()

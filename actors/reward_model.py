@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from monarch.actor import Actor, endpoint
 
-from meshrl.faults import Drillable
-from meshrl.models import device_for_this_proc
-from meshrl.telemetry import observed
+from meshrl.model.models import device_for_this_proc
+from meshrl.observe.telemetry import observed
+from meshrl.procs.faults import Drillable
 
 
 class RewardModel(Drillable, Actor):

@@ -10,7 +10,7 @@ algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
 given at construction, so this actor has no algorithm branches.
 
 A rank sees its shard of the optimizer step's batch, in `micro_batches`
-passes. `batch.scale` (`meshrl.losses.LossScale`) carries the whole batch's
+passes. `batch.scale` (`meshrl.model.losses.LossScale`) carries the whole batch's
 counts: a loss that divides by them (the shipped losses do) gives the same
 gradient at any number of ranks and micro-batches. Its metrics are summed over
 the micro-batches and averaged over the ranks.
@@ -24,15 +24,18 @@ from collections.abc import Callable
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
-from meshrl import lora
-from meshrl.checkpoint import load_state, save_state
 from meshrl.config import ModelConfig, OptimConfig
-from meshrl.export import save_hf
-from meshrl.faults import Drillable
-from meshrl.losses import nll_loss
-from meshrl.models import completion_logprobs, device_for_this_proc, load_model
-from meshrl.optim import build_optimizer
-from meshrl.parallel import (
+from meshrl.loop.checkpoint import load_state, save_state
+from meshrl.loop.export import save_hf
+from meshrl.model import lora
+from meshrl.model.losses import nll_loss
+from meshrl.model.models import completion_logprobs, device_for_this_proc, load_model
+from meshrl.model.optim import build_optimizer
+from meshrl.model.routing import Replay, routers
+from meshrl.model.vision import FROZEN_VISION
+from meshrl.observe.telemetry import observed
+from meshrl.procs.faults import Drillable
+from meshrl.procs.parallel import (
     accumulated_gradients,
     accumulated_step,
     data_parallel,
@@ -42,11 +45,8 @@ from meshrl.parallel import (
     save_sharded,
     shutdown,
 )
-from meshrl.routing import Replay, routers
-from meshrl.telemetry import observed
 from meshrl.types import TrainBatch
-from meshrl.vision import FROZEN_VISION
-from meshrl.weights import WeightHandle, WeightPublisher
+from meshrl.weights.publisher import WeightHandle, WeightPublisher
 
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -70,8 +70,8 @@ class Trainer(Drillable, Actor):
         routing_replay: bool = False,
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
-        meshrl.packing). `routing_replay` (MoE models): a batch's recorded routes
-        are replayed in its forwards, not only measured (meshrl.routing)."""
+        meshrl.model.packing). `routing_replay` (MoE models): a batch's recorded routes
+        are replayed in its forwards, not only measured (meshrl.model.routing)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
@@ -269,7 +269,7 @@ class Trainer(Drillable, Actor):
     @observed
     def publish(self, verify: bool = True, delta: bool = False) -> WeightHandle | None:
         """Write the current weights, tagged with the version, where replicas pull
-        them (`meshrl.weights`), with their checksums when `verify` (and with
+        them (`meshrl.weights.publisher`), with their checksums when `verify` (and with
         `delta`, which pieces changed since which version); returns
         this rank's handle, or None on a rank that owns no weights (ranks > 0
         of a replicated trainer). Merge the ranks' handles with

@@ -19,23 +19,23 @@ import torch
 
 from algorithms.command import main  # noqa: F401 - every algorithm's command line
 from algorithms.rl_config import RLConfig  # noqa: F401 - its home for the algorithms
-from meshrl.checkpoint import Checkpointer
-from meshrl.collector import Batch, Collector, decode
 from meshrl.config import ConfigError
-from meshrl.dispatch import Dispatcher
-from meshrl.elastic import Scaler
 from meshrl.envs import make_task
-from meshrl.evaluation import Evaluator
-from meshrl.export import start_from
-from meshrl.loop import LoopState
-from meshrl.losses import mismatch_metrics, mismatch_weights
-from meshrl.mesh import RemoteCallError
-from meshrl.models import context_length, load_tokenizer, vision_format
-from meshrl.steplog import StepLog, run_faults, weight_paths
-from meshrl.supervised import demonstrations, supervised_steps
-from meshrl.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
+from meshrl.loop.checkpoint import Checkpointer
+from meshrl.loop.collector import Batch, Collector, decode
+from meshrl.loop.dispatch import Dispatcher
+from meshrl.loop.elastic import Scaler
+from meshrl.loop.evaluation import Evaluator
+from meshrl.loop.export import start_from
+from meshrl.loop.state import LoopState
+from meshrl.loop.steplog import StepLog, run_faults, weight_paths
+from meshrl.loop.supervised import demonstrations, supervised_steps
+from meshrl.loop.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
+from meshrl.loop.weight_sync import WeightSync
+from meshrl.model.losses import mismatch_metrics, mismatch_weights
+from meshrl.model.models import context_length, load_tokenizer, vision_format
+from meshrl.procs.mesh import RemoteCallError
 from meshrl.types import Completions, TrainBatch
-from meshrl.weight_sync import WeightSync
 
 DROP_REASONS = ("policy_lost", "stale", "trainer_rewind")
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
@@ -152,7 +152,7 @@ class Algorithm:
 
     @property
     def last_episodes(self) -> list:
-        """The multi-turn episodes of the last step (`meshrl.rollout.EpisodeState`)."""
+        """The multi-turn episodes of the last step (`meshrl.envs.rollout.EpisodeState`)."""
         return self.collector.last_episodes
 
     def close(self) -> None:

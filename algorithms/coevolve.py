@@ -5,7 +5,7 @@ weights and weight version), a `WeightSync` and a part of every checkpoint
 (`a/`, `b/`). Their metrics are prefixed `a/` and `b/`. Each step deals
 `games_per_step` games of Kuhn poker (`meshrl.envs.kuhn`), A in the first seat
 of half of them and B in the other half. Both policies' replicas play all the
-games at once, token in, token out (`meshrl.games.Match`): each player's
+games at once, token in, token out (`meshrl.loop.games.Match`): each player's
 sequences hold its own sampled tokens (trained) and the opponent's actions
 (masked). The game is zero-sum. Each player's reward is the chips it won, / 2;
 its advantage is that reward minus the mean of its rewards in the same seat
@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms.base import Algorithm, HookLoss, main
-from meshrl.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -49,10 +48,10 @@ from meshrl.config import (
     RunConfig,
     WarmStartConfig,
 )
-from meshrl.config_trainer import TrainerConfig
+from meshrl.config.trainer import TrainerConfig
 from meshrl.envs import kuhn
-from meshrl.faults import FaultsConfig
-from meshrl.games import (
+from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.loop.games import (
     FIXED,
     Match,
     deal,
@@ -61,15 +60,16 @@ from meshrl.games import (
     strategy_batch,
     strategy_of,
 )
-from meshrl.job import JobConfig
-from meshrl.losses import policy_loss
-from meshrl.mesh import start_each
-from meshrl.run import Role, Run
-from meshrl.steplog import StepLog, add_evaluation
-from meshrl.supervised import supervised_steps
-from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
+from meshrl.loop.run import Role, Run
+from meshrl.loop.steplog import StepLog, add_evaluation
+from meshrl.loop.supervised import supervised_steps
+from meshrl.loop.supervisor import RoleLost, Supervisor, mean_metrics
+from meshrl.loop.weight_sync import WeightsConfig, WeightSync
+from meshrl.model.losses import policy_loss
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.job import JobConfig
+from meshrl.procs.mesh import start_each
 from meshrl.types import TrainBatch
-from meshrl.weight_sync import WeightsConfig, WeightSync
 
 GAMES = ("kuhn_poker",)
 

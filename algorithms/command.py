@@ -10,7 +10,7 @@ import traceback
 from typing import Any
 
 from meshrl.config import ConfigError, parse_cli
-from meshrl.mesh import debugging, one_line
+from meshrl.procs.mesh import debugging, one_line
 
 
 def main(algorithm: type, schema: type, argv: list[str] | None = None) -> int:

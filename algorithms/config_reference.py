@@ -1,5 +1,5 @@
 """Writes each algorithm's config reference to docs/config/ from the config
-dataclasses' field docstrings (`meshrl.config_docs`):
+dataclasses' field docstrings (`meshrl.config.docs`):
 
     python -m algorithms.config_reference          # rewrite docs/config/*.md
     python -m algorithms.config_reference --check  # exit 1 if one is stale
@@ -18,8 +18,8 @@ from algorithms.grpo import GRPOConfig
 from algorithms.ppo import PPOConfig
 from algorithms.reinforce_pp import ReinforcePPConfig
 from algorithms.sft import SFTConfig
-from meshrl.config_docs import markdown
-from meshrl.generated import write_or_check
+from meshrl.config.docs import markdown
+from meshrl.config.generated import write_or_check
 
 SCHEMAS = {
     "grpo": (GRPOConfig, "GRPO, GSPO, Dr. GRPO and RLOO config keys (`GRPOConfig`)"),

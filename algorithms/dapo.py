@@ -27,8 +27,8 @@ import torch
 
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl.collector import Batch
 from meshrl.config import ConfigError
+from meshrl.loop.collector import Batch
 from meshrl.types import Completions
 
 

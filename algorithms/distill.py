@@ -41,12 +41,12 @@ from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.envs import make_task
-from meshrl.export import start_from
-from meshrl.losses import group_advantages, masked_mean, scale_of
-from meshrl.mesh import split
-from meshrl.models import context_length, load_tokenizer
-from meshrl.run import Role, Run
-from meshrl.steplog import add_evaluation
+from meshrl.loop.export import start_from
+from meshrl.loop.run import Role, Run
+from meshrl.loop.steplog import add_evaluation
+from meshrl.model.losses import group_advantages, masked_mean, scale_of
+from meshrl.model.models import context_length, load_tokenizer
+from meshrl.procs.mesh import split
 from meshrl.types import Completions, TrainBatch
 
 
@@ -68,7 +68,7 @@ class DistillConfig(GRPOConfig):
     eval_prompts: int = 64
     """Prompts in the held-out set: drawn once, from a seed of their own."""
     loss_aggregation: str = "token-mean"
-    """How per-token losses become a scalar; see meshrl.losses.aggregate."""
+    """How per-token losses become a scalar; see meshrl.model.losses.aggregate."""
 
     min_group_size = 1
 

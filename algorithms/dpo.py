@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms.base import Algorithm, HookLoss, main
-from meshrl.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.config import (
     ConfigError,
     ModelConfig,
@@ -36,17 +35,18 @@ from meshrl.config import (
     RunConfig,
     check_lora_placement,
 )
-from meshrl.config_trainer import LAYOUTS
-from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
-from meshrl.faults import FaultsConfig
-from meshrl.job import JobConfig
-from meshrl.losses import dpo_loss, scale_of, sequence_logprobs
-from meshrl.run import Run
-from meshrl.steplog import StepLog, add_evaluation
-from meshrl.supervised import supervised_batch, supervised_steps
-from meshrl.supervisor import RoleLost, Supervisor, mean_metrics
+from meshrl.config.trainer import LAYOUTS
+from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
+from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.loop.run import Run
+from meshrl.loop.steplog import StepLog, add_evaluation
+from meshrl.loop.supervised import supervised_batch, supervised_steps
+from meshrl.loop.supervisor import RoleLost, Supervisor, mean_metrics
+from meshrl.loop.weight_sync import WeightSync
+from meshrl.model.losses import dpo_loss, scale_of, sequence_logprobs
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.job import JobConfig
 from meshrl.types import TrainBatch
-from meshrl.weight_sync import WeightSync
 
 SHIPPED_PREFERENCES = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

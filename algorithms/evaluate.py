@@ -2,10 +2,10 @@
 any saved model, with no training.
 
 MODEL is an HF directory, a run directory (its `final/`, else its newest
-checkpoint) or a checkpoint (`meshrl.export.model_source`). FILE is any
+checkpoint) or a checkpoint (`meshrl.loop.export.model_source`). FILE is any
 algorithm's config: its `task`, `generation`, `policy`, `placement` and `eval`
 sections are read, the rest is left out. Every set of `eval.sets` is sampled
-and scored as during training (`meshrl.evaluation.Evaluator`) on a policy mesh
+and scored as during training (`meshrl.loop.evaluation.Evaluator`) on a policy mesh
 and an environment mesh; the figures are printed and written to
 `<run.dir>/<run.name or eval-TIME>/eval.json`.
 
@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.checkpoint import CheckpointConfig
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -33,12 +32,13 @@ from meshrl.config import (
 )
 from meshrl.envs import make_task
 from meshrl.envs.sandbox import SandboxConfig
-from meshrl.evaluation import EvalConfig, Evaluator
-from meshrl.export import start_from
-from meshrl.faults import FaultsConfig
-from meshrl.job import JobConfig
-from meshrl.loop import LoopState
-from meshrl.mesh import one_line
+from meshrl.loop.checkpoint import CheckpointConfig
+from meshrl.loop.evaluation import EvalConfig, Evaluator
+from meshrl.loop.export import start_from
+from meshrl.loop.state import LoopState
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.job import JobConfig
+from meshrl.procs.mesh import one_line
 
 USAGE = "usage: meshrl eval MODEL_OR_RUN_DIR --config FILE [key=value ...]"
 
@@ -73,10 +73,10 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
     once, stop the procs; the figures (also in the run directory's eval.json)."""
     from actors.environment import Environment
     from actors.policy import Policy
-    from meshrl.collector import Collector
-    from meshrl.models import context_length, load_tokenizer, vision_format
-    from meshrl.run import Run
-    from meshrl.supervisor import Supervisor
+    from meshrl.loop.collector import Collector
+    from meshrl.loop.run import Run
+    from meshrl.loop.supervisor import Supervisor
+    from meshrl.model.models import context_length, load_tokenizer, vision_format
 
     start_from(cfg.model, "model.path")
     tokenizer, context, state = load_tokenizer(cfg.model), context_length(cfg.model), LoopState()

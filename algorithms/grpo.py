@@ -36,10 +36,10 @@ import torch
 
 from algorithms.base import Algorithm, HookLoss, RLConfig, main
 from meshrl.config import ConfigError
-from meshrl.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
-from meshrl.run import Role, Run
-from meshrl.steplog import rollout_metrics
-from meshrl.supervisor import RoleLost, step_metrics
+from meshrl.loop.run import Role, Run
+from meshrl.loop.steplog import rollout_metrics
+from meshrl.loop.supervisor import RoleLost, step_metrics
+from meshrl.model.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
 from meshrl.types import TrainBatch
 
 
@@ -52,7 +52,7 @@ class GRPOConfig(RLConfig):
     ratio_level: str = "token"
     """token (PPO/GRPO) or sequence (GSPO: one length-normalized ratio per sequence)."""
     loss_aggregation: str = "seq-mean-token-mean"
-    """How per-token losses become a scalar; see meshrl.losses.aggregate."""
+    """How per-token losses become a scalar; see meshrl.model.losses.aggregate."""
     advantage_scale: str = "group"
     """group (GRPO), batch, or none (Dr. GRPO): the std that divides advantages."""
 

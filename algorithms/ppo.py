@@ -26,7 +26,10 @@ import torch
 
 from algorithms.base import Algorithm, HookLoss, RLConfig, main
 from meshrl.config import ConfigError, OptimConfig
-from meshrl.losses import (
+from meshrl.loop.run import Run
+from meshrl.loop.steplog import rollout_metrics
+from meshrl.loop.supervisor import RoleLost, step_metrics
+from meshrl.model.losses import (
     AGGREGATIONS,
     explained_variance,
     gae,
@@ -36,9 +39,6 @@ from meshrl.losses import (
     token_rewards,
     whiten,
 )
-from meshrl.run import Run
-from meshrl.steplog import rollout_metrics
-from meshrl.supervisor import RoleLost, step_metrics
 from meshrl.types import TrainBatch
 
 
@@ -56,7 +56,7 @@ class PPOConfig(RLConfig):
     clip_high: float | None = None
     """Policy ratio clip range above 1; None uses clip_low."""
     loss_aggregation: str = "token-mean"
-    """How per-token policy losses become a scalar; see meshrl.losses.aggregate."""
+    """How per-token policy losses become a scalar; see meshrl.model.losses.aggregate."""
     value_clip: float = 0.2
     """How far a value may move from its rollout-time estimate before clipping."""
     gamma: float = 1.0

@@ -21,7 +21,7 @@ import torch
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError
-from meshrl.losses import kl_estimate, returns_to_go, token_rewards, whiten
+from meshrl.model.losses import kl_estimate, returns_to_go, token_rewards, whiten
 from meshrl.types import TrainBatch
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshrl.checkpoint import CheckpointConfig
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -20,16 +19,17 @@ from meshrl.config import (
     WarmStartConfig,
     check_lora_placement,
 )
-from meshrl.dispatch import RolloutConfig
-from meshrl.elastic import PoolConfig
-from meshrl.engines import vllm_missing
 from meshrl.envs import make_task
 from meshrl.envs.sandbox import SandboxConfig
-from meshrl.evaluation import EvalConfig
-from meshrl.faults import FaultsConfig
-from meshrl.job import JobConfig
-from meshrl.routing import check_routing
-from meshrl.weight_sync import WeightsConfig
+from meshrl.loop.checkpoint import CheckpointConfig
+from meshrl.loop.dispatch import RolloutConfig
+from meshrl.loop.elastic import PoolConfig
+from meshrl.loop.evaluation import EvalConfig
+from meshrl.loop.weight_sync import WeightsConfig
+from meshrl.model.engines import vllm_missing
+from meshrl.model.routing import check_routing
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.job import JobConfig
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the reference model; 0 spawns no reference."""
     kl_kind: str = "k3"
-    """KL estimator: k1, k2 or k3 (meshrl.losses.kl_estimate)."""
+    """KL estimator: k1, k2 or k3 (meshrl.model.losses.kl_estimate)."""
     max_staleness: int = 0
     """Weight versions generation may run ahead of training: the batches of steps
     s+1..s+k are generated while step s trains. 0 is the synchronous on-policy loop."""

@@ -18,7 +18,7 @@ import torch
 
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl.losses import rloo_advantages
+from meshrl.model.losses import rloo_advantages
 from meshrl.types import TrainBatch
 
 

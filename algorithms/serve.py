@@ -1,5 +1,5 @@
 """`meshrl serve MODEL --config FILE [key=value ...]`: the policy's OpenAI-compatible
-endpoint (`meshrl.serve`) for any saved model, with no training.
+endpoint (`meshrl.envs.serve`) for any saved model, with no training.
 
 MODEL is an HF directory, a run directory or a checkpoint (as for `meshrl
 eval`). FILE is any algorithm's config: its `model`, `generation`, `policy`
@@ -20,7 +20,7 @@ import sys
 import threading
 
 from algorithms.evaluate import EvaluateConfig, model_command
-from meshrl.export import start_from
+from meshrl.loop.export import start_from
 
 USAGE = "usage: meshrl serve MODEL_OR_RUN_DIR --config FILE [key=value ...]"
 
@@ -37,12 +37,12 @@ def serve(cfg: ServeConfig) -> None:
     """Spawn the policy mesh for `cfg.model` and serve it until Ctrl-C; the procs
     are stopped on the way out."""
     from actors.policy import Policy
-    from meshrl.loop import LoopState
-    from meshrl.models import context_length, load_tokenizer
-    from meshrl.rollout import ChatFormat
-    from meshrl.run import Run
-    from meshrl.serve import PolicyServer, Router
-    from meshrl.supervisor import Supervisor
+    from meshrl.envs.rollout import ChatFormat
+    from meshrl.envs.serve import PolicyServer, Router
+    from meshrl.loop.run import Run
+    from meshrl.loop.state import LoopState
+    from meshrl.loop.supervisor import Supervisor
+    from meshrl.model.models import context_length, load_tokenizer
 
     start_from(cfg.model, "model.path")
     tokenizer, context = load_tokenizer(cfg.model), context_length(cfg.model)

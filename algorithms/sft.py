@@ -1,6 +1,6 @@
 """SFT: supervised fine-tuning on the trainer mesh, as an algorithm of its own.
 
-A dataset of prompt/completion pairs or chat conversations (`meshrl.sft_data`:
+A dataset of prompt/completion pairs or chat conversations (`meshrl.envs.sft_data`:
 the chat template, the loss on the assistant's tokens only) is tokenized once
 on the controller and split into train and held-out rows. Each step takes
 `batch_size` train rows and the trainer mesh takes one optimizer step of their
@@ -29,7 +29,6 @@ import torch
 
 from algorithms.base import Algorithm, HookLoss, main
 from algorithms.dpo import SHIPPED_PREFERENCES
-from meshrl.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.config import (
     ConfigError,
     ModelConfig,
@@ -38,25 +37,26 @@ from meshrl.config import (
     RunConfig,
     check_lora_placement,
 )
-from meshrl.config_trainer import LAYOUTS
-from meshrl.data import DatasetError
-from meshrl.faults import FaultsConfig
-from meshrl.job import JobConfig
-from meshrl.losses import nll_loss
-from meshrl.run import Run
-from meshrl.sft_data import Example, load_examples
-from meshrl.steplog import StepLog, add_evaluation
-from meshrl.supervised import supervised_batch
-from meshrl.supervisor import RoleLost, Supervisor
+from meshrl.config.trainer import LAYOUTS
+from meshrl.envs.dataset import DatasetError
+from meshrl.envs.sft_data import Example, load_examples
+from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.loop.run import Run
+from meshrl.loop.steplog import StepLog, add_evaluation
+from meshrl.loop.supervised import supervised_batch
+from meshrl.loop.supervisor import RoleLost, Supervisor
+from meshrl.loop.weight_sync import WeightSync
+from meshrl.model.losses import nll_loss
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.job import JobConfig
 from meshrl.types import TrainBatch
-from meshrl.weight_sync import WeightSync
 
 
 @dataclass
 class SFTDataConfig:
     path: str = SHIPPED_PREFERENCES
     """A .jsonl or .parquet file, or a datasets `save_to_disk` directory, of
-    conversations or prompt/completion pairs (meshrl/sft_data.py)."""
+    conversations or prompt/completion pairs (meshrl/envs/sft_data.py)."""
     prompt_field: str = "prompt"
     """The field of a pair's prompt."""
     completion_field: str = "completion"

@@ -57,11 +57,11 @@ import actors.policy  # noqa: E402
 import actors.trainer  # noqa: E402
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
-from meshrl.faults import Drillable  # noqa: E402
-from meshrl.telemetry import observed  # noqa: E402
+from meshrl.observe.telemetry import observed  # noqa: E402
+from meshrl.procs.faults import Drillable  # noqa: E402
 from meshrl.types import Completions  # noqa: E402
-from meshrl.weight_receiver import Pulled  # noqa: E402
-from meshrl.weights import WeightHandle, WeightSource, host_id  # noqa: E402
+from meshrl.weights.publisher import WeightHandle, WeightSource, host_id  # noqa: E402
+from meshrl.weights.receiver import Pulled  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fanout import save_line  # noqa: E402

@@ -7,7 +7,7 @@ against the relay tree (`weights.fanout`), in one run.
 Each replica runs on a `process` job host of its own, and the trainer on
 another, so every byte moves over Monarch RDMA buffers (Monarch's TCP fallback
 on this machine), never through shared memory. The controller drives
-`meshrl.weight_sync.WeightSync` as a run does: `publish` on the trainer, then
+`meshrl.loop.weight_sync.WeightSync` as a run does: `publish` on the trainer, then
 `pull` over the replicas (one level for the star, level by level for a tree),
 timed from the controller: the median of `--repeats` syncs. Every replica's
 bytes are checked against the trainer's after each sync.
@@ -39,14 +39,14 @@ sys.path.insert(0, REPO)
 
 from monarch.actor import Actor, endpoint  # noqa: E402
 
-from meshrl.faults import FaultsConfig  # noqa: E402
-from meshrl.job import JobConfig  # noqa: E402
-from meshrl.loop import LoopState  # noqa: E402
-from meshrl.mesh import RoleMeshes, wait  # noqa: E402
-from meshrl.supervisor import Supervisor  # noqa: E402
-from meshrl.weight_receiver import Pulled, WeightReceiver  # noqa: E402
-from meshrl.weight_sync import WeightsConfig, WeightSync  # noqa: E402
-from meshrl.weights import WeightHandle, WeightPublisher  # noqa: E402
+from meshrl.loop.state import LoopState  # noqa: E402
+from meshrl.loop.supervisor import Supervisor  # noqa: E402
+from meshrl.loop.weight_sync import WeightsConfig, WeightSync  # noqa: E402
+from meshrl.procs.faults import FaultsConfig  # noqa: E402
+from meshrl.procs.job import JobConfig  # noqa: E402
+from meshrl.procs.mesh import RoleMeshes, wait  # noqa: E402
+from meshrl.weights.publisher import WeightHandle, WeightPublisher  # noqa: E402
+from meshrl.weights.receiver import Pulled, WeightReceiver  # noqa: E402
 
 TENSOR_MB = 8
 TIMEOUT_S = 600

@@ -4,7 +4,7 @@ G = 8 and 16 completions per prompt, in one run.
     python benchmarks/generation.py
     python benchmarks/generation.py --prompt 256 --max-new-tokens 64 --hidden 512 --layers 8
 
-`meshrl.generation.sample` on one model in this process (the policy replica's
+`meshrl.model.generation.sample` on one model in this process (the policy replica's
 engine, without the actor around it), four ways over the same prompts and
 per-row seeds: `plain` (every row prefills its prompt and decodes until the
 longest row ends), `share` (each distinct prompt prefilled once), `drop`
@@ -33,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from meshrl.config import ModelConfig  # noqa: E402
-from meshrl.generation import sample  # noqa: E402
-from meshrl.models import load_model  # noqa: E402
+from meshrl.model.generation import sample  # noqa: E402
+from meshrl.model.models import load_model  # noqa: E402
 
 WAYS = {
     "plain": (False, False),

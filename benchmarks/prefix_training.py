@@ -33,8 +33,8 @@ from actors.trainer import Trainer  # noqa: E402
 from algorithms.base import HookLoss  # noqa: E402
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from meshrl.config import ModelConfig, OptimConfig  # noqa: E402
-from meshrl.mesh import RoleMeshes, wait  # noqa: E402
-from meshrl.models import load_model  # noqa: E402
+from meshrl.model.models import load_model  # noqa: E402
+from meshrl.procs.mesh import RoleMeshes, wait  # noqa: E402
 from meshrl.types import TrainBatch  # noqa: E402
 
 LAYOUTS = ("padded", "packed", "tree")

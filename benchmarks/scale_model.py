@@ -55,7 +55,7 @@ BYTES_PER_PARAM = 2  # bf16
 
 
 def levels(replicas: int, fanout: int) -> int:
-    """Depth of the complete fanout-ary tree of `meshrl.weight_sync.plan`."""
+    """Depth of the complete fanout-ary tree of `meshrl.loop.weight_sync.plan`."""
     if fanout <= 1:
         return replicas
     depth, reached, width = 0, 0, 1

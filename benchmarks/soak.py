@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from algorithms.ppo import PPO, PPOConfig  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
-from meshrl.faults import DRILLED_ENDPOINTS  # noqa: E402
+from meshrl.procs.faults import DRILLED_ENDPOINTS  # noqa: E402
 
 PLACEMENT = {"policy": 2, "environment": 2, "trainer": 2, "reference": 1, "critic": 1}
 

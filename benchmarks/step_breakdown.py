@@ -24,7 +24,7 @@ the two overheads as fractions of the first.
 
 `--profile` runs it with `run.profile_steps` on two steps in the middle and
 prints, beside the phases above, where those steps' time went per role as the
-profiler measured it in every proc (`meshrl.profile`).
+profiler measured it in every proc (`meshrl.observe.profile`).
 
 `--eval` instead runs the same config three times in one go: without
 evaluation, with a held-out set (64 prompts x 4 samples every 10 steps) on the
@@ -160,7 +160,7 @@ def telemetry_cost(steps: int, rounds: int, overrides: list[str]) -> int:
 
 def profiled_roles(steps: int, overrides: list[str]) -> dict:
     """Two steps in the middle, profiled in every proc: their per-role summary."""
-    from meshrl.profile import table
+    from meshrl.observe.profile import table
 
     middle = max(1, steps // 2)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -168,7 +168,7 @@ def profiled_roles(steps: int, overrides: list[str]) -> dict:
         pattern = os.path.join(run_dir, "p", "profile", "steps_*", "summary.json")
         with open(glob.glob(pattern)[0]) as f:
             summary = json.load(f)
-    print(f"\nprofiled steps, seconds per role (meshrl.profile):\n{table(summary)}")
+    print(f"\nprofiled steps, seconds per role (meshrl.observe.profile):\n{table(summary)}")
     return summary
 
 

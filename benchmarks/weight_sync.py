@@ -47,9 +47,9 @@ sys.path.insert(0, REPO)
 
 from monarch.actor import Actor, endpoint  # noqa: E402
 
-from meshrl.mesh import RoleMeshes, wait  # noqa: E402
-from meshrl.weight_receiver import WeightReceiver  # noqa: E402
-from meshrl.weights import WeightHandle, WeightPublisher  # noqa: E402
+from meshrl.procs.mesh import RoleMeshes, wait  # noqa: E402
+from meshrl.weights.publisher import WeightHandle, WeightPublisher  # noqa: E402
+from meshrl.weights.receiver import WeightReceiver  # noqa: E402
 
 TENSOR_MB = 5  # the weights are a module of float32 tensors of this size
 

@@ -20,15 +20,15 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     if args[0] == "report":
-        from meshrl.report import main as command
+        from meshrl.observe.report import main as command
     elif args[0] == "status":
-        from meshrl.status import main as command
+        from meshrl.observe.status import main as command
     elif args[0] == "profile":
-        from meshrl.profile import main as command
+        from meshrl.observe.profile import main as command
     elif args[0] == "scale":
-        from meshrl.elastic import main as command
+        from meshrl.loop.elastic import main as command
     else:
-        from meshrl.export import main as command
+        from meshrl.loop.export import main as command
     return command(args[1:])
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from meshrl.losses import LossScale
-from meshrl.vision import stack, unstack
+from meshrl.model.losses import LossScale
+from meshrl.model.vision import stack, unstack
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Prompt:
     tests of a coding task, the numbers of a countdown)."""
     images: list | None = None
     """Pictures the model sees with the text (vision-language models,
-    `meshrl.vision`): file paths, PIL images or [H, W, 3] uint8 arrays."""
+    `meshrl.model.vision`): file paths, PIL images or [H, W, 3] uint8 arrays."""
 
     @property
     def key(self) -> str:
@@ -52,7 +52,7 @@ class Completions:
     completion_mask: torch.Tensor  # [B, T], 1 on sampled tokens up to and including EOS
     logprobs: torch.Tensor  # [B, T] sampling log-probs of completion_ids
     weight_version: int  # the (oldest) weight version that generated them
-    # Multi-turn episodes (meshrl.rollout): the completion holds the model's turns
+    # Multi-turn episodes (meshrl.envs.rollout): the completion holds the model's turns
     # and the environment's replies. completion_mask is 1 on the model's tokens
     # only (the loss), completion_attention on every token of the episode.
     completion_attention: torch.Tensor | None = None  # [B, T]
@@ -61,7 +61,7 @@ class Completions:
     """[B, P + T, layers, top_k] int16: the experts each token was computed with
     (`policy.record_routes`, MoE models; -1 where none), else None."""
     images: torch.Tensor | None = None
-    """[B, I, C, H, W] the pixels the rows were generated from (`meshrl.vision`):
+    """[B, I, C, H, W] the pixels the rows were generated from (`meshrl.model.vision`):
     the trainer's forward takes these, not a second processing of the images."""
     image_counts: torch.Tensor | None = None  # [B] images of each row
 
@@ -171,7 +171,7 @@ class TrainBatch:
     """[B, P + T, layers, top_k] the sampler's experts per token (MoE models,
     `policy.record_routes`), which the trainer measures and may replay."""
     images: torch.Tensor | None = None
-    """[B, I, C, H, W] the rows' pixels, as the sampler had them (`meshrl.vision`)."""
+    """[B, I, C, H, W] the rows' pixels, as the sampler had them (`meshrl.model.vision`)."""
     image_counts: torch.Tensor | None = None  # [B] images of each row
     paired: bool = False
     """Rows are [first; second] of the same items (DPO's chosen; rejected): a
@@ -213,7 +213,7 @@ class TrainBatch:
     def shard(self, index: int, count: int, rows: torch.Tensor | slice | None = None) -> TrainBatch:
         """The data-parallel shard of rank `index` of `count`: the index-th of
         `count` contiguous row blocks (so a group's rows, which are adjacent,
-        share their prompt's forward: meshrl.packing), or `rows`, carrying this
+        share their prompt's forward: meshrl.model.packing), or `rows`, carrying this
         whole batch's `LossScale` so that the ranks' averaged gradients are the
         whole batch's."""
         scale = self.scale or LossScale.of(self.completion_mask, count)

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from meshrl.mesh import monarch_pids
-from meshrl.proc_pool import pooled_pids, reuse_procs
+from meshrl.procs.mesh import monarch_pids
+from meshrl.procs.proc_pool import pooled_pids, reuse_procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
@@ -103,7 +103,7 @@ def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]
 @pytest.fixture(scope="session", autouse=True)
 def reused_procs():
     """Runs in this process reuse the single-proc meshes of earlier tests' runs
-    (`meshrl.mesh.ProcPool`): a proc boots torch and transformers once, not once
+    (`meshrl.procs.mesh.ProcPool`): a proc boots torch and transformers once, not once
     per test. Stopped, and checked gone, at the end of the session."""
     before = monarch_procs()
     pool = reuse_procs()

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from meshrl.proc_pool import alive  # (a zombie daemon is not running)
+from meshrl.procs.proc_pool import alive  # (a zombie daemon is not running)
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
 COMMANDS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")

@@ -12,10 +12,10 @@ from actors.trainer import Trainer
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
 from meshrl.envs import make_task
-from meshrl.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
-from meshrl.models import build_char_tokenizer
+from meshrl.model.models import build_char_tokenizer
+from meshrl.procs.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
 from meshrl.types import Completions, TrainBatch
-from meshrl.weights import WeightHandle
+from meshrl.weights.publisher import WeightHandle
 from tests.conftest import local_master
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
@@ -156,7 +156,7 @@ def test_exported_model_generates_what_the_policy_generates(actors, tmp_path):
     seed and prompt as the policy actor."""
     from transformers import AutoModelForCausalLM
 
-    from meshrl.generation import sample
+    from meshrl.model.generation import sample
 
     sync(actors)
     call_all(actors["trainer"], "save", str(tmp_path / "final"), what="save", timeout_s=TIMEOUT)

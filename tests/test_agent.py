@@ -1,4 +1,4 @@
-"""Agent tasks through the policy's OpenAI-compatible endpoint (`meshrl.serve`): an
+"""Agent tasks through the policy's OpenAI-compatible endpoint (`meshrl.envs.serve`): an
 agent written against the `openai` client trains GRPO, and what meshrl trains on
 is token for token what the sampler produced, across a chat template that
 rewrites earlier turns."""
@@ -36,7 +36,7 @@ def agent_data(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meshrl.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import build_char_tokenizer, embedded_config
 
     root = tmp_path_factory.mktemp("agent")
     tok = build_char_tokenizer()

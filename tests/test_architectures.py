@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl.architectures import ARCHITECTURES
 from meshrl.config import ModelConfig, load_config
-from meshrl.models import load_model
+from meshrl.model.architectures import ARCHITECTURES
+from meshrl.model.models import load_model
 from tests.conftest import DEFAULT_CONFIG
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.ppo import PPO, PPOConfig
-from meshrl import checkpoint, export
 from meshrl.config import ConfigError, load_config
+from meshrl.loop import checkpoint, export
 from tests.conftest import REPO
 
 

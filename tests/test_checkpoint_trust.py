@@ -1,4 +1,4 @@
-"""Checkpoints that cannot run code and prove their bytes (`meshrl.checkpoint`).
+"""Checkpoints that cannot run code and prove their bytes (`meshrl.loop.checkpoint`).
 
 A pickle payload placed in a checkpoint file (its manifest rewritten to match,
 as anyone who can write the directory could) is refused in one line naming the
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl import checkpoint
-from meshrl.checkpoint import CheckpointError
 from meshrl.config import ConfigError, load_config
+from meshrl.loop import checkpoint
+from meshrl.loop.checkpoint import CheckpointError
 from meshrl.types import Completions, Prompt
 from tests.conftest import DEFAULT_CONFIG
 
@@ -109,7 +109,7 @@ def test_a_payload_in_the_shard_index_is_refused_and_real_shards_load(tmp_path):
     with an unpickler that builds DCP's metadata classes and nothing else."""
     import torch.distributed.checkpoint as dcp
 
-    from meshrl.parallel import ShardIndexError, load_dcp
+    from meshrl.procs.parallel import ShardIndexError, load_dcp
 
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}}
     dcp.save(state, checkpoint_id=str(tmp_path / "good"))

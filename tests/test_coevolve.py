@@ -11,7 +11,7 @@ import torch
 from algorithms.coevolve import Coevolve, CoevolveConfig
 from meshrl.config import ConfigError, load_config
 from meshrl.envs import kuhn
-from meshrl.games import deal
+from meshrl.loop.games import deal
 from tests.conftest import REPO
 from tests.test_algorithms import QUIET, undocumented_metrics
 

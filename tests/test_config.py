@@ -183,7 +183,7 @@ def test_every_key_has_a_docstring_and_the_config_reference_is_current():
     and docs/config/*.md are generated from it."""
     from algorithms.config_reference import SCHEMAS
     from algorithms.config_reference import main as reference_main
-    from meshrl.config_docs import reference
+    from meshrl.config.docs import reference
 
     for name, (schema, _) in SCHEMAS.items():
         missing = [key for key, _, doc in reference(schema) if not doc]
@@ -238,7 +238,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from meshrl.config import ModelConfig
-    from meshrl.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import build_char_tokenizer, embedded_config
 
     tokenizer = build_char_tokenizer()
     small = embedded_config(ModelConfig(), vocab_size=len(tokenizer) - 10)
@@ -250,10 +250,10 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
 def prompt_collector(cfg):
     """A `Collector` that only draws prompts (no meshes: nothing is generated)."""
-    from meshrl.collector import Collector
     from meshrl.envs import make_task
-    from meshrl.loop import LoopState
-    from meshrl.models import context_length, load_tokenizer
+    from meshrl.loop.collector import Collector
+    from meshrl.loop.state import LoopState
+    from meshrl.model.models import context_length, load_tokenizer
 
     state = LoopState(seed=cfg.run.seed)
     tokenizer, task = load_tokenizer(cfg.model), make_task(cfg.task)
@@ -263,7 +263,7 @@ def prompt_collector(cfg):
 
 
 def test_overlong_prompts_are_skipped_and_counted_or_refused():
-    from meshrl.collector import PromptTooLong
+    from meshrl.loop.collector import PromptTooLong
 
     # Prompts of 3 to 6 digits are 5 to 8 tokens; the context leaves room for 6.
     keys = ["task.max_digits=6", "model.max_positions=11", "generation.max_new_tokens=5"]
@@ -340,8 +340,8 @@ def test_the_vllm_engine_refuses_a_proc_without_it_in_one_line():
     import torch
 
     from meshrl.config import ModelConfig, PolicyConfig
-    from meshrl.engines import EngineUnavailable, make_engine
-    from meshrl.models import load_model
+    from meshrl.model.engines import EngineUnavailable, make_engine
+    from meshrl.model.models import load_model
 
     with pytest.raises(EngineUnavailable) as info:
         make_engine(PolicyConfig(engine="vllm"), load_model(ModelConfig()), ModelConfig(), 0, 1, 0)
@@ -366,7 +366,7 @@ def test_a_busy_serve_port_and_an_unreadable_override_are_one_line_naming_them()
 
 
 def test_one_line_keeps_a_wrapped_sentence_whole():
-    from meshrl.mesh import one_line
+    from meshrl.procs.mesh import one_line
 
     error = ValueError(
         "The tokenizer at /x cannot be loaded because its vocabulary\nfile is missing.\n\nDetails: ..."

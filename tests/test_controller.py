@@ -15,8 +15,8 @@ from algorithms.base import HookLoss
 from algorithms.dpo import DPO, DPOConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import load_config
-from meshrl.loop import Ledger, LoopState
-from meshrl.run import StopRequest
+from meshrl.loop.run import StopRequest
+from meshrl.loop.state import Ledger, LoopState
 from meshrl.types import TrainBatch
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_recovery import configure
@@ -287,11 +287,11 @@ def test_two_policy_trainer_pairs_train_apart_in_one_script(tmp_path, no_stray_p
     from actors.environment import Environment
     from actors.policy import Policy
     from actors.trainer import Trainer
-    from meshrl.collector import Collector
-    from meshrl.losses import group_advantages
-    from meshrl.run import Run
-    from meshrl.supervisor import Supervisor
-    from meshrl.weight_sync import WeightSync
+    from meshrl.loop.collector import Collector
+    from meshrl.loop.run import Run
+    from meshrl.loop.supervisor import Supervisor
+    from meshrl.loop.weight_sync import WeightSync
+    from meshrl.model.losses import group_advantages
 
     cfg = configure(tmp_path, "two", "prompts_per_step=4")
     algo = GRPO(cfg)  # for its tokenizer, task and loss hook

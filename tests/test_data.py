@@ -9,7 +9,7 @@ import pytest
 
 from algorithms.dpo import SHIPPED_PREFERENCES, DPOConfig
 from meshrl.config import ConfigError, load_config
-from meshrl.data import DatasetError, PreferencePair, load_preferences, split_holdout
+from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.envs.digits import preference_pairs
 
 pytestmark = pytest.mark.unit

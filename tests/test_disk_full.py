@@ -57,7 +57,7 @@ def test_a_full_disk_stops_the_run_in_one_line_naming_the_file(small_disk, capfd
     `error: ...`), and what was written ends on whole lines."""
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.config import load_config
-    from meshrl.mesh import one_line
+    from meshrl.procs.mesh import one_line
     from tests.conftest import DEFAULT_CONFIG
 
     class FillsTheDisk(GRPO):
@@ -91,8 +91,8 @@ def test_a_model_that_does_not_fit_leaves_no_directory_for_model_path(small_disk
     """`save_hf` (the final model, an export) on a disk too small for the weights:
     one OSError naming the directory, and neither it nor a partial one is left."""
     from meshrl.config import ModelConfig
-    from meshrl.export import save_hf
-    from meshrl.models import load_model
+    from meshrl.loop.export import save_hf
+    from meshrl.model.models import load_model
 
     cfg = ModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)
     model = load_model(cfg)  # ~100 MB of float32 weights: more than the disk holds

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from algorithms.base import main
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl import checkpoint
 from meshrl.config import load_config
-from meshrl.models import load_model
+from meshrl.loop import checkpoint
+from meshrl.model.models import load_model
 from tests.conftest import DEFAULT_CONFIG, REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -203,7 +203,7 @@ def test_mesh_status_shows_a_killed_proc_dead(tmp_path, no_stray_procs):
             time.sleep(0.5)
         assert states[("policy", 1)] == "dead"
         assert states[("policy", 0)] == states[("trainer", 0)] == "alive"
-        from meshrl.status import table
+        from meshrl.observe.status import table
 
         (row,) = [line for line in table(procs).splitlines() if line.startswith("policy[1]")]
         assert "dead" in row
@@ -339,7 +339,7 @@ def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, no_stray_
     for name, param in unmerged.named_parameters():
         assert (param - merged[name]).abs().max().item() < 1e-6, name
     # The last step's checkpoint exported after the fact: the same merged model.
-    from meshrl.export import export_checkpoint
+    from meshrl.loop.export import export_checkpoint
 
     export_checkpoint(str(tmp_path / "lora"), str(tmp_path / "exported"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")

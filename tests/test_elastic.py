@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from algorithms.grpo import GRPO
 from algorithms.ppo import PPO, PPOConfig
-from meshrl import checkpoint
-from meshrl.elastic import REQUEST, check, parse_sizes
-from meshrl.pool import PoolFuture, ScaleError
+from meshrl.loop import checkpoint
+from meshrl.loop.elastic import REQUEST, check, parse_sizes
+from meshrl.procs.pool import PoolFuture, ScaleError
 from tests.conftest import REPO
 from tests.test_recovery import configure
 

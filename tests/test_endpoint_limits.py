@@ -1,5 +1,5 @@
 """The policy endpoint refuses what it cannot serve before it costs the run
-anything (`meshrl.serve`): oversized bodies, prompts too long to fit, malformed
+anything (`meshrl.envs.serve`): oversized bodies, prompts too long to fit, malformed
 requests, unknown models, temperatures that overflow, idle connections, clients
 that hang up. None of these requests reaches a replica, so the server here has
 none behind it."""
@@ -14,9 +14,9 @@ import time
 import pytest
 
 from meshrl.config import GenerationConfig
-from meshrl.models import build_char_tokenizer
-from meshrl.rollout import ChatFormat
-from meshrl.serve import MAX_BODY_BYTES, PolicyServer, Router
+from meshrl.envs.rollout import ChatFormat
+from meshrl.envs.serve import MAX_BODY_BYTES, PolicyServer, Router
+from meshrl.model.models import build_char_tokenizer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -9,14 +9,14 @@ import pytest
 
 from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, TaskConfig, load_config
-from meshrl.data import DatasetError, read_rows
 from meshrl.envs import make_task
 from meshrl.envs.code import run_tests, split_test
+from meshrl.envs.dataset import DatasetError, read_rows
 from meshrl.envs.math import ArithmeticError_, answers_match, arith, extract_answer
+from meshrl.envs.rollout import ChatFormat
 from meshrl.envs.samples import main as samples_main
 from meshrl.envs.tools import ToolEpisode
-from meshrl.models import build_char_tokenizer
-from meshrl.rollout import ChatFormat
+from meshrl.model.models import build_char_tokenizer
 from meshrl.types import Prompt
 from tests.conftest import DEFAULT_CONFIG
 
@@ -245,9 +245,9 @@ def test_your_own_environment_by_import_path():
 
 def test_a_disabled_tool_answers_so_and_a_multi_turn_warm_start_trace_masks_the_replies():
     from meshrl.config import ModelConfig
-    from meshrl.models import load_tokenizer
-    from meshrl.rollout import ChatFormat
-    from meshrl.supervised import demonstration_tokens
+    from meshrl.envs.rollout import ChatFormat
+    from meshrl.loop.supervised import demonstration_tokens
+    from meshrl.model.models import load_tokenizer
 
     prompt = Prompt("What is 12 * 34?", "408", {"expression": "12 * 34"})
     off = ToolEpisode(prompt, tools=[])

@@ -6,7 +6,7 @@ import time
 import pytest
 from monarch.actor import Actor, endpoint
 
-from meshrl.mesh import RemoteCallError, RoleMeshes, wait
+from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
 

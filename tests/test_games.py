@@ -5,8 +5,8 @@ import random
 import pytest
 
 from meshrl.envs import kuhn
-from meshrl.games import Game, deal, results, strategy_batch, strategy_of
-from meshrl.models import build_char_tokenizer
+from meshrl.loop.games import Game, deal, results, strategy_batch, strategy_of
+from meshrl.model.models import build_char_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,8 @@ from algorithms.base import HookLoss
 from algorithms.dpo import DPO, DPOConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ModelConfig, OptimConfig
-from meshrl.losses import AGGREGATIONS
-from meshrl.mesh import RoleMeshes, call_all, call_each
+from meshrl.model.losses import AGGREGATIONS
+from meshrl.procs.mesh import RoleMeshes, call_all, call_each
 from meshrl.types import TrainBatch
 from tests.conftest import local_master
 

@@ -11,7 +11,7 @@ import torch
 
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, load_config
-from meshrl.mesh import call_all
+from meshrl.procs.mesh import call_all
 from tests.conftest import DEFAULT_CONFIG, REPO
 
 
@@ -87,11 +87,11 @@ BUILD = """
 import json, sys
 from algorithms.grpo import GRPOConfig
 from meshrl.config import load_config
-from meshrl.job import build_job
+from meshrl.procs.job import build_job
 cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
 job = build_job(cfg.job, ["policy", "trainer", "environment"])
 if hasattr(job, "allocations"):  # meshrl's SLURM job: the sbatch script it would submit
-    from meshrl.slurm import Allocation
+    from meshrl.procs.slurm import Allocation
     alloc = Allocation("trainer", job.meshes["trainer"], 20000, ["id"] * 64)
     print(json.dumps({"_meshes": job.meshes, "script": job.allocations.script(alloc, "trainer")}))
 else:
@@ -104,11 +104,11 @@ JOIN = """
 import json, sys
 from algorithms.grpo import GRPOConfig
 from meshrl.config import load_config
-from meshrl.job import joining_job
+from meshrl.procs.job import joining_job
 cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
 job, name = joining_job(cfg.job, "policy", 3)
 if hasattr(job, "allocations"):
-    from meshrl.slurm import Allocation
+    from meshrl.procs.slurm import Allocation
     alloc = Allocation(name, 1, 20000, ["id"] * 8)
     print(json.dumps({"mesh": name, "_meshes": job.meshes, "script": job.allocations.script(alloc, "policy")}))
 else:
@@ -141,7 +141,7 @@ def test_slurm_job_is_built_from_config():
     ]:  # fmt: skip
         assert line in script, line
     assert any(
-        line.startswith(".venv/bin/python -m meshrl.slurm")
+        line.startswith(".venv/bin/python -m meshrl.procs.slurm")
         for line in [
             part.split(" &")[0].removeprefix("srun --kill-on-bad-exit=0 ") for part in script
         ]

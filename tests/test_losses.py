@@ -1,11 +1,11 @@
-"""The math in meshrl.losses against hand-computed values and naive loops."""
+"""The math in meshrl.model.losses against hand-computed values and naive loops."""
 
 import math
 
 import pytest
 import torch
 
-from meshrl.losses import (
+from meshrl.model.losses import (
     LossScale,
     aggregate,
     dpo_loss,
@@ -507,7 +507,7 @@ def test_corrections_bring_a_perturbed_samplers_gradient_back_on_policy(kind):
 
 
 def test_pass_at_k_is_chen_et_al_unbiased_estimator():
-    from meshrl.evaluation import pass_at_k
+    from meshrl.loop.evaluation import pass_at_k
 
     assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0
     assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the pass rate

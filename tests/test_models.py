@@ -10,16 +10,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.envs.digits import positional_match
-from meshrl.generation import sample, top_p_filter
-from meshrl.models import (
+from meshrl.model.generation import sample, top_p_filter
+from meshrl.model.models import (
     build_char_tokenizer,
     completion_logprobs,
     load_model,
     load_tokenizer,
     stop_token_ids,
 )
-from meshrl.weight_receiver import WeightReceiver
-from meshrl.weights import TornWeights, WeightPublisher
+from meshrl.weights.publisher import TornWeights, WeightPublisher
+from meshrl.weights.receiver import WeightReceiver
 
 pytestmark = pytest.mark.unit
 
@@ -230,7 +230,7 @@ def test_a_replica_pulling_while_the_trainer_publishes_never_serves_a_mixed_vers
 
 
 def test_checksum_is_the_same_taken_whole_in_chunks_or_unaligned_and_sees_one_byte():
-    from meshrl import checksum as sums
+    from meshrl.weights import checksum as sums
 
     data = torch.randn(3 * sums._CHUNK // 4 + 3)  # chunks, and a tail short of a word
     whole = sums.checksum(data)

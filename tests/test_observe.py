@@ -1,5 +1,5 @@
 """Monarch's telemetry, dashboard and mesh admin for a run, and the profiler
-across procs (`meshrl.observe`, `meshrl.profile`): one real GRPO run, watched
+across procs (`meshrl.observe.monarch`, `meshrl.observe.profile`): one real GRPO run, watched
 from outside while it goes, as a user would."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from meshrl.config import ConfigError
-from meshrl.observe import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL, Observe
-from meshrl.proc_pool import monarch_pids
+from meshrl.observe.monarch import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL, Observe
+from meshrl.procs.proc_pool import monarch_pids
 from tests.conftest import REPO, descendants, listeners, own_pids
 from tests.test_e2e import grpo_command
 
@@ -198,8 +198,8 @@ def test_telemetry_that_monarch_did_not_start_is_one_line():
 
 
 def test_status_shows_monarchs_state_beside_meshrls():
-    from meshrl.observe import merge_states, states_from_rows
-    from meshrl.status import table
+    from meshrl.observe.monarch import merge_states, states_from_rows
+    from meshrl.observe.status import table
 
     rows = [
         {"role": "policy", "rank": 0, "actor": "policy", "status": "Idle", "reason": None,
@@ -227,7 +227,7 @@ def test_a_second_telemetry_job_in_one_process_is_one_line(monkeypatch):
     (its socket sink and mesh admin): a notebook's next run is told, not hung."""
     from monarch.job import LocalJob
 
-    from meshrl import observe
+    from meshrl.observe import monarch as observe
 
     monkeypatch.setattr(observe, "_used_in_process", True)
     with pytest.raises(ConfigError, match="'run.telemetry': Monarch runs telemetry for one job"):

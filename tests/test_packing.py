@@ -1,6 +1,6 @@
 """The fast paths give the plain paths' numbers: packed and tree training layouts
-(meshrl.packing) against the padded batch, and the sampler's shared prefixes
-and dropped rows (meshrl.generation) against one row per prompt copy. The
+(meshrl.model.packing) against the padded batch, and the sampler's shared prefixes
+and dropped rows (meshrl.model.generation) against one row per prompt copy. The
 gradients of every layout at every placement are compared in
 test_invariance.py."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from meshrl.config import ModelConfig
-from meshrl.generation import draw, row_uniforms, sample
-from meshrl.models import completion_logprobs, completion_values, load_model, load_value_model
-from meshrl.packing import pack
+from meshrl.model.generation import draw, row_uniforms, sample
+from meshrl.model.models import completion_logprobs, completion_values, load_model, load_value_model
+from meshrl.model.packing import pack
 
 pytestmark = pytest.mark.unit
 

@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 from algorithms.base import NonFiniteLoss
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.ppo import PPO, PPOConfig
-from meshrl import checkpoint
-from meshrl.checkpoint import CheckpointError
 from meshrl.config import ConfigError, load_config
-from meshrl.faults import FaultsConfig
-from meshrl.loop import LoopState
-from meshrl.mesh import RemoteCallError, call_all
-from meshrl.supervisor import Supervisor
+from meshrl.loop import checkpoint
+from meshrl.loop.checkpoint import CheckpointError
+from meshrl.loop.state import LoopState
+from meshrl.loop.supervisor import Supervisor
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.mesh import RemoteCallError, call_all
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_e2e import run_grpo
 
@@ -195,7 +195,7 @@ def test_a_raising_reward_function_ends_the_run_with_one_line(tmp_path, no_stray
     lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert lines == [
         "error: environment.score[0] failed: "
-        "meshrl.faults.InjectedError: faults.raise_in: injected error in score"
+        "meshrl.procs.faults.InjectedError: faults.raise_in: injected error in score"
     ], run.stderr[-2000:]
     assert "--debug" in run.stderr
 

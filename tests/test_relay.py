@@ -13,14 +13,14 @@ from monarch.actor import Actor, endpoint
 from actors.policy import Policy
 from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, GenerationConfig, load_config
-from meshrl.faults import FaultsConfig
-from meshrl.loop import LoopState
-from meshrl.mesh import RemoteCallError, call_all, wait
-from meshrl.models import load_model
-from meshrl.run import Run
-from meshrl.supervisor import Supervisor
-from meshrl.weight_sync import WeightSync, plan
-from meshrl.weights import WeightHandle, WeightPublisher, WeightSource
+from meshrl.loop.run import Run
+from meshrl.loop.state import LoopState
+from meshrl.loop.supervisor import Supervisor
+from meshrl.loop.weight_sync import WeightSync, plan
+from meshrl.model.models import load_model
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.mesh import RemoteCallError, call_all, wait
+from meshrl.weights.publisher import WeightHandle, WeightPublisher, WeightSource
 from tests.conftest import DEFAULT_CONFIG
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from meshrl.report import plots, read_metrics, table
+from meshrl.observe.report import plots, read_metrics, table
 
 pytestmark = pytest.mark.unit
 

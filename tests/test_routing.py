@@ -1,4 +1,4 @@
-"""MoE routing replay (`meshrl.routing`): the sampler records each token's
+"""MoE routing replay (`meshrl.model.routing`): the sampler records each token's
 experts, the trainer measures its own routing against them and can replay them.
 
 A bfloat16 sampler against a float32 trainer (`policy.dtype`) sends some tokens
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from meshrl.config import ModelConfig
-from meshrl.generation import sample
-from meshrl.models import completion_logprobs, load_model
-from meshrl.packing import pack
-from meshrl.routing import Replay, routers
+from meshrl.model.generation import sample
+from meshrl.model.models import completion_logprobs, load_model
+from meshrl.model.packing import pack
+from meshrl.model.routing import Replay, routers
 from meshrl.types import Completions, TrainBatch
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -14,10 +14,10 @@ from algorithms.cli import main as cli_main
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.sft import SFT, SFTConfig
 from meshrl.config import ConfigError, ModelConfig, load_config
-from meshrl.data import DatasetError
-from meshrl.export import model_source
-from meshrl.models import build_char_tokenizer, load_model
-from meshrl.sft_data import conversation, load_examples, pair
+from meshrl.envs.dataset import DatasetError
+from meshrl.envs.sft_data import conversation, load_examples, pair
+from meshrl.loop.export import model_source
+from meshrl.model.models import build_char_tokenizer, load_model
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_algorithms import QUIET, undocumented_metrics
 

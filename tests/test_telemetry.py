@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshrl.telemetry import drain, record, reduce_partials
+from meshrl.observe.telemetry import drain, record, reduce_partials
 
 pytestmark = pytest.mark.unit
 

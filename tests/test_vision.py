@@ -13,15 +13,16 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl import vision
-from meshrl.collector import Collector
 from meshrl.config import ModelConfig, VisionConfig, load_config
 from meshrl.envs import make_task
 from meshrl.envs.base import Step
+from meshrl.envs.rollout import ChatFormat, EpisodeState, _reply
 from meshrl.envs.vision import VisionCount
-from meshrl.generation import sample
-from meshrl.loop import LoopState
-from meshrl.models import (
+from meshrl.loop.collector import Collector
+from meshrl.loop.state import LoopState
+from meshrl.model import vision
+from meshrl.model.generation import sample
+from meshrl.model.models import (
     completion_logprobs,
     completion_values,
     load_model,
@@ -30,15 +31,14 @@ from meshrl.models import (
     load_value_model,
     vision_format,
 )
-from meshrl.rollout import ChatFormat, EpisodeState, _reply
+from meshrl.model.vision import ImageError, VisionFormat, stack
 from meshrl.types import Prompt, TrainBatch
-from meshrl.vision import ImageError, VisionFormat, stack
 from tests.conftest import REPO
 from tests.test_recovery import configure
 
 VISION_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_vision.yaml")
 LLAVA = ModelConfig(arch="llava")
-QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.mrope)
+QWEN = ModelConfig(arch="qwen2_vl")  # M-RoPE: patch lists with grids (meshrl.model.mrope)
 QWEN25 = ModelConfig(arch="qwen2_5_vl")  # and a vision tower of window attention
 QWEN3 = ModelConfig(arch="qwen3_vl")  # and interleaved M-RoPE, deepstack features
 
@@ -201,7 +201,7 @@ def _save_tiny_gemma3(path) -> None:
     )
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    from meshrl.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import build_char_tokenizer, embedded_config
 
     chars = build_char_tokenizer()
     tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
@@ -241,7 +241,7 @@ def _save_tiny_llava_next(path) -> None:
     )
     from transformers.models.llava_next import image_processing_pil_llava_next as next_images
 
-    from meshrl.models import embedded_config
+    from meshrl.model.models import embedded_config
 
     tokenizer, pins = load_tokenizer(LLAVA), [[32, 32], [32, 64], [64, 32]]
     images = next_images.LlavaNextImageProcessorPil(

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from meshrl.config import ModelConfig
-from meshrl.models import load_model
-from meshrl.weight_receiver import WeightReceiver
-from meshrl.weights import WeightMismatch, WeightPublisher
+from meshrl.model.models import load_model
+from meshrl.weights.publisher import WeightMismatch, WeightPublisher
+from meshrl.weights.receiver import WeightReceiver
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

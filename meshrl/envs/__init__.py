@@ -5,6 +5,10 @@ Single-turn tasks score one completion (`reverse_digits`, `math`, `countdown`,
 model turn until the episode is done (`calculator`, `slow_tool`, and
 `vision_zoom`, whose tool returns a picture). `task.name` is a name in `TASKS`
 or the import path of your own class (`mypkg.envs:MyEnv`, a subclass of `Env`).
+
+Beside the tasks: the files they read (`dataset`, `sft_data` for SFT), episodes
+played over the policy and environment meshes (`rollout`), and the policy's
+OpenAI-compatible endpoint that an agent drives (`serve`).
 """
 
 from __future__ import annotations

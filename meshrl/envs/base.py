@@ -118,7 +118,7 @@ class Env:
         if not dataset:
             return [self.generate(rng) for _ in range(num_prompts)]
         if self._rows is None:
-            from meshrl.data import task_rows
+            from meshrl.envs.dataset import task_rows
 
             self._rows = task_rows(dataset, self.cfg.prompt_field, self.cfg.answer_field)
         return [self.from_row(rng.choice(self._rows)) for _ in range(num_prompts)]

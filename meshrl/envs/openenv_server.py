@@ -305,7 +305,7 @@ class Servers:
 
 
 def _count_start() -> None:
-    from meshrl.telemetry import record
+    from meshrl.observe.telemetry import record
 
     record("env/openenv_server_starts", 1, "sum")
 

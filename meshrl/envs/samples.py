@@ -19,7 +19,7 @@ import os
 import random
 import sys
 
-from meshrl.generated import write_or_check
+from meshrl.config.generated import write_or_check
 
 ROWS = 200
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")

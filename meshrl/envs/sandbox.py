@@ -92,7 +92,7 @@ class SandboxConfig:
     """Processes one program may run at once (itself included)."""
 
     def validate(self) -> None:
-        from meshrl.config_files import ConfigError
+        from meshrl.config.files import ConfigError
 
         for key, ok, need in (
             ("memory_mb", self.memory_mb >= 64, ">= 64"),
@@ -105,7 +105,7 @@ class SandboxConfig:
         """A task that runs programs (`Env.sandboxed`) needs the minimum
         isolation here, or `allow_weak`: else one ConfigError line, before any
         process is spawned. The environment procs check again on their hosts."""
-        from meshrl.config_files import ConfigError
+        from meshrl.config.files import ConfigError
         from meshrl.envs import env_class
 
         try:

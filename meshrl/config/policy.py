@@ -1,0 +1,84 @@
+"""The `policy:` section: how the policy replicas generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrl.config.files import check as _check
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `host`:`port` now."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class PolicyConfig:
+    """How the policy replicas generate."""
+
+    engine: str = "hf"
+    """hf: meshrl's KV-cache sampler on the replica's HF model (CPU or GPU).
+    vllm: an in-process vLLM engine per replica (GPU hosts, the `vllm` extra);
+    weights arrive through the same versioned sync."""
+    serve_port: int = 0
+    """Serve the policy replicas at http://127.0.0.1:PORT/v1 (OpenAI-compatible,
+    `meshrl.envs.serve`) while the run trains; 0: not served (an `agent:` task serves
+    them on a free port of its own)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: the share of its GPU a replica's engine may take."""
+    share_prefix: bool = True
+    """hf: prefill each distinct prompt of a batch once and copy its KV cache to
+    the rows that repeat it (a group); the same tokens either way."""
+    drop_finished: bool = True
+    """hf: rows leave the decode batch when they end, so decoding costs what the
+    live rows need; the same tokens either way."""
+    dtype: str | None = None
+    """hf: the replicas' parameter dtype when it is not `model.dtype` (e.g. a
+    bfloat16 sampler for a float32 trainer): each pull casts the published
+    weights, checked against the trainer's checksums as they arrive."""
+    record_routes: bool = False
+    """hf, mixture-of-experts models: return the experts each prompt and
+    completion token was computed with (`meshrl.model.routing`), so the trainer can
+    measure its routing against the sampler's (`routing/` metrics) and replay
+    it. On whenever `trainer.routing_replay` is."""
+
+    def validate(self) -> None:
+        _check(
+            self.engine in ("hf", "vllm"),
+            "policy.engine",
+            f"'{self.engine}' is not one of hf, vllm",
+        )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "policy.gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
+        _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
+        if self.serve_port:  # known now, not after the procs started
+            _check(
+                port_free(self.serve_port),
+                "policy.serve_port",
+                f"port {self.serve_port} is in use on 127.0.0.1",
+            )
+        _check(
+            self.dtype in (None, "float32", "bfloat16"),
+            "policy.dtype",
+            f"'{self.dtype}' is not one of float32, bfloat16 (or unset: model.dtype)",
+        )
+        _check(
+            self.dtype is None or self.engine == "hf",
+            "policy.dtype",
+            "the replicas' own dtype needs policy.engine=hf",
+        )
+        _check(
+            not (self.record_routes and self.engine != "hf"),
+            "policy.record_routes",
+            "routes are recorded by the hf engine only (policy.engine=hf)",
+        )

@@ -1,0 +1,89 @@
+"""The `trainer:` section: how the trainer turns a batch into an optimizer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshrl.config.files import check
+
+LAYOUTS = ("tree", "packed", "padded")
+"""Batch layouts of the training-side forward pass (meshrl.model.packing)."""
+
+
+@dataclass
+class TrainerConfig:
+    """How the trainer turns a batch into one optimizer step."""
+
+    micro_batches: int = 1
+    """Gradient accumulation: each rank's shard of an optimizer step's batch runs
+    as this many forward/backward passes (less activation memory; the same
+    gradient, since every loss divides by the whole batch's counts)."""
+    recompute_old_logprobs: str = "auto"
+    """true: the trainer recomputes the old log-probs of each batch in a no-grad
+    pass before its first optimizer step, so the PPO ratio compares the trainer
+    with itself; the sampler's stay for `correction` and the `sampling/`
+    metrics. false: the sampler's log-probs are the old ones. auto: true when
+    the engine is vllm, model.dtype or policy.dtype is not float32, top_p < 1,
+    min_new_tokens > 0, or a correction is set."""
+    correction: str = "none"
+    """Train-inference mismatch correction (needs the recomputed old log-probs):
+    none, tis (truncated IS per token), mis-token / mis-sequence (masked IS),
+    icepop (token mask outside [low, high]), geo-mask (sequence mask on the
+    geometric mean ratio). See meshrl.model.losses."""
+    correction_low: float = 0.5
+    """Lower bound of the ratio band (icepop, geo-mask)."""
+    correction_high: float = 2.0
+    """Upper bound: the truncation (tis) or the band's top (the others)."""
+    layout: str = "tree"
+    """How the trainer, reference and critic lay a batch out for their forward
+    pass (meshrl.model.packing): tree (no padding, and the completions of one prompt
+    share one forward of it), packed (no padding), padded (the rectangular
+    batch). The same math; padded for sliding-window attention models."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: the trainer's forward sends each token to the
+    experts the sampler chose for it (routing replay, "R3"; meshrl.model.routing),
+    with the gate weights still its own router's, so that a token near a
+    routing tie runs the same experts on both sides. Turns on
+    `policy.record_routes`. The `routing/` metrics count the tokens whose
+    routing differs either way."""
+
+    def validate(self) -> None:
+        from meshrl.model.losses import CORRECTIONS
+
+        check(self.micro_batches >= 1, "trainer.micro_batches", "must be >= 1")
+        self.recompute_old_logprobs = str(self.recompute_old_logprobs).lower()
+        check(
+            self.recompute_old_logprobs in ("auto", "true", "false"),
+            "trainer.recompute_old_logprobs",
+            f"'{self.recompute_old_logprobs}' is not one of auto, true, false",
+        )
+        check(
+            self.correction in CORRECTIONS,
+            "trainer.correction",
+            f"'{self.correction}' is not one of {', '.join(CORRECTIONS)}",
+        )
+        check(
+            self.layout in LAYOUTS,
+            "trainer.layout",
+            f"'{self.layout}' is not one of {', '.join(LAYOUTS)}",
+        )
+        check(self.correction_low >= 0, "trainer.correction_low", "must be >= 0")
+        check(
+            self.correction_low < self.correction_high,
+            "trainer.correction_low",
+            f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
+        )
+
+    def recompute(self, model, generation, policy) -> bool:
+        """Whether old log-probs come from the trainer (resolving `auto`), given the
+        run's `model`, `generation` and `policy` sections."""
+        if self.recompute_old_logprobs != "auto":
+            return self.recompute_old_logprobs == "true"
+        return (
+            policy.engine == "vllm"
+            or model.dtype != "float32"
+            or (policy.dtype or model.dtype) != model.dtype
+            or generation.top_p < 1
+            or generation.min_new_tokens > 0  # the sampler's distribution is truncated
+            or self.correction != "none"
+        )

@@ -1,0 +1,480 @@
+"""Checkpoints of a whole RL run, written atomically, the last K kept.
+
+A checkpoint is a directory `<run dir>/checkpoints/step_<NNNNNNNN>/` holding one
+file per stateful role (the trainer's model, optimizer and schedule, the
+reference's frozen weights, the critic's model and optimizer), each policy
+replica's sampling generator (`policy_rng_<rank>.pt`) and the controller's
+`loop.pt` (the next step, its random generators, the prompts and batches in
+flight). It is assembled under a temporary name and
+renamed into place only when every part is written, with a `COMPLETE` marker
+last, so a crash while writing leaves the previous checkpoint as the newest
+valid one.
+
+A checkpoint cannot run code and proves its bytes:
+
+- Every file is read with `torch.load(weights_only=True)` (tensors and plain
+  containers). The loop's state is written in that form (`to_plain`: prompts
+  and batches as tagged dicts, arrays as tensors). A file that holds anything
+  else is refused in one line naming it. FSDP shards' index (torch's DCP
+  `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
+  metadata classes (`meshrl.procs.parallel.SafeReader`).
+- `MANIFEST.json` (written before `COMPLETE`) holds each file's size and
+  SHA-256. A checkpoint is checked against it before it is loaded
+  (`problem`); `latest()` skips a damaged one and says so, so `resume=auto`
+  and a rewind fall back to the newest intact checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+from meshrl.config import ConfigError
+
+COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line."""
+
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Steps between checkpoints; 0 writes none."""
+    keep: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: str = ""
+    """'' starts fresh; 'auto' continues from the newest complete checkpoint in
+    the run directory (fresh if there is none); or a checkpoint directory."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError("config key 'checkpoint.every': must be >= 0")
+        if self.keep < 1:
+            raise ConfigError("config key 'checkpoint.keep': must be >= 1")
+        if self.resume not in ("", "auto"):
+            if not os.path.isfile(os.path.join(self.resume, COMPLETE)):
+                raise ConfigError(
+                    f"config key 'checkpoint.resume': {self.resume} is not a complete checkpoint"
+                )
+            damage = problem(self.resume)
+            if damage:
+                raise ConfigError(f"config key 'checkpoint.resume': {damage}")
+
+
+def root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def begin(run_dir: str, step: int) -> str:
+    """A fresh temporary directory to write the checkpoint after `step` steps into."""
+    path = os.path.join(root(run_dir), f".partial_step_{step:08d}")
+    shutil.rmtree(path, ignore_errors=True)  # a previous attempt that crashed
+    os.makedirs(path)
+    return path
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory`, relative to it."""
+    found = []
+    for where, _, names in os.walk(directory):
+        found += [os.path.relpath(os.path.join(where, n), directory) for n in names]
+    return sorted(found)
+
+
+def write_manifest(directory: str) -> None:
+    """`MANIFEST.json`: the size and SHA-256 of every file under `directory`."""
+    files = {
+        name: {"bytes": os.path.getsize(os.path.join(directory, name)), "sha256": _sha256(
+            os.path.join(directory, name))}
+        for name in _files(directory)
+        if name not in (MANIFEST, COMPLETE)
+    }  # fmt: skip
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+_checked: dict[tuple, str] = {}
+"""(checkpoint, its manifest's inode and mtime) -> what `problem` found: a
+committed checkpoint never changes, so its files are hashed once (a checkpoint
+written again at the same step after a rewind is a new manifest)."""
+
+
+def problem(path: str) -> str:
+    """'' when every file the checkpoint's manifest lists has its size and SHA-256;
+    else one line naming the first file that does not. A checkpoint from before
+    manifests is taken as it is."""
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        stat = os.stat(manifest)
+    except FileNotFoundError:
+        return ""
+    key = (os.path.abspath(path), stat.st_ino, stat.st_mtime_ns)
+    if key not in _checked:
+        _checked[key] = _check(path, manifest)
+    return _checked[key]
+
+
+def _check(path: str, manifest: str) -> str:
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{manifest} is unreadable ({type(error).__name__}: {error})"
+    for name, want in sorted(files.items()):
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+            if size != want["bytes"]:
+                return f"{full} has {size} bytes, {want['bytes']} were written"
+            if _sha256(full) != want["sha256"]:
+                return f"{full} is not the file that was written (SHA-256 differs)"
+        except OSError as error:
+            return f"{full} cannot be read ({error.strerror or error})"
+    return ""
+
+
+def read(path: str, device: Any = "cpu") -> Any:
+    """A file of a checkpoint, read as tensors and plain containers only
+    (`weights_only=True`: nothing in it can run code); anything else is refused
+    in one line naming the file."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        # torch's message wraps the reason (the global refused) in boilerplate.
+        parts = [" ".join(p.split()) for p in str(error).split("\n\n") if p.strip()]
+        boiler = ("Weights only load failed", "Check the documentation", "Please file an issue")
+        reason = [p for p in parts if not p.startswith(boiler)] or parts or [type(error).__name__]
+        raise CheckpointError(
+            f"{path} is not a checkpoint file meshrl can read safely: {reason[0]}"
+        ) from None
+
+
+_PLAIN = "__meshrl__"
+
+
+def to_plain(value: Any) -> Any:
+    """`value` as tensors and plain containers, for `read` to take back
+    (`from_plain`): prompts and batches (`meshrl.types`) as tagged dicts, numpy
+    arrays and pictures as tensors."""
+    import numpy as np
+    import torch
+
+    from meshrl import types
+
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_plain(v) for v in value)
+    if is_dataclass(value) and getattr(types, type(value).__name__, None) is type(value):
+        fields_ = {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
+        return {_PLAIN: type(value).__name__, "fields": fields_}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) or (hasattr(value, "mode") and hasattr(value, "tobytes")):
+        return {_PLAIN: "ndarray", "tensor": torch.from_numpy(np.array(value))}
+    return value
+
+
+def from_plain(value: Any) -> Any:
+    """What `to_plain` wrote, as it was (a picture comes back as an array)."""
+    from meshrl import types
+
+    if isinstance(value, list | tuple):
+        return type(value)(from_plain(v) for v in value)
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(_PLAIN)
+    if kind is None:
+        return {k: from_plain(v) for k, v in value.items()}
+    if kind == "ndarray":
+        return value["tensor"].numpy()
+    cls = getattr(types, kind, None)
+    if not (isinstance(cls, type) and is_dataclass(cls)):
+        raise CheckpointError(f"the loop state names an unknown kind of value: {kind!r}")
+    return cls(**from_plain(value["fields"]))
+
+
+def commit(partial: str, keep: int) -> str:
+    """Write the manifest, mark `partial` complete, move it into place, drop all
+    but the newest `keep`."""
+    write_manifest(partial)
+    with open(os.path.join(partial, COMPLETE), "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+    final = os.path.join(os.path.dirname(partial), os.path.basename(partial)[len(".partial_") :])
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    # Its digests were just taken from the bytes written: not hashed again by `latest`.
+    stat = os.stat(os.path.join(final, MANIFEST))
+    _checked[(os.path.abspath(final), stat.st_ino, stat.st_mtime_ns)] = ""
+    for old in complete(os.path.dirname(final))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete(checkpoints: str) -> list[str]:
+    """Complete checkpoint directories under `checkpoints`, oldest first."""
+    if not os.path.isdir(checkpoints):
+        return []
+    found = [
+        os.path.join(checkpoints, name)
+        for name in os.listdir(checkpoints)
+        if _NAME.match(name) and os.path.isfile(os.path.join(checkpoints, name, COMPLETE))
+    ]
+    return sorted(found)
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete and intact checkpoint of a run, or None. A damaged
+    one (a file that is not what its manifest says) is skipped, and said so
+    (printed and in the run's faults.log) once."""
+    for path in reversed(complete(root(run_dir))):
+        damage = problem(path)
+        if not damage:
+            return path
+        if damage not in _said:
+            _said.add(damage)
+            from meshrl.procs.faultlog import log_fault
+
+            message = f"checkpoint {path} is damaged, skipped: {damage}"
+            print(message, flush=True)
+            log_fault(message)
+    return None
+
+
+_said: set[str] = set()
+
+
+def step_of(path: str) -> int:
+    """Steps done when the checkpoint at `path` was written."""
+    return int(_NAME.match(os.path.basename(path.rstrip("/"))).group(1))
+
+
+def save_state(path: str, **parts) -> None:
+    """torch.save of the state dicts of `parts` (modules, optimizers, schedulers)
+    and plain values, written under a temporary name and renamed."""
+    import torch
+
+    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_state(path: str, device, **parts) -> dict:
+    """Load what `save_state` wrote into `parts`; returns the plain values."""
+    state = read(path, device)
+    for key, target in parts.items():
+        target.load_state_dict(state[key])
+    return {k: v for k, v in state.items() if k not in parts}
+
+
+class Checkpointer:
+    """Checkpoints of a run: every stateful role's part and the controller's
+    `LoopState`, committed atomically every `checkpoint.every` steps; resume
+    from one, and go back to the newest after a lost trainer (`rewind`).
+
+    `roles`: the stateful roles; each has `save_state(directory)` and
+    `load_state(directory)` endpoints and writes its own files (e.g.
+    `trainer.pt`). `after_restore()` runs after the roles are restored (publish
+    the restored weights to the replicas). `collector` (a `Collector`, when the
+    loop generates ahead) saves and restores the batches of `LoopState.ahead`.
+    Sizes of `same_size` roles must match the checkpoint's (a replica's sampling
+    stream is its own), unless the role is elastic: its samples' seeds are the
+    controller's, so a run may resume with another pool size."""
+
+    def __init__(
+        self,
+        run,
+        state,
+        roles: list,
+        cfg: CheckpointConfig,
+        after_restore=None,
+        collector=None,
+        same_size: tuple[str, ...] = ("policy",),
+        subdirs: dict[str, str] | None = None,
+    ):
+        self.run, self.state, self.cfg = run, state, cfg
+        self.roles = [r for r in roles if r is not None]
+        self.after_restore, self.collector, self.same_size = after_restore, collector, same_size
+        self.subdirs = subdirs or {}  # role name -> its files' subdirectory (two trainers)
+        self.queue: Any = None
+        """The rollout queue of work by pull (`meshrl.loop.dispatch.Dispatcher`), if any:
+        saved settled in `LoopState.data`, loaded after a restore, dropped on a rewind."""
+        self.saved_at = -1
+        self.recover: Any = None
+        """`Supervisor.recover`: a role that lost a proc while it saved (a policy
+        replica's node) is recovered and asked again; None: the loss ends the run."""
+
+    def latest(self) -> str | None:
+        return latest(self.run.dir)
+
+    def _each_role(self, endpoint: str, directory: str, roles: list | None = None) -> None:
+        from meshrl.procs.mesh import RemoteCallError, call_all
+
+        for role in self.roles if roles is None else roles:
+            target = os.path.join(directory, self.subdirs.get(role.name, ""))
+            os.makedirs(target, exist_ok=True)
+            for attempt in range(2):  # again once, after recovering a lost proc
+                try:
+                    call_all(
+                        role, endpoint, target.rstrip(os.sep),
+                        what=f"{role.name}.{endpoint}", timeout_s=self.run.timeout_s,
+                    )  # fmt: skip
+                    break
+                except RemoteCallError as error:
+                    if attempt or not error.proc_lost or self.recover is None:
+                        raise
+                    self.recover(role, error)  # raises RoleLost for a role it cannot catch up
+
+    def load_roles(self, path: str, roles: list) -> None:
+        """Restore only `roles` from the checkpoint at `path`, the loop's state
+        and every other role as they are (one player of several after its
+        trainer was lost)."""
+        self._each_role("load_state", path, roles)
+
+    def maybe_save(self) -> None:
+        """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C
+        or SIGTERM asked to stop, a checkpoint if checkpoints are on and this step
+        has none yet, then KeyboardInterrupt. When the scheduler gave notice that
+        procs of the run will be killed (SLURM: a preemption, a requeue, the time
+        limit near), a checkpoint now, whatever `checkpoint.every` says; a job
+        warned of its time limit is then requeued (the run goes on when SLURM
+        starts it again: `meshrl.procs.slurm`)."""
+        notices = self.run.scheduler_notices() if hasattr(self.run, "scheduler_notices") else []
+        if notices and self.saved_at != self.state.step:
+            from meshrl.procs.mesh import log_fault
+
+            path = self.save()
+            said = ", ".join(f"{mesh} job {reason}" for mesh, reason in notices)
+            log_fault(f"checkpoint {path} written on SLURM's notice ({said})")
+            print(f"SLURM: {said}: checkpoint {path} written", flush=True)
+        for mesh, reason in notices:
+            if reason == "warning":
+                self.run.meshes.job.allocations.requeue(mesh)
+        done, stop = self.state.step, self.run.stop_request.requested
+        due = self.cfg.every and (done % self.cfg.every == 0 or stop)
+        if due and self.saved_at != done:
+            self.save()
+        if stop:
+            saved = f"; checkpoint {self.latest()}" if self.cfg.every else ""
+            raise KeyboardInterrupt(f"stopped after {done} steps{saved}")
+
+    def save(self) -> str:
+        """Write the checkpoint after `state.step` steps. A part that cannot be
+        written (full disk, unwritable directory) stops the run with one line;
+        the previous checkpoint stays the newest valid one."""
+        import torch
+
+        from meshrl.procs.mesh import RemoteCallError, one_line
+
+        done, collector = self.state.step, self.collector
+        # Generation under way for the next steps is part of the state: collected
+        # now and saved, so a resumed run trains on exactly these samples.
+        for batch in self.state.ahead if collector else ():
+            collector.collect(batch)
+        if self.queue is not None:
+            self.state.data["rollout_queue"] = self.queue.save()
+        loop = self.state.state_dict(collector.save if collector else None)
+        try:
+            partial = begin(self.run.dir, done)
+            self._each_role("save_state", partial)
+            sizes = {role.name: role.size for role in self.roles}
+            torch.save({"loop": to_plain(loop), "sizes": sizes}, f"{partial}/loop.pt")
+            path = commit(partial, self.cfg.keep)
+        except (OSError, RemoteCallError) as error:
+            if isinstance(error, RemoteCallError) and error.proc_lost:
+                raise
+            raise CheckpointError(
+                f"checkpoint after step {done} could not be written: {one_line(error)} "
+                f"(newest valid checkpoint: {self.latest()})"
+            ) from error
+        self.saved_at = done
+        return path
+
+    def restore(self, path: str, counts: bool = True) -> int:
+        """Every role's state and the loop's from the checkpoint at `path`; returns
+        its step. `counts=False` keeps the ledger and counters (a rewind)."""
+        damage = problem(path)
+        if damage:
+            raise CheckpointError(f"cannot restore {path}: {damage}")
+        saved = read(f"{path}/loop.pt")
+        saved["loop"] = from_plain(saved["loop"])
+        for role in self.roles:
+            elastic = role.name in self.run.meshes.elastic  # seeds are the samples', not its
+            if (
+                role.name in self.same_size
+                and not elastic
+                and saved["sizes"].get(role.name) != role.size
+            ):
+                raise ConfigError(
+                    f"config key 'placement.{role.name}': the checkpoint {path} has "
+                    f"{saved['sizes'].get(role.name)} {role.name} procs, this run {role.size}"
+                )
+        self._each_role("load_state", path)
+        if self.after_restore is not None:
+            self.after_restore()
+        restore_batch = self.collector.restore if self.collector else None
+        self.state.load_state_dict(saved["loop"], restore_batch, counts=counts)
+        if self.queue is not None:
+            self.queue.load(self.state.data.get("rollout_queue"))
+        self.saved_at = self.state.step
+        return self.state.step
+
+    def resume(self) -> int | None:
+        """With `checkpoint.resume`: restore the run's checkpoint and return its
+        step; else None (a fresh run)."""
+        if self.run.resume_from is None:
+            return None
+        step = self.restore(self.run.resume_from)
+        print(f"resumed from {self.run.resume_from} at step {step}", flush=True)
+        return step
+
+    def rewind(self, lost, supervisor, log, samples_per_step: int) -> int:
+        """A proc of a role whose state lives only in it (trainer, critic) died
+        during step `state.step`: replace its procs, restore every role from the
+        newest checkpoint and return its step, where the loop continues. Samples
+        of the steps undone, and those generated ahead, count as dropped."""
+        path = self.latest()
+        if path is None:
+            raise lost  # no checkpoint (checkpoint.every = 0)
+        supervisor.spend_recovery(lost.role, lost)
+        print(f"recovering {lost.role} from {path}: {lost}", flush=True)
+        self.run.respawn(lost.role)
+        ledger, step = self.state.ledger, self.state.step
+        in_flight = 0
+        for batch in self.state.ahead:  # generation for the steps being undone
+            in_flight += len(batch)
+            ledger.generated += 0 if batch.counted else len(batch)
+        self.state.ahead = []
+        if self.queue is not None:  # generated for the steps being undone
+            self.queue.drop_all("trainer_rewind")
+        back_to = self.restore(path, counts=False)
+        self.run.report()  # actors' metrics of the undone steps belong to no step
+        log.rewind(back_to)
+        # Steps back_to .. step-1 were trained and are undone; step's samples never were.
+        ledger.trained -= (step - back_to) * samples_per_step
+        ledger.drop("trainer_rewind", (step + 1 - back_to) * samples_per_step + in_flight)
+        return back_to

@@ -1,0 +1,427 @@
+"""A run: its directory, its meshes and their lifetime, and its stop request.
+
+    with Run(cfg, "grpo", procs={"policy": 2, "trainer": 1}) as run:
+        policy = run.spawn("policy", Policy, cfg.model)
+        trainer = run.spawn("trainer", Trainer, cfg.model, rendezvous=True)
+        ...
+
+`Run` creates (or, resuming, reuses) the run directory, saves the resolved
+config, spawns one proc mesh per role (`meshrl.procs.mesh.RoleMeshes`), writes
+`status.json` from a thread, and on `close()` stops every proc and removes the
+run's shared-memory weight files. `run.spawn` returns a `Role`: a handle on one
+actor per proc that stays valid when the role's procs are replaced
+(`run.respawn`). Ctrl-C and SIGTERM are this run's (`run.stop_request`), not the
+process's, so runs one after another in a notebook kernel never share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from meshrl.config import ConfigError, save_config
+from meshrl.loop import checkpoint
+from meshrl.observe.metrics import make_run_dir
+from meshrl.observe.monarch import Observe, merge_states
+from meshrl.observe.profile import Profiler, take_request
+from meshrl.observe.status import StatusFile
+from meshrl.observe.status import table as status_table
+from meshrl.procs import faultlog, mesh, slurm, slurm_faults
+from meshrl.procs.mesh import RoleMeshes
+from meshrl.procs.pool import Detector
+from meshrl.weights.publisher import SHM_DIR
+
+logger = logging.getLogger(__name__)
+
+
+class StopRequest:
+    """Ctrl-C and SIGTERM for one run.
+
+    While the loop steps (`with stop.catching():`), the first signal asks it to
+    stop at the end of the step (`requested`); a second one, or one outside the
+    loop, raises KeyboardInterrupt at once. `request()` does what a signal does.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, reason: str = "stop requested") -> None:
+        if self.requested:
+            raise KeyboardInterrupt(reason)
+        self.requested = True
+        print(f"\n{reason}: stopping at the end of this step (again to stop at once)", flush=True)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.request(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[StopRequest]:
+        """Route SIGINT and SIGTERM (a scheduler's preemption) to this run while
+        the block runs, in the main thread; the previous handlers come back after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+class Role:
+    """One actor per proc of a role's mesh, flat over hosts (`procs`).
+
+    Endpoints are reached as on a Monarch actor mesh (`role.generate.call_one`,
+    `role.slice(procs=i)`); the mesh behind them is replaced when the role's
+    procs are (`Run.respawn`), and `respawns` counts how often."""
+
+    def __init__(self, run: Run, name: str, make: Any):
+        self.name, self._run, self._make = name, run, make
+        self.actors = make()
+        self.respawns = 0
+        self.resizes = 0  # an elastic role's pool changes (`Run.scale`)
+        self._slices: dict[tuple, Any] = {}
+
+    @property
+    def size(self) -> int:
+        return self._run.meshes.size(self.name)
+
+    def slice(self, **where: Any) -> Any:
+        """A slice of the actors, kept: the loop slices every replica every step, and
+        Monarch builds each slice's endpoints anew (about 0.35 ms on 2 cores)."""
+        if getattr(self.actors, "elastic", False):  # members come and go; slicing is cheap
+            return self.actors.slice(**where)
+        key = tuple(sorted(where.items()))
+        try:
+            return self._slices[key]
+        except KeyError:
+            self._slices[key] = self.actors.slice(**where)
+            return self._slices[key]
+        except TypeError:  # an unhashable selection (a `slice`, before Python 3.12)
+            return self.actors.slice(**where)
+
+    def respawned(self) -> None:
+        """Its procs were replaced: spawn its actors again (an elastic role's new
+        members have them already)."""
+        if not getattr(self.actors, "elastic", False):
+            self.actors = self._make()
+        self._slices = {}
+        self.respawns += 1
+
+    def __getattr__(self, endpoint: str) -> Any:
+        if endpoint.startswith("_"):
+            raise AttributeError(endpoint)
+        return getattr(self.actors, endpoint)
+
+    def __repr__(self) -> str:
+        return f"Role({self.name!r}, procs={self.size}, respawns={self.respawns})"
+
+
+class Run:
+    """The run directory, the config saved in it, the meshes and their lifetime.
+
+    `procs` maps each role to its procs per host (`job.hosts` gives the hosts);
+    `share` maps a role to another whose procs it runs in (colocation); roles in
+    `busy_together` compute at the same time and share the cores (see
+    `RoleMeshes`); `elastic` roles' pools can grow and shrink (`scale`). With `checkpoint.resume` the run continues in the
+    checkpoint's directory (`resume_from`). Use as a context manager, or call
+    `close()`; both are safe to call twice."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        name: str,
+        procs: dict[str, int],
+        share: dict[str, str] | None = None,
+        busy_together: list[tuple[str, ...]] | None = None,
+        elastic: tuple[str, ...] = (),
+    ):
+        self.cfg, self.name = cfg, name
+        self.timeout_s = cfg.run.call_timeout_s
+        if (
+            cfg.job.kind == "local"
+        ):  # before any proc starts (a process or SLURM job's hosts are their own)
+            check_fits(procs, share or {}, cfg.model)
+        self.resume_from = find_resume(cfg)
+        if self.resume_from is None:
+            self.dir = make_run_dir(cfg.run.dir, cfg.run.name, name)
+        else:  # <run dir>/checkpoints/step_N
+            self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
+        save_config(cfg, f"{self.dir}/config.yaml")
+        faultlog.path = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
+        slurm.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
+        if cfg.job.kind == "slurm":  # a quarantine is the run's (a notebook runs several)
+            slurm_faults.quarantined.clear()
+            slurm_faults.losses.clear()
+            if hasattr(cfg, "faults"):
+                slurm_faults.quarantine_after = cfg.faults.quarantine_after
+        self.stop_request = StopRequest()
+        # Shared-memory weight files of this run's trainers, removed at `close`.
+        self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.roles: dict[str, Role] = {}
+        self.status: StatusFile | None = None
+        self.profiler: Profiler | None = None
+        self.observe = Observe.of(cfg.run)  # Monarch's telemetry and dashboard, if on
+        self.meshes = RoleMeshes(
+            procs,
+            cfg.job,
+            threads_per_proc=cfg.placement.threads_per_proc or None,
+            share=share,
+            busy_together=busy_together,
+            observe=self.observe,
+            elastic=elastic,
+        )
+        self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
+        self.notices: Any = (
+            None  # SLURM's notices to the run's jobs (`meshrl.procs.slurm_faults.NoticeWatch`)
+        )
+        self.workers: slurm_faults.WorkerWatch | None = None
+        if cfg.job.kind == "slurm":
+            self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
+        self.detector: Detector | None = None
+        faults = getattr(cfg, "faults", None)
+        if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
+            self.workers = slurm_faults.WorkerWatch(self._watched, faults.detect_s)
+        if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
+            groups = self.meshes.meshes
+            self.detector = Detector(
+                lambda: {r: groups[r] for r in self.meshes.elastic if r in groups}, faults.detect_s
+            )
+        self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
+        if cfg.job.kind == "slurm":
+            self.status.scheduler = lambda: {
+                "slurm": slurm_faults.where(self.meshes),
+                "quarantined": sorted(slurm_faults.quarantined),
+            }
+        if self.observe is not None:
+            self.status.extra = self.observe.urls()
+        self.status.start()
+        if cfg.run.profile_steps:
+            self.profiler = Profiler(
+                self.dir, cfg.run.profile_steps, self.meshes, mesh.wait, self.timeout_s
+            )
+
+    def spawn(
+        self, role: str, actor_class: type, *args: Any, rendezvous: bool = False, **kwargs: Any
+    ) -> Role:
+        """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
+        also `master=(address, port)` of rank 0 for torch.distributed, a fresh
+        one each time the role is spawned again."""
+
+        if rendezvous:  # its actors form a torch.distributed group over its procs
+            if self.meshes.share.get(role, role) in self.meshes.elastic:
+                raise ValueError(f"{role}: an elastic role's procs form no process group")
+            self.meshes.process_group_roles.add(self.meshes.share.get(role, role))
+
+        def make() -> Any:
+            extra = {"master": self.meshes.rendezvous(role)} if rendezvous else {}
+            return self.meshes.spawn(role, role, actor_class, *args, **kwargs, **extra)
+
+        try:
+            self.roles[role] = handle = Role(self, role, make)
+        except BaseException:
+            self.close()
+            raise
+        return handle
+
+    def __contains__(self, role: str) -> bool:
+        return role in self.roles
+
+    def _watched(self) -> list[tuple[Any, Any]]:
+        """Each SLURM allocation of the run, with what names the procs on its
+        workers (`meshrl.procs.slurm_faults.WorkerWatch`): the roles' own jobs, and the
+        one-node jobs of hosts that joined an elastic role's pool."""
+        found = [
+            (alloc, functools.partial(self._procs_on, name))
+            for name, alloc in self.meshes.job.allocations.jobs.items()
+        ]
+        for role in self.meshes.elastic & set(self.meshes.meshes):
+            for index, host in enumerate(list(self.meshes.meshes[role].hosts)):
+                if host.job is not None:
+                    # A joined host is a one-node job: whichever worker is down, it is this host.
+                    procs = functools.partial(self._members_on, role, [index])
+                    found += [
+                        (alloc, lambda _down, procs=procs: procs())
+                        for alloc in host.job.allocations.jobs.values()
+                    ]
+        return found
+
+    def _procs_on(self, mesh_name: str, workers: list[int] | None) -> list[str]:
+        """`role[rank]` of the procs on those workers (hosts) of host mesh
+        `mesh_name`'s own job (None: all), every role sharing them included."""
+        if mesh_name in self.meshes.elastic:  # its members one by one, on their hosts
+            group = self.meshes.meshes.get(mesh_name)
+            own = [i for i, h in enumerate(group.hosts) if h.job is None] if group else []
+            return self._members_on(mesh_name, [i for i in own if workers is None or i in workers])
+        roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == mesh_name]
+        return [f"{r}[{rank}]" for r in roles for rank in range(self.meshes.size(mesh_name))]
+
+    def _members_on(self, role: str, hosts: list[int]) -> list[str]:
+        """`role[rank]` of an elastic role's members on those of its pool's hosts,
+        every role sharing its procs included."""
+        group = self.meshes.meshes.get(role)
+        ranks = [r for r, m in enumerate(group.members) if m.host in hosts] if group else []
+        roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == role]
+        return [f"{r}[{rank}]" for r in roles for rank in ranks]
+
+    def respawn(self, role: str) -> list[Role]:
+        """Replace the procs `role` runs in (after one of them died) and spawn
+        again the actors of every role in them; returns those roles."""
+        own = self.meshes.share.get(role, role)
+        if self.workers is not None and own not in self.meshes.elastic:
+            # (An elastic role's replaced members clear their own, `meshrl.procs.pool`.)
+            self.workers.forget(
+                self.meshes.job.allocations.jobs.get(own), self._procs_on(own, None)
+            )
+        self.meshes.respawn(own)
+        again = [h for r, h in self.roles.items() if self.meshes.share.get(r, r) == own]
+        for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
+            handle.respawned()
+        return again
+
+    def scale(self, role: str, size: int) -> list[int]:
+        """Grow or shrink an elastic role to `size` procs: new members get every
+        actor its others have; the newest leave first (collect their work
+        before). Returns the new members' ranks (they have no weights yet)."""
+        if role not in self.meshes.elastic:
+            raise ValueError(f"{role} is not elastic here")
+        new = self.meshes.scale(role, size)
+        for handle in self.roles.values():
+            if self.meshes.share.get(handle.name, handle.name) == role:
+                handle.resizes += 1
+        return new
+
+    def report(self) -> tuple[dict[str, float], list[dict]]:
+        """What every actor recorded since the last report, reduced over the
+        meshes (`meshrl.observe.telemetry`), and each proc's status."""
+        return self.meshes.report(self.timeout_s)
+
+    def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
+        """Ask every proc of every mesh now: its actors, their weight versions, the
+        endpoint under way, the last call; a proc that is gone shows as dead.
+        Prints the table (`show`) and returns one dict per proc."""
+        procs = self.proc_status(timeout_s)
+        if show:
+            print(status_table(procs))
+        return procs
+
+    def proc_status(self, timeout_s: float = 15.0) -> list[dict]:
+        """Each proc's status (`RoleMeshes.status`), with Monarch's state of its
+        actors when telemetry is on (`meshrl.observe.monarch.merge_states`)."""
+        procs = self.meshes.status(timeout_s)
+        if self.observe is not None:
+            try:
+                merge_states(procs, self.observe.actor_states(timeout_s))
+            except Exception as error:  # noqa: BLE001 - a view; meshrl's own stays
+                logger.warning("Monarch's telemetry did not answer: %s", error)
+        return procs
+
+    def scheduler_notices(self) -> list[tuple[str, str]]:
+        """New notices of the scheduler to this run's jobs, as (mesh, "warning" |
+        "terminated"): their procs are killed soon (SLURM's KillWait or GraceTime
+        after "terminated"; at the time limit after "warning")."""
+        return self.notices.take() if self.notices is not None else []
+
+    def step_begins(self, step: int) -> None:
+        """The loop opens `step` (`StepLog.timer("step")`): start profiling if due."""
+        if self.profiler is None or not self.profiler.on:
+            steps = take_request(self.dir, step)  # `meshrl profile RUN_DIR`
+            if steps is not None:
+                self.profiler = Profiler(self.dir, steps, self.meshes, mesh.wait, self.timeout_s)
+        if self.profiler is not None:
+            self.profiler.begin(step)
+
+    def step_ends(self, step: int, start: float, end: float, metrics: dict) -> None:
+        """`step` was logged: its record into Monarch's telemetry; end profiling if due."""
+        if self.observe is not None:
+            self.observe.step(step, start, end, metrics)
+        if self.profiler is not None:
+            self.profiler.end(step, start, end)
+
+    def close(self) -> None:
+        """Stop every proc this run spawned and remove its shared-memory files."""
+        if self.profiler is not None:
+            try:
+                self.profiler.finish()  # a run that stopped inside the profiled steps
+            except Exception as error:  # noqa: BLE001 - closing goes on
+                print(f"profile not written: {error}", flush=True)
+        if self.status is not None:
+            self.status.stop()  # before the meshes go: it asks their procs
+        if self.detector is not None:
+            self.detector.close()
+        if self.notices is not None:
+            self.notices.close()
+        if self.workers is not None:
+            self.workers.close()
+        self.meshes.stop()
+        if faultlog.path == f"{self.dir}/faults.log":
+            faultlog.path = None
+        # A proc that was killed could not remove its shared-memory files.
+        for path in glob.glob(f"{SHM_DIR}/{self.shm_prefix}-*"):
+            os.unlink(path)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+PROC_BYTES = 450 << 20
+"""What one proc holds before any model: Python, torch, transformers and Monarch
+(450-550 MB resident, measured on this project's CPU procs)."""
+
+
+def machine_bytes() -> int:
+    """This machine's memory, or its cgroup's limit when lower (a container)."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def check_fits(procs: dict[str, int], share: dict[str, str], model: Any) -> None:
+    """A placement whose procs cannot all live in this machine's memory is one
+    line naming the key, before any proc starts (spawning them first took
+    minutes to fail). Each proc: `PROC_BYTES` and its copy of the weights; a
+    trainer or critic proc also its gradients and Adam's two moments."""
+    from meshrl.model.models import weight_bytes
+
+    weights = weight_bytes(model)
+    own = {role: n for role, n in procs.items() if role not in share}
+    need = sum(
+        n * (PROC_BYTES + weights * (4 if role in ("trainer", "critic") else 1))
+        for role, n in own.items()
+    )
+    have = machine_bytes()
+    if need > have:
+        counts = ", ".join(f"{role}={n}" for role, n in own.items())
+        raise ConfigError(
+            f"config key 'placement': {sum(own.values())} procs ({counts}) need about "
+            f"{need / 2**30:.1f} GB of memory; this machine has {have / 2**30:.1f} GB"
+        )
+
+
+def find_resume(cfg: Any) -> str | None:
+    """The checkpoint to continue from, per `checkpoint.resume`, or None."""
+    resume = cfg.checkpoint.resume
+    if resume != "auto":
+        return resume or None
+    if not cfg.run.name:
+        raise ConfigError("config key 'checkpoint.resume': 'auto' needs run.name (the run)")
+    return checkpoint.latest(os.path.join(cfg.run.dir, cfg.run.name))

@@ -1,0 +1,107 @@
+"""Supervised steps on the trainer mesh: batches of prompt + target tokens, and
+the warm-start that teaches a task's answer format before RL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshrl.model.vision import ImageError, stack
+from meshrl.types import TrainBatch
+
+
+def supervised_batch(
+    prompt_ids: list[list[int]],
+    targets: list[list[int]],
+    pad_id: int,
+    target_masks: list[list[int]] | None = None,
+) -> TrainBatch:
+    """Prompt + target token ids -> a TrainBatch whose completion is the target.
+    `target_masks`: which target tokens the loss counts (all when None; a
+    conversation's user turns between assistant turns are 0)."""
+    P, T = max(map(len, prompt_ids)), max(map(len, targets))
+    ids = torch.full((len(prompt_ids), P + T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), P + T)
+    completion_mask = torch.zeros(len(prompt_ids), T)
+    for row, (prompt, target) in enumerate(zip(prompt_ids, targets, strict=True)):
+        ids[row, P - len(prompt) : P + len(target)] = torch.tensor(prompt + target)
+        mask[row, P - len(prompt) : P + len(target)] = 1
+        counted = target_masks[row] if target_masks is not None else [1] * len(target)
+        completion_mask[row, : len(target)] = torch.tensor(counted, dtype=torch.float)
+    return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
+
+
+def supervised_steps(
+    sup: Any,
+    trainer: Any,
+    batches: Callable[[int], TrainBatch],
+    steps: int,
+    lr: float,
+    log_path: str,
+    what: str,
+) -> list[float]:
+    """`steps` supervised steps (`trainer.warm_start_step`, its own AdamW at `lr`)
+    on `batches(step)`, each logged to `log_path`; returns the NLL of each."""
+    losses = []
+    with open(log_path, "w") as log:
+        for step in range(steps):
+            metrics = sup.call_sharded(trainer, "warm_start_step", batches(step), lr)
+            log.write(json.dumps({"step": step, **metrics}) + "\n")
+            losses.append(metrics["loss/nll"])
+    if losses:
+        print(f"{what}: {steps} supervised steps, nll {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
+
+
+def demonstrations(collector: Any, batch_size: int) -> TrainBatch:
+    """A batch of the task's demonstrations: prompts drawn as for RL (through
+    the chat template when there is one), each with the task's demonstration as
+    the target. A multi-turn demonstration (a list of model turns) is played
+    through a fresh episode of the task: each turn ends with EOS and is
+    followed by the episode's reply, tokenized as a rollout would and left out
+    of the loss."""
+    tokenizer, fmt = collector.tokenizer, collector.format
+    prompts = collector.sample_prompts(batch_size)
+    targets, masks = [], []
+    for prompt in prompts:
+        target, mask = demonstration_tokens(collector.task, fmt, prompt)
+        targets.append(target)
+        masks.append(mask)
+    ids, pixels = collector.encode(prompts)
+    batch = supervised_batch(ids, targets, tokenizer.pad_token_id, masks)
+    batch.images, batch.image_counts = stack(pixels)
+    return batch
+
+
+def demonstration_tokens(task: Any, fmt: Any, prompt: Any) -> tuple[list[int], list[int]]:
+    """The token ids of `prompt`'s demonstration and their loss mask (1 on the
+    model's turns, 0 on the environment's replies)."""
+    tokenizer = fmt.tokenizer
+    turns = task.demonstration(prompt)
+    if isinstance(turns, str):
+        turns = [turns]
+    episode = task.episode(prompt) if len(turns) > 1 else None
+    target: list[int] = []
+    mask: list[int] = []
+    for i, turn in enumerate(turns):
+        ids = tokenizer(turn, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target += ids
+        mask += [1] * len(ids)
+        if episode is None or i == len(turns) - 1:
+            break
+        step = episode.step(turn)
+        if step.done:
+            raise ValueError(
+                f"{type(task).__name__}.demonstration: the episode ended after turn {i + 1} "
+                f"of {len(turns)} ({turn!r})"
+            )
+        if step.images:
+            raise ImageError(f"{type(task).__name__}.demonstration: replies with images "
+                             "are not supported in supervised batches yet")  # fmt: skip
+        reply = fmt.reply(step.observation, ids)
+        target += reply
+        mask += [0] * len(reply)
+    return target, mask

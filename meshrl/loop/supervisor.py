@@ -1,0 +1,260 @@
+"""Calls on role meshes with deadlines, retries, respawns and drills.
+
+    sup = Supervisor(run, cfg.faults, state)
+    sup.on_respawn("policy", lambda: sync.pull(policy))   # catch a new replica up
+    metrics = sup.call_sharded(trainer, "train_step", batch)
+
+Every call has the run's deadline (`run.call_timeout_s`). An exception raised in
+an actor is retried `faults.retry_errors` times, then ends the run with the
+actor's one-line error. A lost proc has its procs replaced and its actors
+spawned again (`Run.respawn`) when the script registered a catch-up for the
+role (`on_respawn`); the call is then made again. A role without one (a trainer
+or critic: their state lives only in them) raises `RoleLost`, which the loop
+handles by going back to a checkpoint (`Checkpointer.rewind`). Counters and the
+recovery budget live in the `LoopState`, so they survive a resume.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshrl.config import ConfigError
+from meshrl.loop.run import Role, Run
+from meshrl.loop.state import LoopState
+from meshrl.procs import proc_pool
+from meshrl.procs.faults import FaultsConfig
+from meshrl.procs.mesh import RemoteCallError, call_all, gather, log_fault, start_each, wait
+from meshrl.types import TrainBatch
+
+
+class RoleLost(RemoteCallError):
+    """A proc of a role with no catch-up (`Supervisor.on_respawn`) died: its
+    state is gone with it. The loop goes back to a checkpoint or ends."""
+
+    def __init__(self, error: RemoteCallError, role: str):
+        super().__init__(str(error), error.what, proc_lost=True)
+        self.lost_role = role
+
+    @property
+    def role(self) -> str:
+        return self.lost_role
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many steps in a row with a NaN or infinite loss; one line."""
+
+
+class Supervisor:
+    def __init__(self, run: Run, faults: FaultsConfig, state: LoopState):
+        self.run, self.faults, self.state = run, faults, state
+        self.timeout_s = run.timeout_s if run is not None else 0.0
+        self.catch_up: dict[str, Callable[[], None]] = {}
+        self.drilled: set[tuple] = set()
+        self.killed_at: dict[str, float] = {}  # `role[rank]` -> when a drill killed it
+        self.recovery_times: list[dict[str, float]] = []
+        """Per recovery: seconds from the kill (a drill's; else from when the loss
+        was seen) to seeing it (`detect_s`) and to serving again (`serve_s`)."""
+
+    def on_respawn(self, role: str, catch_up: Callable[[], None] = lambda: None) -> None:
+        """Replace `role`'s procs when one dies, then run `catch_up()` to bring its
+        new actors to the current state (pull weights, reload a checkpoint)."""
+        self.catch_up[role] = catch_up
+
+    # --- calls ---------------------------------------------------------------------------
+
+    def wait(self, future: Any, what: str) -> Any:
+        return wait(future, what, self.timeout_s)
+
+    def call_all(self, role: Role, endpoint: str, *args: Any) -> list:
+        """`endpoint(*args)` on every proc of `role`; results in rank order (no retry)."""
+        return call_all(
+            role, endpoint, *args, what=f"{role.name}.{endpoint}", timeout_s=self.timeout_s
+        )
+
+    def call(
+        self, role: Role, endpoint: str, args_per_rank: list, started: tuple | None = None
+    ) -> tuple[list, int]:
+        """`endpoint` on proc i of `role` with `args_per_rank[i]`, all at once;
+        the results in rank order and how often the call was made again (a
+        lost proc replaced, a raised error retried). `started`: (futures,
+        respawns) of the same call already sent."""
+        what, repeats, errors = f"{role.name}.{endpoint}", 0, 0
+        futures, respawns = started or (None, None)
+        while True:
+            try:
+                if futures is None:
+                    futures = start_each(role, endpoint, args_per_rank)
+                    respawns = role.respawns
+                return gather(futures, what, self.timeout_s), repeats
+            except RemoteCallError as error:
+                futures = None
+                if not error.proc_lost:
+                    self.retry(error, errors)
+                    errors += 1
+                elif respawns == role.respawns:  # else: replaced since the call was sent
+                    self.recover(role, error)
+                repeats += 1
+
+    def call_sharded(
+        self, roles: Role | tuple[Role, ...], endpoint: str, batch: TrainBatch, *args: Any
+    ) -> dict:
+        """`endpoint(shard, *args)` on every proc of each role, all at once, each proc
+        with its data-parallel shard of `batch` (contiguous row blocks); each role's ranks'
+        metrics averaged, the roles' merged (a policy and a value step together)."""
+        roles = roles if isinstance(roles, tuple) else (roles,)
+        shards = {r.name: [(batch.shard(i, r.size), *args) for i in range(r.size)] for r in roles}
+        started = [(r, start_each(r, endpoint, shards[r.name]), r.respawns) for r in roles]
+        metrics: dict = {}
+        for role, futures, respawns in started:
+            results, _ = self.call(role, endpoint, shards[role.name], (futures, respawns))
+            metrics.update(mean_metrics(results))
+        return metrics
+
+    def call_rows(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
+        """`endpoint` on contiguous row blocks of `batch` over `role`'s procs (as
+        even as the rows allow), concatenated in row order (reference and
+        trainer log-probs, critic values)."""
+        blocks = torch.arange(len(batch)).tensor_split(role.size)
+        parts, _ = self.call(role, endpoint, [(batch.rows(b), *args) for b in blocks])
+        return torch.cat(parts)
+
+    # --- faults ---------------------------------------------------------------------------
+
+    def retry(self, error: RemoteCallError, tries: int) -> None:
+        """Re-raise `error` unless `faults.retry_errors` allows another try."""
+        if error.proc_lost or tries >= self.faults.retry_errors:
+            raise error
+        self.state.count("errors_retried")
+        print(f"retrying: {error}", flush=True)
+
+    def recover(self, role: Role | str, error: RemoteCallError) -> None:
+        """A proc of `role` was lost: replace the procs and catch the new actors up
+        (`on_respawn`), or raise `RoleLost` when the role has no catch-up."""
+        name = role if isinstance(role, str) else role.name
+        if not error.proc_lost:
+            raise error
+        host = self.run.meshes.share.get(name, name)  # a colocated role dies with its host's
+        if host not in self.catch_up or name not in self.catch_up:
+            raise RoleLost(error, host)
+        self.spend_recovery(name, error)
+        started = time.monotonic()
+        seen = min(
+            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
+        )
+        log_fault(f"recovering {name}: {error}")
+        for again in self.run.respawn(name):
+            self.catch_up[again.name]()
+        took = time.monotonic() - started
+        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
+        origin = self.killed_at.pop(killed[0]) if killed else seen
+        served = time.monotonic() - origin
+        self.recovery_times.append({"role": host, "detect_s": seen - origin, "serve_s": served})
+        log_fault(f"recovered {name} in {took:.1f}s")
+        # One console line per recovery; Monarch's failure events are in faults.log.
+        print(
+            f"recovered {name}: {error.what} lost its proc; replaced and caught up in "
+            f"{took:.1f}s (details: {self.run.dir}/faults.log)",
+            flush=True,
+        )
+
+    def check_alive(self, role: Role) -> None:
+        """Ask each proc of `role` (its watch) whether it is there; a proc gone is
+        recovered as a loss (`recover`: `RoleLost` for a role without catch-up)."""
+        own = self.run.meshes.share.get(role.name, role.name)
+        watch = self.run.meshes.watches.get(own)
+        if watch is None:
+            return
+        try:
+            self.wait(watch.status.call(), f"{role.name}.status")
+        except RemoteCallError as error:
+            if error.proc_lost:
+                self.recover(role, error)
+            raise
+
+    def spend_recovery(self, role: str, error: RemoteCallError) -> None:
+        """One recovery of the `faults.max_recoveries` budget, or the error."""
+        if len(self.state.recoveries) >= self.faults.max_recoveries:
+            raise error
+        self.state.recoveries.append(f"{role}: {error}")
+
+    def drill(self, step: int) -> None:
+        """Drills from `faults:` at the start of `step`, each once (also when a
+        rewind brings the loop back over the step): `kill` ends the named procs
+        now, as a crash would; `raise_in` makes the named endpoint raise on its
+        next call in every proc of the role."""
+        drills = [("kill", role, rank) for role, rank in self.faults.kills_at(step)]
+        drills += [("raise", role, name) for role, name in self.faults.raises_at(step)]
+        drills += [(kind, role, rank) for role, kind, rank in self.faults.weight_drills_at(step)]
+        drills += [
+            (f"slow:{factor:g}", role, rank) for role, rank, factor in self.faults.slow_at(step)
+        ]
+        if self.faults.episode_latency and "environment" in self.run:  # each step: new procs too
+            self.call_all(self.run.roles["environment"], "set_latency", self.faults.latency())
+        for kind, name, target in drills:
+            if (kind, name, target, step) in self.drilled:
+                continue
+            self.drilled.add((kind, name, target, step))
+            if name not in self.run:
+                raise ConfigError(f"config key 'faults': this run has no {name} mesh to drill")
+            role = self.run.roles[name]
+            if kind == "kill":
+                role.slice(procs=target).exit_now.call_one()  # never answers
+                self.killed_at[f"{name}[{target}]"] = time.monotonic()
+                print(f"faults: killed {name}[{target}] at step {step}", flush=True)
+            elif kind.startswith("slow:"):
+                factor = float(kind.split(":")[1])
+                self.wait(role.slice(procs=target).slow_down.call_one(factor), f"{name}.slow_down")
+                print(f"faults: {name}[{target}] slowed {factor:g}x from step {step}", flush=True)
+            elif kind in ("corrupt", "unmerged", "skip_pull"):
+                self.wait(role.slice(procs=target).arm.call_one(kind), f"{name}.arm")
+                print(f"faults: {kind} drill armed on {name}[{target}] at step {step}", flush=True)
+            else:
+                self.call_all(role, "arm_error", target)
+                print(f"faults: {name}.{target} will raise at step {step}", flush=True)
+
+    def guard_finite(self, step: int, metrics: dict, newest_checkpoint: str | None) -> None:
+        """Count a step whose trainer skipped an update for a NaN or infinite loss
+        or gradient; `faults.max_nonfinite_steps` of them in a row stop the run
+        (the newest checkpoint holds the last good state)."""
+        skipped = any(
+            metrics.get(key, 0) > 0
+            for key in ("train/nonfinite_skipped", "value/nonfinite_skipped")
+        )
+        self.state.count("nonfinite_steps", int(skipped))
+        counters = self.state.counters
+        counters["nonfinite_in_row"] = counters["nonfinite_in_row"] + 1 if skipped else 0
+        limit = self.faults.max_nonfinite_steps
+        if counters["nonfinite_in_row"] >= limit:
+            raise NonFiniteLoss(
+                f"steps {step - limit + 1}..{step}: {limit} steps in a row had a NaN or "
+                f"infinite loss or gradient and were skipped (faults.max_nonfinite_steps); "
+                f"newest checkpoint: {newest_checkpoint}"
+            )
+
+    def metrics(self) -> dict[str, int]:
+        """The run's fault counters, as every step logs them."""
+        counters = self.state.counters
+        last = self.recovery_times[-1:]  # the newest recovery's times, once there is one
+        return {
+            "faults/recoveries": len(self.state.recoveries),
+            "faults/errors_retried": counters["errors_retried"],
+            "faults/nonfinite_steps": counters["nonfinite_steps"],
+            **{f"faults/time_to_{k}": r[k] for r in last for k in ("detect_s", "serve_s")},
+        }
+
+
+def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over `records` (ranks of a mesh, optimizer steps of a batch)."""
+    return {key: sum(r[key] for r in records) / len(records) for key in records[0]}
+
+
+def step_metrics(optimizer_steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one RL step's optimizer steps: means, except `sampling/`
+    keys, taken from the first step (before the batch moved the weights)."""
+    merged = mean_metrics(optimizer_steps)
+    merged.update({k: v for k, v in optimizer_steps[0].items() if k.startswith("sampling/")})
+    return merged

@@ -1,0 +1,223 @@
+"""The training-side forward pass without padding, each prompt once per group.
+
+A training batch is rectangular: [B, P + T], prompts left-padded, completions
+right-padded, and GRPO's G completions of a prompt repeat that prompt G times.
+`trainer.layout` chooses how the trainer, the reference and the critic run it:
+
+- `padded`: the batch as it is (every pad token and every prompt copy computed);
+- `packed`: each row's real tokens only, rows packed end to end;
+- `tree` (the default): rows with the same prompt become one tree, the prompt
+  once followed by each completion; a completion attends to the prompt and to
+  its own earlier tokens only (a 4D attention mask), at the positions the
+  padded layout gives it. The prompt's positions are computed once and receive
+  the gradient of every completion of the group, which is the sum the padded
+  layout computes G times over.
+
+A completion's last token predicts nothing and no later token attends to it,
+so it is not computed either. Trees (or rows) are packed first-fit, longest first, into rows as long as the
+longest tree, so padding is left only at the ends of rows. The outputs that
+score completion token j of row b are gathered back into the [B, T] layout the
+losses read, with 0 where the padded layout has padding. The same math as
+`padded`, up to the order of float sums (tests check 1e-5 relative).
+
+Every HF causal LM that takes a 4D attention mask (transformers' eager and sdpa
+attention) runs these layouts. HF applies no sliding window to a mask it is
+given, so models with sliding-window layers (Gemma 2/3, Mistral) get one mask
+per layer kind, the window cut by position distance.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from meshrl.config.trainer import LAYOUTS  # noqa: F401 - the layouts' names live with their key
+
+
+@dataclass
+class Packed:
+    """A batch laid out as packed rows, and where each scored token's output is."""
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    allowed: torch.Tensor  # [R, L, L] bool: query (dim 1) may attend to key (dim 2)
+    rows: torch.Tensor  # [N] batch row of each scored completion token
+    cols: torch.Tensor  # [N] its completion column (0..T-1)
+    at: torch.Tensor  # [N] flat packed index (r * L + c) of the position predicting it
+    shape: tuple[int, int]  # (B, T) of the batch
+    source: torch.Tensor  # [R, L] flat index (b * (P + T) + column) of each token, -1: padding
+
+    def gather(self, per_token: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """[B, P + T, ...] values of the batch's tokens (e.g. MoE routes) laid out as
+        the packed rows: [R * L, ...], `fill` on padding."""
+        flat = per_token.reshape(-1, *per_token.shape[2:])
+        index = self.source.reshape(-1)
+        out = flat[index.clamp(min=0)]
+        return out.masked_fill((index < 0).view(-1, *[1] * (out.dim() - 1)), fill)
+
+    def attention_mask(
+        self, dtype: torch.dtype, config: object = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[R, 1, L, L] additive mask (0 where allowed), which eager and sdpa read
+        alike. For a model `config` with sliding-window layers, HF's per-kind
+        mapping instead: the sliding layers' mask also blocks keys `window` or
+        more positions back (as HF's own `kv_idx > q_idx - window`)."""
+        mask = self._additive(self.allowed, dtype)
+        kinds = set(getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None)
+        if "sliding_attention" not in kinds or not window:
+            return mask
+        distance = self.position_ids.unsqueeze(2) - self.position_ids.unsqueeze(1)
+        near = self._additive(self.allowed & (distance < window), dtype)
+        return {"full_attention": mask, "sliding_attention": near}
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min).unsqueeze(1)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] per scored token -> [B, T], 0 on padding (differentiable)."""
+        out = values.new_zeros(self.shape)
+        return out.index_put((self.rows, self.cols), values)
+
+
+def _spans(mask: torch.Tensor, P: int) -> tuple[list[int], list[int]]:
+    """Each row's prompt and completion lengths; refuses masks with holes."""
+    prompt_len = mask[:, :P].sum(1)
+    completion_len = mask[:, P:].sum(1)
+    columns = torch.arange(mask.size(1), device=mask.device)
+    expected = (columns >= P - prompt_len.unsqueeze(1)) & (
+        columns < P + completion_len.unsqueeze(1)
+    )
+    if not torch.equal(expected, mask):
+        raise ValueError(
+            "config key 'trainer.layout': packed layouts need left-padded prompts and "
+            "right-padded completions without holes; use trainer.layout=padded"
+        )
+    return prompt_len.tolist(), completion_len.tolist()
+
+
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int, share: bool = True
+) -> Packed:
+    """Lay out `input_ids` [B, P + T] as trees (`share`: rows with the same prompt
+    share it) or as single rows, packed into rows of the longest tree's length."""
+    B, width = input_ids.shape
+    P = width - T
+    prompt_len, completion_len = _spans(attention_mask.bool(), P)
+    ids = input_ids.tolist()
+    trees: dict = {}  # key -> (prompt tokens, member rows)
+    for b in range(B):
+        prompt = ids[b][P - prompt_len[b] : P]
+        key = tuple(prompt) if share else b
+        trees.setdefault(key, (prompt, []))[1].append(b)
+    sized = [
+        (len(p) + sum(max(completion_len[b] - 1, 0) for b in m), p, m) for p, m in trees.values()
+    ]
+    sized.sort(key=lambda s: -s[0])
+    capacity = sized[0][0]
+    bins: list[list] = []  # [used, [(prompt, members), ...]]
+    for size, prompt, members in sized:
+        target = next((x for x in bins if x[0] + size <= capacity), None)
+        if target is None:
+            target = [0, []]
+            bins.append(target)
+        target[0] += size
+        target[1].append((prompt, members))
+    R = len(bins)
+    tokens = torch.zeros(R, capacity, dtype=torch.long)
+    positions = torch.zeros(R, capacity, dtype=torch.long)
+    tree = torch.arange(-1, -R * capacity - 1, -1).view(R, capacity)  # padding: its own
+    member = torch.full((R, capacity), -2)  # -1: a prompt token; b: row b's completion
+    source = torch.full((R, capacity), -1, dtype=torch.long)
+    rows, cols, at = [], [], []
+    tree_id = 0
+    for r, (_, content) in enumerate(bins):
+        c = 0
+        for prompt, members in content:
+            p = len(prompt)
+            tokens[r, c : c + p] = torch.tensor(prompt)
+            positions[r, c : c + p] = torch.arange(p)
+            tree[r, c : c + p], member[r, c : c + p] = tree_id, -1
+            source[r, c : c + p] = members[0] * width + torch.arange(P - p, P)
+            last_prompt = r * capacity + c + p - 1
+            c += p
+            for b in members:  # its tokens but the last, which predicts nothing
+                t = completion_len[b]
+                tokens[r, c : c + t - 1] = torch.tensor(ids[b][P : P + t - 1])
+                positions[r, c : c + t - 1] = torch.arange(p, p + t - 1)
+                tree[r, c : c + t - 1], member[r, c : c + t - 1] = tree_id, b
+                source[r, c : c + t - 1] = b * width + torch.arange(P, P + t - 1)
+                rows += [b] * t
+                cols += range(t)
+                at += [last_prompt, *range(r * capacity + c, r * capacity + c + t - 1)][:t]
+                c += max(t - 1, 0)
+            tree_id += 1
+    causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
+    same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)
+    visible = (member.unsqueeze(1) == -1) | (member.unsqueeze(2) == member.unsqueeze(1))
+    device = input_ids.device
+    return Packed(
+        input_ids=tokens.to(device),
+        position_ids=positions.to(device),
+        allowed=(same_tree & visible & causal).to(device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        cols=torch.tensor(cols, dtype=torch.long, device=device),
+        at=torch.tensor(at, dtype=torch.long, device=device),
+        shape=(B, T),
+        source=source.to(device),
+    )
+
+
+@functools.cache
+def _takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def hf_config(model: torch.nn.Module) -> object:
+    """The HF config of `model`, through a DDP wrapper (`module`) and a value
+    model (its `backbone`); peft and FSDP2 pass `config` through."""
+    model = getattr(model, "module", model)
+    return getattr(model, "config", None) or getattr(
+        getattr(model, "backbone", None), "config", None
+    )
+
+
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the HF model computes logits at chosen positions only
+    (`logits_to_keep`). DDP wraps it (`module`); peft passes keyword arguments
+    through to it (`get_base_model`); FSDP2 keeps its forward."""
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return _takes_logits_to_keep(type(model))
+
+
+def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
+    """[N, V] logits at the positions that predict the scored tokens."""
+    width = packed.input_ids.size(1)
+    keep = torch.unique(packed.at % width)  # columns any row needs logits at
+    kwargs = {}
+    if takes_logits_to_keep(model):
+        kwargs["logits_to_keep"] = keep
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask(dtype, hf_config(model)),
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **kwargs,
+    )
+    logits = out.logits
+    if "logits_to_keep" in kwargs:  # column c of the row sits at keep's index of c
+        index = (packed.at // width) * keep.numel() + torch.searchsorted(keep, packed.at % width)
+    else:
+        index = packed.at
+    return logits.reshape(-1, logits.size(-1))[index]
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype

@@ -1,0 +1,490 @@
+"""Role meshes on a Monarch host, deadlines on remote calls, and clean shutdown.
+
+`RoleMeshes(placement_counts)` spawns one proc mesh per role (its procs named
+`procs`), gives each proc its share of the CPU cores, and stops every proc on
+`stop()`, on leaving a `with` block, on error and on Ctrl-C. `wait(future,
+"policy.generate")` is how the controller collects a result: it honours a
+deadline, stays responsive to Ctrl-C, and turns an actor failure into a
+`RemoteCallError` naming the role, the endpoint and the cause.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from meshrl.config.files import ConfigError, first_paragraph
+from meshrl.procs import faultlog, proc_pool
+
+# (Their old home: callers import them from here.)
+from meshrl.procs.faultlog import debugging, log_fault  # noqa: F401
+
+# (Their old home: callers import them from here.)
+from meshrl.procs.proc_pool import DEVICE_OFFSET_ENV, HOST_TAG_ENV, monarch_pids  # noqa: F401
+from meshrl.procs.proc_pool import setup_proc as _setup_proc
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+# In a Jupyter kernel an asyncio loop runs in the main thread, and Monarch warns
+# (a log record and a UserWarning) at every blocking `Future.get()` there: dozens
+# a step. The controller blocks on purpose, and its futures are driven by
+# Monarch's own runtime, never by that loop, so the warning does not apply.
+_BLOCKING_GET = (
+    r"Future\.get\(\) (was )?called from within an active event loop"
+    r"|Blocking get\(\) was called from a running asyncio event loop"
+)
+warnings.filterwarnings("ignore", message=_BLOCKING_GET)
+
+
+class _NoBlockingGetWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not re.match(_BLOCKING_GET, str(record.msg))
+
+
+logging.getLogger("monarch._src.actor.telemetry").addFilter(_NoBlockingGetWarning())
+
+
+class RemoteCallError(RuntimeError):
+    """A remote call failed, timed out, or its mesh lost a process. `what` names
+    the call (`trainer.train_step[1]`); `role` is its first part."""
+
+    def __init__(self, message: str, what: str = "", proc_lost: bool = False):
+        super().__init__(message)
+        self.what = what
+        self.proc_lost = proc_lost
+        """True when the proc behind the call died (Monarch supervision), False
+        for an exception raised in the actor or a deadline."""
+
+    @property
+    def role(self) -> str:
+        return self.what.split(".")[0]
+
+
+def one_line(error: BaseException) -> str:
+    """The error as one line: its own message for meshrl's errors (which name the
+    key, file or call), else its type and first line."""
+    if isinstance(error, OSError) and error.filename is None and error.strerror:
+        return error.strerror  # meshrl's own (`cannot write FILE: ...`) or the OS's words
+    if isinstance(error, (ConfigError, RemoteCallError, OSError)):
+        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_paragraph(error)  # a sentence wrapped over lines stays whole
+    return (
+        type(error).__name__ if text == type(error).__name__ else f"{type(error).__name__}: {text}"
+    )
+
+
+# --- faults --------------------------------------------------------------------------
+
+faults: list[str] = []
+"""Mesh failures Monarch reported with no handler, oldest first (for inspection)."""
+
+
+def _record_fault(failure: Any) -> None:
+    """Monarch's unhandled-fault hook. Its default ends the client process; here
+    the failure is recorded and written to the run's `faults.log` (the console
+    shows one line per recovery, `Supervisor.recover`), and the call that needed
+    the dead proc fails at the controller with a `RemoteCallError` instead."""
+    text = str(failure).strip()
+    faults.append(text)
+    log_fault(f"mesh failure: {text or 'unknown'}")
+    if faultlog.path is None or debugging():
+        logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
+
+
+def install_fault_hook() -> None:
+    import monarch.actor
+
+    monarch.actor.unhandled_fault_hook = _record_fault
+
+
+def wait(future: Any, what: str, timeout_s: float) -> Any:
+    """Block on a Monarch future for at most `timeout_s` seconds.
+
+    Polls in short slices so that Ctrl-C is handled at once; an error inside
+    the actor, or the death of its proc, raises `RemoteCallError` naming `what`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.get(timeout=POLL_S)
+        except TimeoutError:
+            pass
+        except Exception as error:
+            # Monarch raises SupervisionError when the proc is gone, ActorError when
+            # the endpoint raised.
+            lost = type(error).__name__ == "SupervisionError"
+            raise RemoteCallError(f"{what} failed: {_first_line(error)}", what, lost) from error
+        if proc_pool.lost and proc_pool.is_lost(what):  # seen gone before Monarch says
+            gone = "its proc is gone (seen before Monarch's supervision says so)"
+            raise RemoteCallError(f"{what} failed: {gone}", what, True)
+        if time.monotonic() > deadline:
+            raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    # Actor errors carry the remote traceback; its last line is the cause.
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[-1].strip() if "Traceback" in text else lines[0].strip()
+
+
+def start_each(actors: Any, endpoint: str, args_per_rank: Sequence[tuple]) -> list:
+    """Call `endpoint` on proc i of `actors` with `args_per_rank[i]`, all at once;
+    returns the futures (collect them with `gather`)."""
+    return [
+        getattr(actors.slice(procs=i), endpoint).call_one(*args)
+        for i, args in enumerate(args_per_rank)
+    ]
+
+
+def gather(futures: Sequence, what: str, timeout_s: float) -> list:
+    """The results of `start_each`'s futures in rank order.
+
+    When calls fail, every future is still waited for, and a lost proc is
+    reported before an exception: when one rank of a torch.distributed group
+    dies, its peers fail first with a connection error of their own, but
+    what happened is the lost proc.
+    """
+    results, errors = [], []
+    for i, future in enumerate(futures):
+        try:
+            results.append(wait(future, f"{what}[{i}]", timeout_s))
+        except RemoteCallError as error:
+            errors.append(error)
+    if errors:
+        raise next((e for e in errors if e.proc_lost), errors[0])
+    return results
+
+
+def call_each(
+    actors: Any, endpoint: str, args_per_rank: Sequence[tuple], what: str, timeout_s: float
+) -> list:
+    """Call `endpoint` on proc i of `actors` with `args_per_rank[i]`, all at once,
+    and return the results in rank order."""
+    return gather(start_each(actors, endpoint, args_per_rank), what, timeout_s)
+
+
+def call_all(actors: Any, endpoint: str, *args: Any, what: str, timeout_s: float) -> list:
+    """Call `endpoint` with the same arguments on every proc; results in rank order."""
+    values = wait(getattr(actors, endpoint).call(*args), what, timeout_s)
+    return [value for _, value in values.items()]
+
+
+def split(items: Sequence, num_parts: int) -> list[list]:
+    """Contiguous, nearly equal parts (order kept): shards for replicas."""
+    size, extra = divmod(len(items), num_parts)
+    parts, start = [], 0
+    for i in range(num_parts):
+        end = start + size + (1 if i < extra else 0)
+        parts.append(list(items[start:end]))
+        start = end
+    return parts
+
+
+# --- meshes --------------------------------------------------------------------------
+
+
+class RoleMeshes:
+    """One Monarch proc mesh per role, on this host or on a Monarch job's hosts.
+
+    `counts` maps role -> procs per host, e.g. {"policy": 1, "trainer": 2}.
+    `job` (a `meshrl.procs.job.JobConfig`) says where: `local` (default) puts every
+    role on this host; the other kinds give each role `job.hosts[role]` hosts
+    of its own. A role's ranks are numbered hosts-major and its actor mesh is
+    flattened to one dimension, `procs`, so callers slice it the same way on
+    one host or many. On a GPU host a host's roles take consecutive GPUs in
+    the order given (policy 0.., then trainer ..), except `cpu_roles`.
+    `share` maps a role to another whose procs it runs on (e.g. {"policy":
+    "trainer"}: policy actors in the trainer's procs); it has no mesh of its own.
+    `busy_together` lists groups of roles whose procs compute at the same time
+    (default: all of them); each proc gets the cores over the largest group.
+    Use as a context manager, or call `stop()`.
+    """
+
+    def __init__(
+        self,
+        counts: dict[str, int],
+        job: Any = None,
+        threads_per_proc: int | None = None,
+        cpu_roles: tuple[str, ...] = ("environment",),
+        share: dict[str, str] | None = None,
+        busy_together: list[tuple[str, ...]] | None = None,
+        observe: Any = None,
+        elastic: tuple[str, ...] = (),
+    ):
+        from meshrl.procs.job import JobConfig, build_job, host_meshes
+
+        install_fault_hook()
+        self.job_cfg = job if job is not None else JobConfig()
+        self.counts = dict(counts)
+        self.share = dict(share or {})
+        self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
+        self.meshes: dict[str, Any] = {}
+        self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
+        # role -> a prefix for its actors' metrics (a player's meshes: "a/")
+        self.metric_prefix: dict[str, str] = {}
+        self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
+        self.process_group_roles: set[str] | None = None
+        """Roles whose actors join a torch.distributed group (their multi-proc meshes
+        are never pooled); None: unknown, so only single-proc meshes are."""
+        self.elastic = set(elastic) & set(self.counts)
+        """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
+        self.job: Any = None
+        self.observe = observe  # Monarch telemetry (`meshrl.observe.monarch.Observe`) or None
+        # On one machine (local, process) the procs that compute at the same time
+        # share its cores; elsewhere each proc takes its share of its own host's.
+        shared = self.job_cfg.kind in ("local", "process")
+        groups = busy_together or [tuple(self.counts)]
+        busy = max(
+            sum(
+                self.counts[r] * self.hosts[r]
+                for r in {self._own(r) for r in g}
+                if r in self.counts
+            )
+            for g in groups
+        )
+        threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // busy) if shared else None)
+        device_offset = 0
+        self._spawn_args: dict[str, tuple] = {}
+        try:
+            self.job = build_job(self.job_cfg, list(self.counts), observe)
+            self._hosts = host_meshes(self.job_cfg, self.job, list(self.counts), observe)
+            for role, count in self.counts.items():
+                self._spawn_args[role] = (threads, count, device_offset)
+                self._spawn_procs(role)
+                # Separate hosts have GPUs of their own; local roles share this host's.
+                if role not in cpu_roles and self.job_cfg.kind == "local":
+                    device_offset += count
+        except BaseException:
+            self.stop()
+            raise
+
+    def _pool_key(self, role: str) -> tuple | None:
+        """What a pooled mesh must match to serve `role`, or None: not poolable
+        (pooling off, hosts of a job, or several procs whose actors may have
+        joined a torch.distributed group: see `process_group_roles`)."""
+        threads, count, device_offset = self._spawn_args[role]
+        # (Procs spawned before telemetry was on would not report to it.)
+        if role in self.elastic:  # its members are pooled one by one
+            return None
+        if proc_pool.pool is None or self.job_cfg.kind != "local" or self.observe:
+            return None
+        if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
+            return None
+        return (threads, count, device_offset)
+
+    def _spawn_procs(self, role: str) -> None:
+        threads, count, device_offset = self._spawn_args[role]
+        key = self._pool_key(role)
+        mesh = proc_pool.pool.take(key) if key is not None else None
+        if role in self.elastic:
+            mesh = self._group(role)
+        elif mesh is None:
+            mesh = self._hosts[role].spawn_procs(
+                per_host={"procs": count},
+                bootstrap=functools.partial(
+                    _setup_proc, threads, count, device_offset, self.job_cfg.kind != "local"
+                ),
+                name=role,
+            )
+        self.meshes[role] = mesh
+        self.actors[role] = []
+        from meshrl.observe.telemetry import Watch
+
+        self.watches[role] = self.spawn(role, "watch", Watch, role)
+        # Its __init__ clears what earlier runs registered in a pooled proc: it must
+        # be done before the role's actors register (spawning is asynchronous).
+        wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
+
+    def _group(self, role: str) -> Any:
+        """An elastic role's procs, one mesh each (`meshrl.procs.pool.ProcGroup`)."""
+        from meshrl.procs.pool import make_group, renew_slurm_hosts
+
+        threads, count, offset = self._spawn_args[role]
+        kind, keyed = self.job_cfg.kind, proc_pool.pool is not None and not self.observe
+
+        def spawn_proc(host: Any, slot: int) -> Any:
+            setup = functools.partial(_setup_proc, threads, count, offset + slot, kind != "local")
+            return host.spawn_procs(per_host={"procs": 1}, bootstrap=setup, name=role)
+
+        def pool_key(slot: int) -> tuple | None:
+            return (threads, 1, offset + slot) if keyed and kind == "local" else None
+
+        group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
+        if kind == "slurm":
+            group.renew = functools.partial(renew_slurm_hosts, self, role)
+        group.grow(count * self.hosts[role])
+        return group
+
+    def scale(self, role: str, size: int) -> list[int]:
+        """Grow or shrink an elastic role to `size` procs (the newest leave first;
+        collect their work before); returns the new members' ranks."""
+        group = self.meshes[role]
+        if size > len(group):
+            return group.grow(size - len(group))
+        group.retire(list(range(size, len(group))))
+        return []
+
+    @property
+    def roles(self) -> list[str]:
+        """Every role, those sharing another's procs included."""
+        return [*self.counts, *self.share]
+
+    def _own(self, role: str) -> str:
+        return self.share.get(role, role)
+
+    def respawn(self, role: str, timeout_s: float = 20.0) -> None:
+        """Replace a role's proc mesh (after one of its procs died): stop what is
+        left of it and spawn a fresh one on the same hosts. Actors must be spawned
+        on it again, also those of roles sharing its procs."""
+        if role in self.share:
+            raise RuntimeError(f"{role} runs in the {self.share[role]} procs: respawn those")
+        if role in self.elastic:  # only its lost members
+            group = self.meshes[role]
+            group.replace(group.dead())
+            return
+        old = self.meshes.pop(role)
+        try:
+            old.stop().get(timeout=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - a mesh with a dead proc may not stop cleanly
+            logger.warning("stopping the failed %s mesh: %s", role, error)
+        if self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role):
+            # Its node (or its whole job: a requeue) is gone: a new allocation.
+            self._hosts[role] = self.job.reallocate(role)
+        self._spawn_procs(role)
+
+    def __getitem__(self, role: str) -> Any:
+        return self.meshes[self._own(role)]
+
+    def __contains__(self, role: str) -> bool:
+        return self._own(role) in self.meshes
+
+    def size(self, role: str) -> int:
+        """Ranks of a role: hosts x procs per host (an elastic role's: as it is now)."""
+        if self._own(role) in self.elastic and self._own(role) in self.meshes:
+            return len(self.meshes[self._own(role)])
+        return self.counts[self._own(role)] * self.hosts[self._own(role)]
+
+    def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
+        """One `actor_class` per proc of `role`, as a mesh with one dimension, `procs`."""
+        actors = self[role].spawn(name, actor_class, *args, **kwargs)
+        self.actors.setdefault(self._own(role), []).append(actors)
+        return actors.flatten("procs") if "hosts" in actors.sizes else actors
+
+    def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:
+        """(address, port) of the role's rank 0 for torch.distributed."""
+        if self.job_cfg.kind in ("local", "process"):
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return "127.0.0.1", s.getsockname()[1]
+        from meshrl.procs.parallel import Rendezvous
+
+        probe = self.spawn(role, "rendezvous", Rendezvous)
+        return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
+
+    def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
+        """Stop `role`'s actors and give its procs to the pool, if they are poolable
+        and alive; False when they must be stopped instead."""
+        key = self._pool_key(role) if role in self._spawn_args else None
+        if key is None or watch is None:
+            return False
+        try:
+            status = wait(watch.status.call(), f"{role}.watch", 5.0)
+            pids = {answer["pid"] for _, answer in status.items()}
+            for actors in reversed(self.actors.get(role, [])):
+                actors.stop().get(timeout=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - then the procs are stopped, not kept
+            logger.debug("not pooling the %s procs: %s", role, error)
+            return False
+        proc_pool.pool.give(key, mesh, pids)
+        return True
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop every proc, then the job's hosts (procs that a `ProcPool` keeps:
+        their actors only). Safe to call twice; never raises."""
+        meshes, self.meshes = self.meshes, {}
+        watches, self.watches = self.watches, {}
+
+        # One thread per mesh: a mesh's stop waits for its procs to exit (about a
+        # second each with torch loaded), and Monarch drives a future only while
+        # something waits on it, so waiting in turn would add the seconds up.
+        def stop_one(role: str) -> None:
+            if role in self.elastic:
+                return meshes[role].close()
+            if self._give_back(role, meshes[role], watches.get(role), timeout_s):
+                return
+            try:
+                # Not `wait`: polling a `stop()` future with short timeouts cancels it.
+                meshes[role].stop().get(timeout=timeout_s)
+            except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
+                logger.warning("could not stop %s mesh cleanly: %s", role, error)
+
+        if meshes:
+            with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-stop") as pool:
+                list(pool.map(stop_one, meshes))
+        job, self.job = self.job, None
+        if job is not None:
+            try:
+                job.kill()
+            except BaseException as error:  # noqa: BLE001
+                logger.warning("could not stop the %s job cleanly: %s", self.job_cfg.kind, error)
+        if self.observe is not None:
+            self.observe.close()
+
+    def report(self, timeout_s: float) -> tuple[dict[str, float], list[dict]]:
+        """Every proc's metrics recorded since the last report, reduced across
+        all meshes, and each proc's status. A mesh that does not answer (a proc
+        lost since the loop last called it) is left out; the loop's next call
+        to it recovers it."""
+        from meshrl.observe.telemetry import reduce_partials
+
+        futures = {role: watch.report.call() for role, watch in self.watches.items()}
+        parts, procs = [], []
+        for role, future in futures.items():
+            try:
+                answers = wait(future, f"{role}.watch.report", timeout_s)
+            except RemoteCallError as error:
+                logger.warning("no report from the %s mesh: %s", role, error)
+                continue
+            prefix = self.metric_prefix.get(role, "")
+            for _, (metrics, status) in answers.items():
+                parts.append({prefix + key: value for key, value in metrics.items()})
+                procs.append(status)
+        return reduce_partials(parts), procs
+
+    def status(self, timeout_s: float = 15.0) -> list[dict]:
+        """Each proc of every mesh, asked now, one by one: its status, or `state`
+        dead (its proc is gone) or unresponsive (no answer within `timeout_s`)."""
+        asked = [
+            (role, rank, self.watches[role].slice(procs=rank).status.call_one())
+            for role in self.watches
+            for rank in range(self.size(role))
+        ]
+        rows = []
+        for role, rank, future in asked:
+            try:
+                answer = wait(future, f"{role}.watch[{rank}]", timeout_s)
+                rows.append({**answer, "state": "alive", "rank": rank})  # its rank in the mesh
+            except RemoteCallError as error:
+                state = "dead" if error.proc_lost else "unresponsive"
+                rows.append({"role": role, "rank": rank, "state": state, "error": str(error)})
+        return rows
+
+    def __enter__(self) -> RoleMeshes:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

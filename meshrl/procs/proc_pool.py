@@ -1,0 +1,160 @@
+"""Procs: what runs first in each (`setup_proc`), and procs kept across runs
+in one process, so that each boots torch once.
+
+`reuse_procs()` turns it on (the test suite does); `RoleMeshes` then takes a
+matching idle proc mesh from the pool instead of spawning one, and gives its
+healthy meshes back when it stops (see `ProcPool`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ProcPool:
+    """Proc meshes kept for reuse by later `RoleMeshes` on this host.
+
+    A proc spends about 5 s of CPU importing torch and transformers before its
+    first actor runs; a test suite or a notebook that runs many short runs pays
+    it once per pooled proc instead of once per run. `RoleMeshes.stop()` stops
+    the actors of a healthy mesh (of one proc, or of several whose actors formed
+    no torch.distributed group) and gives the mesh back here; a later
+    `RoleMeshes` wanting as many procs with the same threads and device offset
+    takes it and spawns fresh actors on it. A mesh whose proc died, or whose actors would not
+    stop, is never pooled. Enable with `reuse_procs()`; `close()` stops them."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[tuple[Any, set[int]]]] = {}
+
+    def take(self, key: tuple) -> Any | None:
+        meshes = self.free.get(key)
+        return meshes.pop()[0] if meshes else None
+
+    def give(self, key: tuple, mesh: Any, pids: set[int]) -> None:
+        self.free.setdefault(key, []).append((mesh, pids))
+
+    def pids(self) -> set[int]:
+        """Pids of the pooled procs (alive, waiting for a run)."""
+        return {pid for meshes in self.free.values() for _, pids in meshes for pid in pids}
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        meshes = [mesh for entries in self.free.values() for mesh, _ in entries]
+        self.free = {}
+
+        def stop(mesh: Any) -> None:  # side by side, as in `RoleMeshes.stop`
+            try:
+                mesh.stop().get(timeout=timeout_s)
+            except BaseException as error:  # noqa: BLE001 - best effort, keep stopping the rest
+                logger.warning("could not stop a pooled proc mesh: %s", error)
+
+        if meshes:
+            with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-pool") as pool:
+                list(pool.map(stop, meshes))
+
+
+pool: ProcPool | None = None
+"""The pool `RoleMeshes` takes procs from and gives them back to; None: no reuse."""
+
+
+def reuse_procs(enabled: bool = True) -> ProcPool | None:
+    """Keep the single-proc meshes of finished local runs for later runs in this
+    process (see `ProcPool`); `enabled=False` stops the pooled procs."""
+    global pool
+    if not enabled:
+        if pool is not None:
+            pool.close()
+        pool = None
+        return None
+    if pool is None:
+        pool = ProcPool()
+        atexit.register(reuse_procs, False)
+    return pool
+
+
+def pooled_pids() -> set[int]:
+    """Pids of procs waiting in the pool (none when reuse is off)."""
+    return pool.pids() if pool is not None else set()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def monarch_pids() -> set[int]:
+    """Pids of live Monarch processes on this machine: mesh procs and the
+    subprocess hosts of a `process` job (for checking that nothing leaked)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
+        if monarch and alive(int(entry)):
+            pids.add(int(entry))
+    return pids
+
+
+lost: dict[str, float] = {}
+"""`role[rank]` -> when meshrl saw that proc gone (`meshrl.procs.pool.Detector`), before
+Monarch's supervision says so (about 10 s later): `meshrl.procs.mesh.wait` fails a
+call to it at once."""
+
+
+def is_lost(what: str) -> bool:
+    """Whether a call named `what` (`policy.generate[1]`, `policy.load_weights`)
+    waits on a proc seen gone."""
+    role, _, rest = what.partition(".")
+    rank = rest[rest.rfind("[") :] if rest.endswith("]") else None
+    if rank is not None:
+        return f"{role}{rank}" in lost
+    return any(key.startswith(f"{role}[") for key in lost)
+
+
+DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
+HOST_TAG_ENV = "MESHRL_HOST_TAG"
+RDMA_CHUNK_MB = 64
+
+
+def setup_proc(
+    num_threads: int | None, procs_per_host: int, device_offset: int, host_tag: bool = False
+) -> None:
+    """Runs first in every spawned proc: its share of the cores, and where its
+    role's GPUs start (proc i of the mesh takes GPU offset + i; see
+    `meshrl.model.models.device_for_this_proc`). `num_threads` None: this host's
+    cores over the procs it runs (a host of its own, as under SLURM).
+    `host_tag`: this proc's "host" is its parent (a `process` job's subprocess
+    host, a SLURM node's worker: several may share a machine), so weights move
+    between such hosts as between machines: over RDMA, not through this
+    machine's shared memory (`meshrl.weights.publisher.host_id`)."""
+    if host_tag:
+        os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
+    # RDMA registration of CUDA memory wants expandable segments; the allocator
+    # reads this at its first CUDA allocation, which comes later.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import monarch
+    import torch
+
+    # Large RDMA chunks: a replica's one RDMAAction of weight reads ran about twice
+    # as fast with 64 MB chunks as with the default over the TCP fallback.
+    monarch.configure(rdma_max_chunk_size_mb=RDMA_CHUNK_MB)
+
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
+    torch.set_num_threads(num_threads)
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    os.environ[DEVICE_OFFSET_ENV] = str(device_offset)

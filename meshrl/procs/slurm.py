@@ -1,0 +1,494 @@
+"""SLURM allocations for a run's roles: `job.kind: slurm`.
+
+Each role's hosts are one SLURM job of their own (`sbatch --nodes=job.hosts[role]
+--exclusive --no-kill --requeue`), so each role runs on nodes of its own, a role
+can be given a new allocation without touching the others (a lost node, a
+requeue), and `meshrl status` names each role's job and nodes. One Monarch
+worker runs per node (`python -m meshrl.procs.slurm`), listening on the node's
+`NodeAddr` (`scontrol show node`: node names need not resolve as host names) at
+a port of its own, so several nodes may share one host.
+
+Why not Monarch 0.7's `monarch.job.SlurmJob`: it misreads SLURM 22.05's
+`squeue --json`, cancels its own job when it holds fewer nodes than asked, dials
+node names as host names, puts every worker on port 22222 and every role in one
+job (docs/launch.md has the details; `meshrl.procs.slurm_queue` reads text formats).
+
+Scheduler notices reach the controller through the job itself: the batch script
+traps SIGTERM (preemption, requeue, cancel) and the `--signal` warning before
+the time limit (SIGUSR1), and writes it into the job's comment, which
+`Allocations.notices()` reads with squeue. The workers ignore SIGTERM, so the
+procs outlive it until SLURM's SIGKILL (`KillWait`, or the partition's
+`GraceTime`): time for the controller to write a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl.config.policy import port_free
+from meshrl.procs.slurm_faults import note_lost, quarantined
+from meshrl.procs.slurm_queue import (
+    GONE,
+    NEVER_CLEARS,
+    RUNNING,
+    SlurmError,
+    blame,
+    hostnames,
+    node_addresses,
+    query,
+    reason_key,
+    restarts,
+    slurm,
+    unhealthy,
+)
+
+logger = logging.getLogger(__name__)
+
+PORT_ENV = "MESHRL_WORKER_PORT"
+RESTARTS = 8  # requeues of one job before its ports and worker ids repeat
+log_dir = "slurm-logs"
+"""Where SLURM jobs write their output (a run sets its own: <run dir>/slurm)."""
+# --- one role's allocation -----------------------------------------------------------
+
+
+@dataclass
+class Allocation:
+    """One SLURM job holding `count` nodes for the host mesh `name`."""
+
+    name: str
+    count: int
+    port: int  # worker i of restart r listens at port + (r % RESTARTS) * count + i
+    service_ids: list = field(default_factory=list)  # Monarch ProcIds, same layout
+    job_id: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    restarts: int = 0
+
+    def slot(self, index: int) -> int:
+        """Worker `index`'s place in the port and worker-id layout of this restart."""
+        return (self.restarts % RESTARTS) * self.count + index
+
+    def listening(self, index: int) -> bool:
+        """Worker `index` of the running job accepts connections."""
+        return _listening(self.addresses[index], self.port + self.slot(index))
+
+    def workers(self) -> list[str]:
+        """Monarch worker addresses (`ProcId@tcp://addr:port`) of the running job."""
+        from monarch._src.job.service_identity import service_proc_addr
+
+        return [
+            service_proc_addr(
+                f"tcp://{addr}:{self.port + self.slot(i)}", self.service_ids[self.slot(i)]
+            )
+            for i, addr in enumerate(self.addresses)
+        ]
+
+
+class Allocations:
+    """The SLURM jobs of a run: submit one per host mesh, wait for it to run,
+    give a role a new one, cancel them all. `exclude`: nodes no job may get
+    (quarantined ones, `faults.quarantine_after`)."""
+
+    def __init__(self, cfg: Any, log_dir: str, exclude: set[str] | None = None):
+        self.cfg = cfg  # a meshrl.procs.job.JobConfig
+        self.log_dir = log_dir
+        self.exclude = exclude if exclude is not None else set()
+        self.jobs: dict[str, Allocation] = {}
+        self.ports_taken: set[int] = set()
+
+    # --- submitting -------------------------------------------------------------------
+
+    def _port(self, count: int) -> int:
+        """A base port for `count` workers x RESTARTS, apart from this run's others
+        (and free on this host, where nodes share it)."""
+        span = count * RESTARTS
+        # Below the ephemeral range: there the kernel hands out the ports of
+        # outgoing connections and of `port 0` listeners (Monarch's own channels).
+        low = ephemeral_low()
+        for _ in range(200):
+            base = random.randrange(10000, low - span)
+            wanted = set(range(base, base + span))
+            if wanted & self.ports_taken or not _free_here(base, span):
+                continue
+            self.ports_taken |= wanted
+            return base
+        raise SlurmError("no free range of worker ports found")
+
+    def script(self, alloc: Allocation, role: str) -> str:
+        from monarch._src.job.service_identity import serialize_service_proc_ids
+
+        cfg = self.cfg
+        lines = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={cfg.name}-{alloc.name}",
+            f"#SBATCH --nodes={alloc.count}",
+            "#SBATCH --ntasks-per-node=1",
+            "#SBATCH --exclusive",
+            "#SBATCH --no-kill",  # a lost node takes its procs, not the role's others
+            "#SBATCH --requeue",
+            f"#SBATCH --output={self.log_dir}/slurm-%j-{alloc.name}.out",
+        ]
+        optional = {
+            "partition": cfg.partition,
+            "account": cfg.account,
+            "qos": cfg.qos,
+            "time": cfg.time_limit,
+            "gpus-per-node": cfg.gpus_per_node if role not in ("environment",) else None,
+        }
+        lines += [f"#SBATCH --{key}={value}" for key, value in optional.items() if value]
+        if cfg.time_limit:
+            lines.append(f"#SBATCH --signal=B:USR1@{cfg.warn_before_s}")
+        if self.exclude:
+            lines.append(f"#SBATCH --exclude={','.join(sorted(self.exclude))}")
+        lines += [f"#SBATCH {arg}" for arg in cfg.slurm_args if arg.startswith("-")]
+        ids = serialize_service_proc_ids(alloc.service_ids)
+        worker = f"{shlex.quote(cfg.python_exe)} -m meshrl.procs.slurm"
+        lines += [
+            f"export MONARCH_SERVICE_PROC_IDS={shlex.quote(ids)}",
+            f"export {PORT_ENV}={alloc.port} MESHRL_NODES_PER_RESTART={alloc.count}",
+            # Notices for the controller, in the job's comment (it reads them with squeue).
+            'notice() { scontrol update jobid="$SLURM_JOB_ID" comment="meshrl:$1:$(date +%s)"; }',
+            "trap 'notice warning' USR1",
+            "trap 'notice terminated' TERM",
+            f"srun --kill-on-bad-exit=0 {worker} &",
+            "workers=$!",
+            # `wait` returns at each trapped signal: wait again until the workers end.
+            'while kill -0 "$workers" 2>/dev/null; do wait "$workers"; done',
+        ]
+        return "\n".join(lines) + "\n"
+
+    def submit(self, name: str, count: int, role: str | None = None) -> Allocation:
+        """Submit a job of `count` nodes for host mesh `name` (its role: `role`)."""
+        from monarch._src.job.service_identity import allocate_service_proc_ids
+
+        role = role or name
+        alloc = Allocation(name, count, self._port(count))
+        alloc.service_ids = allocate_service_proc_ids(count * RESTARTS)
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            out = subprocess.run(
+                ["sbatch", "--parsable"],
+                input=self.script(alloc, role),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except FileNotFoundError:
+            raise SlurmError(
+                "config key 'job.kind': slurm needs SLURM's sbatch on this machine's PATH"
+            ) from None
+        if out.returncode != 0:
+            reason = (out.stderr.strip().splitlines() or ["sbatch failed"])[-1]
+            reason = reason.removeprefix("sbatch: error: ")
+            raise SlurmError(
+                f"config key '{blame(reason, role)}': SLURM refused the {name} job: {reason}"
+            )
+        alloc.job_id = out.stdout.strip().split(";")[0]
+        self.jobs[name] = alloc
+        logger.info("SLURM job %s submitted for %s (%d nodes)", alloc.job_id, name, count)
+        return alloc
+
+    # --- waiting ----------------------------------------------------------------------
+
+    def wait_running(self, alloc: Allocation, timeout_s: float | None) -> None:
+        """Return once the job runs and its workers listen; a job that cannot start
+        (a pending reason that never clears, `job.job_start_timeout_s` passed, its
+        workers gone) is cancelled and raises SlurmError in one line."""
+        started, said = time.monotonic(), 0.0
+        while True:
+            info = query([alloc.job_id]).get(alloc.job_id)
+            waited = time.monotonic() - started
+            if info is None or info.state in GONE:
+                state = info.state if info else "gone from the queue"
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} ended before it ran "
+                    f"({state}){self._log_tail(alloc)}",
+                    "job.slurm_args",
+                )
+            if info.state == RUNNING and info.nodelist:
+                alloc.nodes = hostnames(info.nodelist)
+                addresses = node_addresses(alloc.nodes)
+                alloc.addresses = [addresses[n] for n in alloc.nodes]
+                alloc.restarts = restarts(alloc.job_id)
+                self._wait_listening(alloc, timeout_s)
+                return
+            if info.state == "PENDING" and info.reason in NEVER_CLEARS:
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} cannot start: "
+                    f"SLURM's reason: {info.reason}",
+                    reason_key(info.reason, alloc.name),
+                )
+            if timeout_s is not None and waited > timeout_s:
+                self._fail(
+                    alloc,
+                    f"the {alloc.name} job {alloc.job_id} did not start within "
+                    f"{timeout_s:g}s; SLURM's reason: {info.reason}",
+                    "job.job_start_timeout_s",
+                )
+            if waited - said > 30:
+                said = waited
+                print(
+                    f"waiting for SLURM to start the {alloc.name} job {alloc.job_id} "
+                    f"({info.state}, {info.reason}) for {waited:.0f}s",
+                    flush=True,
+                )
+            time.sleep(0.25)
+
+    def _wait_listening(self, alloc: Allocation, timeout_s: float | None) -> None:
+        """Each worker accepts connections (it booted), or the job ended."""
+        deadline = time.monotonic() + max(120.0, timeout_s or 0)
+        for i in range(len(alloc.addresses)):
+            while not alloc.listening(i):
+                info = query([alloc.job_id]).get(alloc.job_id)
+                if info is None or info.state != RUNNING or time.monotonic() > deadline:
+                    state = info.state if info else "gone from the queue"
+                    self._fail(
+                        alloc,
+                        f"the {alloc.name} workers of job {alloc.job_id} did not "
+                        f"start on {alloc.nodes[i]} ({state}){self._log_tail(alloc)}",
+                        "job.python_exe",
+                    )
+                time.sleep(0.2)
+
+    def _log_tail(self, alloc: Allocation) -> str:
+        path = f"{self.log_dir}/slurm-{alloc.job_id}-{alloc.name}.out"
+        with contextlib.suppress(OSError), open(path) as f:
+            lines = [line.strip() for line in f if line.strip()]
+            if lines:
+                return f": {lines[-1]} (log: {path})"
+        return ""
+
+    def _fail(self, alloc: Allocation, message: str, key: str) -> None:
+        self.cancel(alloc.name)
+        raise SlurmError(f"config key '{key}': {message}")
+
+    # --- after the start ---------------------------------------------------------------
+
+    def where(self) -> dict[str, dict]:
+        """Each host mesh's SLURM job id and nodes."""
+        return {name: {"job_id": a.job_id, "nodes": list(a.nodes)} for name, a in self.jobs.items()}
+
+    def worker_alive(self, name: str, index: int) -> bool:
+        """Worker `index` of the mesh's job listens (its node and job are up)."""
+        alloc = self.jobs.get(name)
+        return alloc is not None and index < len(alloc.addresses) and alloc.listening(index)
+
+    def dead_nodes(self, name: str) -> list[str]:
+        """Nodes of the mesh's job whose worker no longer listens."""
+        alloc = self.jobs.get(name)
+        if alloc is None:
+            return []
+        return [n for i, n in enumerate(alloc.nodes) if not self.worker_alive(name, i)]
+
+    def requeued(self, name: str) -> bool:
+        """SLURM requeued the mesh's job (preemption, `scontrol requeue`, a time limit
+        handed back): it starts again by itself, as the same job."""
+        alloc = self.jobs.get(name)
+        if alloc is None or alloc.job_id is None:
+            return False
+        info = query([alloc.job_id]).get(alloc.job_id)
+        if info is None or info.state in GONE:
+            return False
+        return info.state != RUNNING or restarts(alloc.job_id) != alloc.restarts
+
+    def alive(self, name: str) -> bool:
+        """The mesh's job runs, with the same restart count, and every worker listens."""
+        alloc = self.jobs.get(name)
+        info = query([alloc.job_id]).get(alloc.job_id) if alloc and alloc.job_id else None
+        if info is None or info.state != RUNNING or restarts(alloc.job_id) != alloc.restarts:
+            return False
+        return not self.dead_nodes(name)
+
+    def notices(self) -> dict[str, str]:
+        """Host mesh -> the newest scheduler notice its job's batch script wrote
+        (`meshrl:warning:TIME`: the time limit is near; `meshrl:terminated:TIME`:
+        preempted, requeued or cancelled); meshes without one are left out."""
+        by_id = {a.job_id: name for name, a in self.jobs.items() if a.job_id}
+        return {
+            by_id[job_id]: info.comment
+            for job_id, info in query(list(by_id)).items()
+            if info.comment.startswith("meshrl:")
+        }
+
+    def clear_notice(self, name: str) -> None:
+        alloc = self.jobs.get(name)
+        if alloc is not None and alloc.job_id:
+            slurm("scontrol", "update", f"jobid={alloc.job_id}", "comment=", check=False)
+
+    def requeue(self, name: str) -> None:
+        """Hand the job back to the scheduler, which starts it again (a time limit's
+        warning: the run goes on in a fresh allocation of the same job)."""
+        slurm("scontrol", "requeue", self.jobs[name].job_id, check=False)
+
+    def cancel(self, name: str) -> None:
+        """Cancel a mesh's job: its processes are killed at once (the procs were
+        stopped before, or are lost)."""
+        alloc = self.jobs.pop(name, None)
+        if alloc is None or alloc.job_id is None:
+            return
+        for port in range(alloc.port, alloc.port + alloc.count * RESTARTS):
+            self.ports_taken.discard(port)
+        # SIGKILL: the workers ignore SIGTERM (for the checkpoint before a preemption).
+        slurm("scancel", "--signal=KILL", "--full", alloc.job_id, check=False)
+        slurm("scancel", alloc.job_id, check=False)
+
+    def cancel_all(self) -> None:
+        for name in list(self.jobs):
+            self.cancel(name)
+
+
+def ephemeral_low() -> int:
+    """The lowest port of this host's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(11000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_here(base: int, span: int) -> bool:
+    """No listener on 127.0.0.1 at base..base+span (nodes that share this host)."""
+    return all(port_free(port) for port in range(base, base + span))
+
+
+def _listening(addr: str, port: int) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def controller_transport(by_name: Any) -> Any:
+    """Monarch's TCP transport by host name, or loopback where this host's name
+    resolves to nothing else (Monarch would refuse it)."""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        infos = []
+    routable = [
+        i[4][0]
+        for i in infos
+        if not ipaddress.ip_address(i[4][0]).is_loopback
+        and not ipaddress.ip_address(i[4][0]).is_link_local
+    ]
+    return by_name if routable else "tcp://127.0.0.1:0"
+
+
+# --- the Monarch job ---------------------------------------------------------------------
+
+
+def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
+    """A Monarch job whose host meshes are SLURM allocations of their own (`Allocations`)."""
+    from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+    from monarch._rust_bindings.monarch_hyperactor.config import configure
+    from monarch._src.actor.bootstrap import attach_to_workers
+    from monarch._src.job.job import JobState, JobTrait
+
+    # The workers dial this process back: by its host name, or on a cluster whose
+    # nodes share this host (their NodeAddr loopback), at 127.0.0.1.
+    configure(default_transport=controller_transport(ChannelTransport.TcpWithHostname))
+
+    class SlurmJob(JobTrait):
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocations = Allocations(cfg, log_dir, quarantined)  # (the set: it grows)
+            self.meshes = dict(meshes)
+
+        def _create(self, client_script: str | None) -> None:
+            if client_script is not None:
+                raise RuntimeError("meshrl's SLURM job runs no batch-mode client")
+            try:
+                for name, count in self.meshes.items():
+                    self.allocations.submit(name, count)
+            except BaseException:
+                self.allocations.cancel_all()
+                raise
+
+        def host_mesh(self, name: str) -> Any:
+            alloc = self.allocations.jobs[name]
+            self.allocations.wait_running(alloc, cfg.job_start_timeout_s)
+            return attach_to_workers(name=name, ca="trust_all_connections", workers=alloc.workers())
+
+        def _state(self) -> Any:
+            try:
+                return JobState({name: self.host_mesh(name) for name in self.meshes})
+            except BaseException:
+                self.allocations.cancel_all()
+                raise
+
+        def reallocate(self, name: str) -> Any:
+            """A new allocation for host mesh `name` (the old one cancelled; a job that
+            SLURM requeued is waited for instead), attached; its host mesh."""
+            dead = self.allocations.dead_nodes(name)
+            if self.allocations.requeued(name):
+                # SLURM requeues a job whose node failed, too: count that node, not
+                # those of a preemption or a requeue (healthy, only their job ended).
+                note_lost(unhealthy(dead))
+                self.allocations.clear_notice(name)
+                return self.host_mesh(name)
+            note_lost(dead)
+            self.allocations.cancel(name)
+            self.allocations.submit(name, self.meshes[name])
+            return self.host_mesh(name)
+
+        def host_alive(self, name: str, index: int) -> bool:
+            return self.allocations.worker_alive(name, index)
+
+        def can_run(self, spec: Any) -> bool:
+            return False  # never reused from a cache: each run submits its own
+
+        def _kill(self) -> None:
+            self.allocations.cancel_all()
+
+    return SlurmJob()
+
+
+# --- the worker on each node -------------------------------------------------------------
+
+
+def serve() -> None:
+    """One Monarch worker on this node (run by srun in a meshrl SLURM job)."""
+    from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+    from monarch._rust_bindings.monarch_hyperactor.config import configure
+    from monarch._src.job.service_identity import deserialize_service_proc_ids, service_proc_addr
+    from monarch.actor import run_worker_loop_forever
+
+    # The same layout as `Allocation.slot`, from what SLURM tells this node.
+    rank = int(os.environ["SLURM_NODEID"])
+    count = int(os.environ["MESHRL_NODES_PER_RESTART"])
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0")) % RESTARTS
+    index = restart * count + rank
+    node = os.environ["SLURMD_NODENAME"]
+    addr = node_addresses([node])[node]
+    port = int(os.environ[PORT_ENV]) + index
+    ids = deserialize_service_proc_ids(os.environ["MONARCH_SERVICE_PROC_IDS"])
+    # SLURM's SIGTERM (preemption, requeue) must not end the procs before the
+    # controller wrote its checkpoint; its SIGKILL after KillWait/GraceTime does.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure(default_transport=controller_transport(ChannelTransport.TcpWithHostname))
+    print(f"meshrl worker on {node} at tcp://{addr}:{port}", flush=True)
+    run_worker_loop_forever(
+        address=service_proc_addr(f"tcp://{addr}:{port}", ids[index]),
+        ca="trust_all_connections",
+    )
+
+
+if __name__ == "__main__":
+    serve()
+    sys.exit(0)

@@ -1,0 +1,363 @@
+"""Versioned weight publishing: shared memory on one host, Monarch RDMA buffers
+across hosts (the replica side is `meshrl.weights.receiver`).
+
+Each trainer proc that owns weights (rank 0 of a replicated trainer, every rank
+of an FSDP2-sharded one) lays its parameters (its shards, when sharded) out
+once in a few byte slots: files in /dev/shm, mapped by the trainer and
+registered once as `RDMABuffer`s. There are two slots (double buffering): each
+publish writes the one the last publish did not, so replicas may still read,
+or serve, version v - 1 while the trainer writes v.
+
+Every slot starts with a header that makes versions safe to read (a seqlock):
+the trainer sets it to 2v + 1 before writing version v and to 2v + 2 after. A
+reader checks the header before and after copying; a version overwritten
+while it was read is detected and never served (`TornWeights`).
+
+A replica pulls every source (one per owning trainer proc) of a
+`WeightHandle`: on the same host it serves the slot in place (its parameters
+become views of it) or copies out of it (one memcpy), else it reads with one
+`RDMAAction` of all reads, over ibverbs where the host has it and Monarch's
+TCP fallback otherwise. A sharded trainer's replicas take each shard straight
+from the proc that owns it; nothing is gathered on one proc first.
+
+Each version carries a checksum per piece (one parameter, or its shard), taken
+by the trainer over the bytes it writes into the slot, as it writes them
+(`meshrl.weights.checksum`). A replica checks what it then serves against them
+(`WeightMismatch` names what differs): a corrupted or missing slot, a pull
+that did not land, a version other than the one asked for all fail the pull
+instead of being served. With `delta`, the handle also says in which publish
+each piece last changed, so a replica reads only what changed since the
+publish it holds.
+
+A replica can relay: `pull(handle, serve=True)` also publishes the version it
+now holds from slots of its own (the same layout, seqlock and double
+buffering as the trainer's), and returns that handle, so other replicas pull
+it from there instead of from the trainer (`meshrl.loop.weight_sync` arranges the
+tree). Its header says "writing" from before the copy until the last byte is
+in, so a child never takes a torn relay copy either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from meshrl.procs.mesh import HOST_TAG_ENV, debugging
+from meshrl.weights.checksum import copy_summed
+
+HEADER_BYTES = 64
+SLOTS = 2
+SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """This machine: host name and boot id (shared memory is per boot), and the
+    `process` job host the proc runs on, if any (each counts as a machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    tag = os.environ.get(HOST_TAG_ENV)
+    return f"{socket.gethostname()}/{boot}" + (f"/{tag}" if tag else "")
+
+
+class TornWeights(RuntimeError):
+    """A version was overwritten while a replica read it."""
+
+
+class WeightMismatch(RuntimeError):
+    """A replica's parameters after a pull differ from the trainer's checksums."""
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """Where (a dim-0 block of) one parameter lives in a source's slots."""
+
+    name: str
+    offset: int  # bytes into the slot's data
+    shape: tuple[int, ...]  # of this piece
+    dtype: torch.dtype
+    row: int  # first dim-0 row of the full parameter this piece holds
+    full_shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        n = torch.Size(self.shape).numel()
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class WeightSource:
+    """One trainer proc's published bytes (small to pickle)."""
+
+    host: str
+    paths: list[str]  # one shared-memory file per slot
+    buffers: list  # one RDMABuffer per slot (header + data)
+    headers: list  # one RDMABuffer per slot's header, to read it again after the data
+    pieces: list[ParamPiece]
+    data_bytes: int
+    checksums: list[int] | None = None  # per piece, of the published version; None: unchecked
+    slot: int = 0  # the slot this version is in
+    sequence: int = 0  # this publisher's publish count (versions can go back on a rewind)
+    changed: list[int] | None = None
+    """Delta sync: per piece, the publish (`sequence`) in which its bytes last
+    changed, so a replica that holds publish r of this source needs the pieces
+    changed after r only; None: pull every piece."""
+    piece_buffers: list | None = None  # delta over RDMA: per slot, one RDMABuffer per piece
+
+    @property
+    def lineage(self) -> str:
+        """Names the publisher: versions of one lineage can be pulled as deltas."""
+        return self.paths[0]
+
+
+@dataclass
+class WeightHandle:
+    """A published version: where each owning proc's bytes are."""
+
+    version: int
+    sources: list[WeightSource]
+
+    @staticmethod
+    def merge(handles: list[WeightHandle | None]) -> WeightHandle:
+        """One handle from the per-rank handles of a trainer's publish (ranks that
+        own nothing return None)."""
+        owned = [h for h in handles if h is not None]
+        versions = {h.version for h in owned}
+        assert len(versions) == 1, f"trainer ranks published versions {versions}"
+        return WeightHandle(owned[0].version, [s for h in owned for s in h.sources])
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This proc's part of `param` and its first dim-0 row: the whole tensor, or
+    an FSDP2 shard (`Shard(0)`, split like `torch.chunk`)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.detach(), 0
+    local = param.to_local().detach()
+    mesh = param.device_mesh
+    rows = param.shape[0]
+    chunk = -(-rows // mesh.size())
+    row = min(mesh.get_local_rank() * chunk, rows)
+    assert local.shape[0] == max(0, min(chunk, rows - row)), (name, local.shape, row)
+    return local, row
+
+
+def _map_file(path: str, size: int) -> torch.Tensor:
+    """The shared-memory file at `path` as a uint8 tensor (mapped, shared)."""
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+CUDA_PROBE = "[RdmaXcel] Can't open libcuda.so.1"
+"""What Monarch's RDMA library prints on a host without CUDA, every time: expected."""
+_probed = False
+
+
+@contextlib.contextmanager
+def without_cuda_probe_line():
+    """Run the block with this process's stderr (fd 2, where Monarch's C library
+    writes) captured, then pass on every line but the CUDA probe's. The library
+    probes once per process, at its first RDMA call: later blocks run as they
+    are. On a GPU host, or with MESHRL_DEBUG set, nothing is filtered."""
+    global _probed
+    if _probed or debugging() or torch.cuda.is_available():
+        yield
+        return
+    _probed = True
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not line.startswith(CUDA_PROBE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def rdma_backend() -> str:
+    """'ibverbs', 'tcp' (Monarch's fallback) or 'none'."""
+    from monarch.rdma import get_rdma_backend
+
+    return get_rdma_backend()
+
+
+class WeightPublisher:
+    """Trainer side: `publish(version)` after an optimizer step. Every proc that
+    owns weights has one; `close()` (or process exit) removes its files."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        prefix: str | None = None,
+        rdma: bool = True,
+        parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    ):
+        """`parameters` gives the (name, tensor) pairs to publish, called at each
+        publish (default: the model's parameters; LoRA: the merged weights)."""
+        self.parameters = parameters or model.named_parameters
+        self.pieces, offset = [], 0
+        for name, param in self.parameters():
+            local, row = _local_piece(name, param)
+            piece = ParamPiece(
+                name, offset, tuple(local.shape), local.dtype, row, tuple(param.shape)
+            )
+            self.pieces.append(piece)
+            offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
+        self.data_bytes = offset
+        prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.paths = [f"{SHM_DIR}/{prefix}-{uuid.uuid4().hex[:6]}-slot{i}" for i in range(SLOTS)]
+        self.slots = []
+        for path in self.paths:
+            with open(path, "wb") as f:
+                f.truncate(HEADER_BYTES + self.data_bytes)
+            self.slots.append(_map_file(path, HEADER_BYTES + self.data_bytes))
+        atexit.register(self.close)
+        # Registered lazily (needs a Monarch actor context); rdma=False: same host only.
+        self.rdma = rdma
+        self._buffers: list | None = None if rdma else []
+        self._headers: list = []
+        self._piece_buffers: list | None = None  # per slot, per piece (delta over RDMA)
+        self.host = host_id()
+        # Each publish writes the slot the last one did not: a replica may read or
+        # serve the newest version while the next is written (double buffering).
+        self.next_slot = 0
+        self.held: list[int | None] = [None] * SLOTS  # the complete version in each slot
+        self.sequence = 0  # publishes so far
+        self.held_sequence: list[int | None] = [None] * SLOTS  # the publish in each slot
+        self.changed_at: list[int | None] = [None] * len(self.pieces)  # delta: see publish
+        self.sums: list[int | None] = [None] * len(self.pieces)  # of each piece's newest bytes
+
+    def header(self, slot: int) -> torch.Tensor:
+        return self.slots[slot][:8].view(torch.int64)
+
+    @torch.no_grad()
+    def publish(self, version: int, verify: bool = True, delta: bool = False) -> WeightHandle:
+        """Write `version` into the slot the last publish did not write, and return
+        its handle. `verify`: the handle carries each piece's checksum, taken over
+        the slot's bytes chunk by chunk as they are written.
+
+        `delta`: each piece is compared, byte for byte, with the version published
+        last (in the other slot); the handle says in which publish each piece last
+        changed, and only pieces changed since the version this slot held are
+        written. A replica that holds an earlier version of this publisher then
+        reads only what changed since (`WeightReceiver.pull`). Changes are
+        counted in publishes (`sequence`), not versions, which go back when the
+        trainer rewinds to a checkpoint."""
+        slot = self.next_slot
+        self.sequence += 1
+        data = self.slots[slot][HEADER_BYTES:]
+        last = self.slots[1 - slot][HEADER_BYTES:]
+        last_sequence, in_slot = self.held_sequence[1 - slot], self.held_sequence[slot]
+        self.held[slot] = self.held_sequence[slot] = None
+        self.header(slot).fill_(2 * version + 1)  # writing
+        for i, (piece, (_, param)) in enumerate(zip(self.pieces, self.parameters(), strict=True)):
+            local, _ = _local_piece(piece.name, param)
+            source = _as_bytes(local)
+            span = slice(piece.offset, piece.offset + piece.num_bytes)
+            if not delta:
+                self.changed_at[i] = None
+            elif (
+                last_sequence is None
+                or self.changed_at[i] is None
+                or not torch.equal(source, last[span])
+            ):
+                self.changed_at[i] = self.sequence
+            current = (
+                delta
+                and in_slot is not None
+                and self.changed_at[i] <= in_slot
+                and (not verify or self.sums[i] is not None)
+            )
+            if current:  # this slot's bytes of it are this version's already
+                continue
+            summed = copy_summed(data[span], source, verify)
+            self.sums[i] = int(summed) % 2**64 if verify else None
+        self.header(slot).fill_(2 * version + 2)  # complete
+        self.held[slot], self.held_sequence[slot] = version, self.sequence
+        self.next_slot = 1 - slot
+        self._register(delta)
+        source = WeightSource(
+            self.host,
+            self.paths,
+            self._buffers,
+            self._headers,
+            self.pieces,
+            self.data_bytes,
+            list(self.sums) if verify else None,
+            slot,
+            self.sequence,
+            list(self.changed_at) if delta else None,
+            self._piece_buffers if delta else None,
+        )
+        return WeightHandle(version, [source])
+
+    def _register(self, pieces: bool) -> None:
+        """The slots as RDMA buffers, once; with `pieces`, each piece of each too."""
+        if not self.rdma or (self._buffers is not None and (self._piece_buffers or not pieces)):
+            return
+        from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+
+        with warnings.catch_warnings(), without_cuda_probe_line():
+            # Reported once through rdma_backend() in the run metrics instead.
+            warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+            if self._buffers is None:
+                self._buffers = [RDMABuffer(s) for s in self.slots]
+                self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
+            if pieces:
+                self._piece_buffers = [
+                    [
+                        RDMABuffer(
+                            s[HEADER_BYTES + p.offset : HEADER_BYTES + p.offset + p.num_bytes]
+                        )
+                        if p.num_bytes
+                        else None
+                        for p in self.pieces
+                    ]
+                    for s in self.slots
+                ]
+
+    def corrupt(self, version: int) -> None:
+        """Flip one byte of `version`'s slot (the `faults.weights` corrupt drill)."""
+        slot = self.held.index(version)
+        self.slots[slot][HEADER_BYTES + self.data_bytes // 2] ^= 0xFF
+
+    @torch.no_grad()
+    def overwrite(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write `tensors` over their pieces in `version`'s slot, its checksums
+        left as they were (the `unmerged` drill). Returns the pieces written."""
+        data = self.slots[self.held.index(version)][HEADER_BYTES:]
+        pieces = {p.name: p for p in self.pieces}
+        written = 0
+        for name, tensor in tensors:
+            piece = pieces[name]
+            data[piece.offset : piece.offset + piece.num_bytes].copy_(_as_bytes(tensor))
+            written += 1
+        return written
+
+    def close(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

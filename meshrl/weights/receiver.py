@@ -1,0 +1,344 @@
+"""The replica side of weight sync: `WeightReceiver.pull(handle)` makes a model
+equal to a published version (`meshrl.weights.publisher` describes the slots, the
+seqlock and the checksums it reads)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshrl.weights.checksum import checksum, copy_summed
+from meshrl.weights.publisher import (
+    HEADER_BYTES,
+    ParamPiece,
+    TornWeights,
+    WeightHandle,
+    WeightMismatch,
+    WeightPublisher,
+    WeightSource,
+    _as_bytes,
+    _map_file,
+    host_id,
+    without_cuda_probe_line,
+)
+
+
+@dataclass
+class Pulled:
+    """What a replica reports after a pull."""
+
+    version: int  # the version it now serves
+    path: str  # 'shm' (every source on its host) or 'rdma'
+    rdma_bytes: int  # bytes it read over RDMA (0 on the shared-memory path)
+    relay: WeightHandle | None = None  # where others can pull this version from it
+    verified: bool = False  # its parameters matched the trainer's checksums
+    bytes_moved: int = 0  # bytes copied or read into it (0: every piece served in place)
+
+
+class WeightReceiver:
+    """Replica side. `pull(handle)` makes the local model equal to that version.
+
+    With `zero_copy`, parameters whose piece lies whole in a shared-memory slot on
+    this host (a replicated trainer's, in the replica's dtype, on the CPU) are
+    not copied: they become views of the published slot, so a same-host sync is
+    the trainer's one copy into the slot. Only a receiver that pulls every
+    version before it serves again may do so (policy replicas): the trainer
+    writes that slot again two publishes later. `intact()` says whether the
+    slots it serves from still hold its version (the seqlock header), and a
+    replica checks it before and after it serves."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        timeout_s: int = 120,
+        prefix: str | None = None,
+        shared_memory: bool = True,
+        zero_copy: bool = False,
+    ):
+        # With `prefix`, `model` is a part of the published one (a critic's backbone
+        # is the policy's `model.` submodule): only the names under it are taken.
+        # shared_memory=False pulls over RDMA even on the trainer's host (to measure it).
+        self.shared_memory = shared_memory
+        self.zero_copy = zero_copy
+        self.partial = prefix is not None
+        self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
+        self.owner = "replica"  # named in errors; actors set their role and rank
+        self.version = -1
+        self.torn = False
+        """True while a pull is under way or after one failed: the model may be
+        mixed, and must not be served."""
+        self.path = ""
+        """How the last pull went: 'shm' (same host) or 'rdma'."""
+        self.timeout_s = timeout_s
+        self.host = host_id()
+        self._mapped: dict[str, torch.Tensor] = {}
+        self._staging: dict[int, torch.Tensor] = {}
+        self._relay: WeightPublisher | None = None  # made at the first `serve`
+        self._summed, self._held = False, {}  # this pull's: checked, and the sums taken
+        self._sums: dict[tuple[str, int], int] = {}  # of the pieces held, last verified
+        self._lineage: dict[str, int] = {}  # source lineage -> its publish held (delta)
+        self._views: dict[str, str] = {}  # parameter -> the slot file it is a view of
+
+    def _check_layout(self, handle: WeightHandle) -> None:
+        published = {p.name for s in handle.sources for p in s.pieces}
+        missing = set(self.params) - published
+        if not self.partial:
+            missing |= published - set(self.params)
+        if missing:
+            raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
+
+    def intact(self) -> bool:
+        """Whether every slot this replica serves parameters from still holds its
+        version, complete (always true for parameters of its own)."""
+        expected = 2 * self.version + 2
+        return all(
+            int(self._mapped[path][:8].view(torch.int64).item()) == expected
+            for path in set(self._views.values())
+        )
+
+    @torch.no_grad()
+    def pull(
+        self,
+        handle: WeightHandle,
+        serve: bool = False,
+        shm_prefix: str | None = None,
+        timeout_s: float | None = None,
+        skip_copy: bool = False,
+    ) -> Pulled:
+        """Make the parameters equal to `handle`'s version, and check them against
+        its checksums when it has them. `serve`: then publish it from this
+        replica's own slots (files named `shm_prefix`-...) for others to pull
+        (`Pulled.relay`). `timeout_s` bounds the RDMA reads (default: the
+        receiver's), so a source that died fails the pull soon. `skip_copy`
+        (the `faults.weights` skip_pull drill) moves no bytes, as a pull that
+        silently did not apply. A source published with `delta` is read only
+        where it changed since the version of it this replica holds."""
+        self._check_layout(handle)
+        lineage, self._lineage = self._lineage, {}  # a failed pull leaves no delta base
+        self.version, self.torn = -1, True  # until every byte of the new version is in
+        self._summed = all(s.checksums is not None for s in handle.sources)
+        self._held = {}
+        local = [
+            s
+            for s in handle.sources
+            if self.shared_memory and s.host == self.host and os.path.exists(s.paths[0])
+        ]
+        remote = [s for s in handle.sources if s not in local]
+        moved = rdma_bytes = 0
+        for source in [] if skip_copy else local:
+            slot = self._shared(source, source.slot)
+            moved += self._copy(
+                source, slot, handle.version, True, lineage, source.paths[source.slot]
+            )
+        if remote and not skip_copy:
+            # Monarch's RDMA timeouts are whole seconds.
+            timeout = max(1, math.ceil(timeout_s or self.timeout_s))
+            rdma_bytes = self._pull_rdma(remote, handle, timeout, lineage)
+            moved += rdma_bytes
+        verified = self._verify(handle) if self._summed else False
+        self.path = "rdma" if remote else "shm"
+        self.version, self.torn = handle.version, False
+        self._lineage = {s.lineage: s.sequence for s in handle.sources}
+        # Slots of sources gone (a trainer replaced) are unmapped once nothing views them.
+        keep = {path for s in handle.sources for path in s.paths} | set(self._views.values())
+        self._mapped = {path: t for path, t in self._mapped.items() if path in keep}
+        delta = any(s.changed is not None for s in handle.sources)
+        relay = self.serve(shm_prefix, verify=verified, delta=delta) if serve else None
+        return Pulled(self.version, self.path, rdma_bytes, relay, verified, moved)
+
+    def _target(self, piece: ParamPiece) -> torch.Tensor | None:
+        """The part of this receiver's parameter that `piece` fills (None: not held).
+        A parameter that was a view of a slot gets memory of its own first."""
+        param = self.params.get(piece.name)
+        if param is None:  # partial receiver: not part of this model
+            return None
+        cast = param.dtype.is_floating_point and piece.dtype.is_floating_point
+        if tuple(param.shape) != piece.full_shape or (param.dtype != piece.dtype and not cast):
+            raise ValueError(
+                f"parameter {piece.name}: local {tuple(param.shape)} {param.dtype}, "
+                f"published {piece.full_shape} {piece.dtype}"
+            )
+        if self._views.pop(piece.name, None) is not None:
+            param.data = torch.empty_like(param.data)
+        return self._target_now(piece)
+
+    def _viewable(self, piece: ParamPiece) -> bool:
+        """Whether `piece` can be served in place from a slot: the whole parameter,
+        in this replica's dtype, on the CPU."""
+        param = self.params.get(piece.name)
+        return (
+            self.zero_copy
+            and param is not None
+            and piece.row == 0
+            and piece.shape == piece.full_shape == tuple(param.shape)
+            and param.dtype == piece.dtype
+            and param.device.type == "cpu"
+        )
+
+    @torch.no_grad()
+    def _verify(self, handle: WeightHandle) -> bool:
+        """Check every piece this receiver holds against `handle`'s checksums (sums
+        taken as the pieces were copied in, else read now). Raises
+        `WeightMismatch` naming the pieces that differ."""
+        wrong = []
+        for source in handle.sources:
+            for piece, expected in zip(source.pieces, source.checksums, strict=True):
+                target = self._target_now(piece)
+                if target is None:
+                    continue
+                key = (piece.name, piece.row)
+                held = self._held.get(key)
+                held = checksum(target) if held is None else int(held) % 2**64
+                self._held[key] = held
+                if held != expected:
+                    wrong.append(piece.name)
+        if wrong:
+            self._sums = {}
+            raise WeightMismatch(
+                f"{self.owner}, version {handle.version}: {len(wrong)} parameter(s) differ from the "
+                f"trainer's checksums after the pull ({', '.join(wrong[:3])}"
+                f"{', ...' if len(wrong) > 3 else ''}); not served"
+            )
+        self._sums = dict(self._held)
+        return True
+
+    def _target_now(self, piece: ParamPiece) -> torch.Tensor | None:
+        """What this receiver serves of `piece` now (a view or its own memory)."""
+        param = self.params.get(piece.name)
+        if param is None:
+            return None
+        return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+
+    def serve(
+        self, shm_prefix: str | None = None, verify: bool = True, delta: bool = False
+    ) -> WeightHandle:
+        """Publish the version this replica holds from its own slots (a relay),
+        with checksums of what it holds when `verify`."""
+        if self.partial:
+            raise ValueError("a receiver of part of the model cannot relay the whole")
+        if self.torn:
+            raise TornWeights("this replica holds no complete version to relay")
+        if self._relay is None:
+            self._relay = WeightPublisher(
+                None, prefix=shm_prefix, parameters=lambda: iter(self.params.items())
+            )
+        return self._relay.publish(self.version, verify, delta)
+
+    def close(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
+
+    def _shared(self, source: WeightSource, slot: int) -> torch.Tensor:
+        path = source.paths[slot]
+        if path not in self._mapped:
+            self._mapped[path] = _map_file(path, HEADER_BYTES + source.data_bytes)
+        return self._mapped[path]
+
+    def _unchanged(self, source: WeightSource, lineage: dict[str, int]) -> Callable[[int], bool]:
+        """Which of `source`'s pieces this replica holds as published: those that
+        last changed at or before the publish of it it holds."""
+        held = lineage.get(source.lineage)
+        if source.changed is None or held is None:
+            return lambda i: False
+        return lambda i: source.changed[i] <= held
+
+    def _copy(
+        self,
+        source: WeightSource,
+        slot: torch.Tensor,
+        version: int,
+        torn_check: bool,
+        lineage: dict[str, int],
+        view_of: str | None = None,
+    ) -> int:
+        """Take a source's pieces from `slot` (header + data): as views of it when
+        `view_of` names its shared-memory file and the piece allows (`zero_copy`),
+        else copied into the parameters; pieces unchanged since the version held
+        (delta) are left as they are. Returns the bytes copied."""
+        header = slot[:8].view(torch.int64)
+        if int(header.item()) != 2 * version + 2:
+            raise TornWeights(f"version {version} is not complete in its slot")
+        data = slot[HEADER_BYTES:]
+        unchanged = self._unchanged(source, lineage)
+        moved = 0
+        for i, piece in enumerate(source.pieces):
+            key = (piece.name, piece.row)
+            published = data[piece.offset : piece.offset + piece.num_bytes]
+            if view_of is not None and self._viewable(piece):
+                param = self.params[piece.name]
+                param.data = published.view(piece.dtype).view(piece.shape)
+                self._views[piece.name] = view_of
+                self._held[key] = copy_summed(published, None, self._summed)
+                continue
+            if unchanged(i) and piece.name not in self._views:
+                if key in self._sums:
+                    self._held[key] = self._sums[key]  # as verified at the version held
+                continue
+            target = self._target(piece)
+            if target is None:
+                continue
+            if target.dtype == piece.dtype:
+                summed = copy_summed(_as_bytes(target), published, self._summed)
+            else:  # a replica in its own dtype: the bytes checked as they came, then cast
+                summed = copy_summed(published, None, self._summed)
+                target.copy_(published.view(piece.dtype).view(piece.shape))
+            self._held[key] = summed
+            moved += piece.num_bytes
+        if torn_check and int(header.item()) != 2 * version + 2:
+            raise TornWeights(f"version {version} was overwritten while it was read")
+        return moved
+
+    def _pull_rdma(
+        self,
+        sources: list[WeightSource],
+        handle: WeightHandle,
+        timeout_s: int,
+        lineage: dict[str, int],
+    ) -> int:
+        """Every remote source's slot (its changed pieces only, for a delta) in one
+        RDMA action into staging, checked, then into the parameters. Returns the
+        bytes read."""
+        from monarch.rdma import RDMAAction
+
+        action = RDMAAction()
+        device = next(iter(self.params.values())).device
+        staged, read = [], 0
+        for i, source in enumerate(sources):
+            size = HEADER_BYTES + source.data_bytes
+            if i not in self._staging or self._staging[i].numel() != size:
+                self._staging[i] = torch.empty(size, dtype=torch.uint8, device=device)
+            staging = self._staging[i]
+            unchanged = self._unchanged(source, lineage)
+            partial = source.piece_buffers is not None and not self._views
+            if not partial or not any(unchanged(j) for j in range(len(source.pieces))):
+                action.read_remote(staging, source.buffers[source.slot])
+                read += size
+            else:  # the header, then each changed piece
+                action.read_remote(staging[:HEADER_BYTES], source.headers[source.slot])
+                read += HEADER_BYTES
+                for j, piece in enumerate(source.pieces):
+                    buffer = source.piece_buffers[source.slot][j]
+                    if unchanged(j) or buffer is None:
+                        continue
+                    start = HEADER_BYTES + piece.offset
+                    action.read_remote(staging[start : start + piece.num_bytes], buffer)
+                    read += piece.num_bytes
+            staged.append((source, staging))
+        with without_cuda_probe_line():  # this process's first RDMA call, maybe
+            action.submit(timeout=timeout_s).get()
+        # The headers again, after the data: a version overwritten meanwhile shows.
+        again = RDMAAction()
+        headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device) for _ in staged]
+        for (source, _), header in zip(staged, headers, strict=True):
+            again.read_remote(header, source.headers[source.slot])
+        again.submit(timeout=timeout_s).get()
+        read += HEADER_BYTES * len(staged)
+        for (source, slot), header in zip(staged, headers, strict=True):
+            if not torch.equal(header[:8], slot[:8]):
+                raise TornWeights(f"version {handle.version} was overwritten while it was read")
+            self._copy(source, slot, handle.version, False, lineage)
+        return read
