@@ -1,5 +1,6 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test
+# `make check`: the fast tiers for the edit loop (lint, then the `unit` and `actors` tests)
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
@@ -17,7 +18,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test lint bench soak results clean cluster cluster-stop
+.PHONY: run test check lint bench soak results clean cluster cluster-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +36,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+check: lint
+	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'

@@ -4,7 +4,7 @@ imports one actor's module loads no other."""
 
 from __future__ import annotations
 
-import importlib
+from meshrl import lazy_exports
 
 _EXPORTS = {
     "Policy": "actors.policy",
@@ -19,14 +19,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'actors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -24,6 +24,7 @@ and nothing in `meshrl/` imports `actors/` or `algorithms/`.
 from __future__ import annotations
 
 import importlib
+import sys
 
 _EXPORTS = {
     # the loop's pieces
@@ -62,14 +63,22 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'meshrl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple:
+    """`__getattr__` and `__dir__` for `package` (PEP 562): each name of `exports`
+    (name -> the module that defines it) is imported on first use, then kept."""
+    namespace = vars(sys.modules[package])
+
+    def __getattr__(name: str) -> object:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value = getattr(importlib.import_module(module), name)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *exports})
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -122,6 +122,18 @@ def no_stray_procs():
     assert not left, f"Monarch procs outlived the test: {sorted(left)}"
 
 
+TIERS = ("unit", "actors", "e2e", "notebook", "cluster")
+"""Every test names its tier (pyproject's markers): `make check` runs unit and actors."""
+
+
+def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(
+            f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered)}"
+        )
+
+
 def local_master() -> tuple[str, int]:
     """A free (address, port) on this host for a mesh's torch.distributed rank 0."""
     import socket

@@ -131,6 +131,25 @@ def test_the_core_has_no_import_cycle_and_imports_no_upper_layer():
         imported = _imports(path)
         assert not any(i.split(".")[0] in ("actors", "algorithms") for i in imported), module
         graph[module] = {i for i in imported if i in modules and i != module}
+    # The folders stand on each other in this order, each importing only those below
+    # it; the arrows that still run back up are named here, so no new one slips in.
+    layers = ["command", "config", "observe", "procs", "model", "weights", "types", "envs"]
+    layers += ["loop", "cli"]
+    back_up = {
+        ("meshrl.config", "meshrl.model.architectures"),  # `model.arch` checked at load
+        ("meshrl.config", "meshrl.model.models"),  # a saved tokenizer's vocabulary
+        ("meshrl.config", "meshrl.envs"),  # `task.name` checked at load
+        ("meshrl.config", "meshrl.envs.dataset"),  # a task's rows checked at load
+        ("meshrl.config.trainer", "meshrl.model.losses"),  # `trainer.correction` names
+        ("meshrl.observe.monarch", "meshrl.procs.proc_pool"),  # `alive`: a pid check
+    }
+    for module, imported in graph.items():
+        if module == "meshrl":
+            continue
+        for target in imported - {"meshrl"}:  # (the package's face: lazy names)
+            source_layer, target_layer = module.split(".")[1], target.split(".")[1]
+            if layers.index(target_layer) > layers.index(source_layer):
+                assert (module, target) in back_up, f"{module} imports {target}: upward"
     # Imports of a package's own __init__ by its submodules are not cycles of concern.
     state: dict[str, int] = {}
 
@@ -151,7 +170,8 @@ def test_the_core_has_no_import_cycle_and_imports_no_upper_layer():
 
 
 @pytest.mark.unit
-def test_files_and_functions_stay_small_and_the_loops_show_the_meshes():
+def test_functions_stay_small_and_the_loops_show_the_meshes():
+    # (No limit on a file's lines: a file holds one concern, however long.)
     for top in ("meshrl", "actors", "algorithms"):
         for folder, _, files in os.walk(os.path.join(REPO, top)):
             for name in files:
@@ -160,7 +180,6 @@ def test_files_and_functions_stay_small_and_the_loops_show_the_meshes():
                 path = os.path.join(folder, name)
                 with open(path) as f:
                     source = f.read()
-                assert source.count("\n") <= 500, f"{path}: over 500 lines"
                 for node in ast.walk(ast.parse(source)):
                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         size = node.end_lineno - node.lineno + 1

@@ -163,6 +163,7 @@ def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stra
     _exact(history, cfg.prompts_per_step * cfg.group_size)
 
 
+@pytest.mark.unit
 def test_scale_input_and_limits():
     assert check("policy", 2, {"policy": (3, "x")}) is None
     assert check("critic", 2) == (
@@ -193,6 +194,7 @@ class _Later:
         return self.value
 
 
+@pytest.mark.unit
 def test_pool_future_answers_in_rank_order_and_asks_each_member_once():
     first, second = _Later("a", ready=3), _Later("b")
     future = PoolFuture([first, second])

@@ -65,6 +65,7 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     assert all(r["weights/trainer_egress_bytes"] == model_bytes > 0 for r in history)
 
 
+@pytest.mark.unit
 def test_job_keys_are_checked():
     with pytest.raises(ConfigError, match="job.kind"):
         load_config(GRPOConfig, None, ["job.kind=cloud"])

@@ -28,5 +28,6 @@ def test_notebook_runs(path, no_stray_procs):
     ).execute()
 
 
+@pytest.mark.unit
 def test_there_are_notebooks():
     assert NOTEBOOKS

@@ -65,6 +65,7 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.e2e
 def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_procs):
     """While a GRPO run goes: the dashboard (its asked-for port taken, so on a
     free one) lists the policy, trainer and environment actors and counts
@@ -187,6 +188,7 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
     assert "policy.generate" in names and any(str(n).startswith("aten::") for n in names)
 
 
+@pytest.mark.unit
 def test_telemetry_that_monarch_did_not_start_is_one_line():
     """Monarch starts telemetry best-effort; a job it could not start it for
     (no URL in its state) is refused naming the key and the job kind."""
@@ -197,6 +199,7 @@ def test_telemetry_that_monarch_did_not_start_is_one_line():
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.unit
 def test_status_shows_monarchs_state_beside_meshrls():
     from meshrl.observe.monarch import merge_states, states_from_rows
     from meshrl.observe.status import table
@@ -222,6 +225,7 @@ def test_status_shows_monarchs_state_beside_meshrls():
     assert "idle" in lines[1] and "dead: policy: proc exited" in lines[2]
 
 
+@pytest.mark.actors
 def test_a_second_telemetry_job_in_one_process_is_one_line(monkeypatch):
     """Monarch 0.7 gives a process's telemetry to one job for the process's life
     (its socket sink and mesh admin): a notebook's next run is told, not hung."""

@@ -77,6 +77,7 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplo
         assert f"recovering {role}: " in log and f"recovered {role} in" in log, log
 
 
+@pytest.mark.unit
 def test_an_exception_in_an_actor_is_not_recovered_but_reported():
     state = LoopState()
     sup = Supervisor(None, FaultsConfig(), state)  # no run: no mesh may be touched
@@ -87,6 +88,7 @@ def test_an_exception_in_an_actor_is_not_recovered_but_reported():
     assert state.recoveries == []
 
 
+@pytest.mark.unit
 def test_fault_drill_keys_are_checked():
     with pytest.raises(ConfigError, match="faults.kill"):
         load_config(GRPOConfig, None, ["faults.kill=[policy@3]"])
