@@ -103,7 +103,7 @@ def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]
 @pytest.fixture(scope="session", autouse=True)
 def reused_procs():
     """Runs in this process reuse the single-proc meshes of earlier tests' runs
-    (`meshrl.procs.mesh.ProcPool`): a proc boots torch and transformers once, not once
+    (`meshrl.procs.proc_pool.ProcPool`): a proc boots torch and transformers once, not once
     per test. Stopped, and checked gone, at the end of the session."""
     before = monarch_procs()
     pool = reuse_procs()
@@ -155,8 +155,8 @@ def slurm_cluster(tmp_path_factory):
     if why:
         pytest.skip(f"no SLURM cluster here: {why}")
     cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=8)
-    # A pytest worker interrupted hard (Ctrl-C under `-n`) runs no teardown: this
-    # process, in a session of its own, stops the cluster once the worker is gone.
+    # A pytest process killed hard (SIGKILL, or an xdist worker on Ctrl-C) runs no
+    # teardown: this process, in a session of its own, stops the cluster once it is gone.
     reaper = subprocess.Popen(
         [sys.executable, "-m", "tests.slurm_cluster", "stop", "--dir", cluster.root]
         + ["--after", str(os.getpid())],

@@ -17,7 +17,7 @@ A checkpoint cannot run code and proves its bytes:
   and batches as tagged dicts, arrays as tensors). A file that holds anything
   else is refused in one line naming it. FSDP shards' index (torch's DCP
   `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
-  metadata classes (`meshrl.procs.parallel.SafeReader`).
+  metadata classes (`meshrl.procs.parallel.safe_reader`).
 - `MANIFEST.json` (written before `COMPLETE`) holds each file's size and
   SHA-256. A checkpoint is checked against it before it is loaded
   (`problem`); `latest()` skips a damaged one and says so, so `resume=auto`

@@ -152,7 +152,7 @@ quarantined: set[str] = set()
 
 def note_lost(nodes: list[str]) -> list[str]:
     """Count a loss of procs on each of `nodes`; those that reach `quarantine_after`
-    join `meshrl.procs.job.quarantined` (excluded from every later allocation). Returns
+    join `quarantined` (excluded from every later allocation). Returns
     the nodes quarantined now."""
     now = []
     for node in nodes:
