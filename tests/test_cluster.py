@@ -215,7 +215,7 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
         assert "seen before Monarch's supervision says so" in faults, faults
         quarantined = status(tmp_path, "lost")["quarantined"]
         for node in (lost["result"], lost_trainer["result"]):
-            assert f"quarantined SLURM node {node}" in faults
+            assert f"quarantined SLURM node {node}" in faults, faults
             assert node in quarantined
         # No later allocation got a lost node.
         where = status(tmp_path, "lost")["slurm"]

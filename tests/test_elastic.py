@@ -222,13 +222,8 @@ SLOWED = (
     "generation.max_new_tokens=16",
     "generation.min_new_tokens=16",
     "max_staleness=0",
-    "steps=4",  # three steps averaged: the first boots the replicas
+    "steps=4",
 )
-
-
-def _step_s(history: list[dict], key: str = "time/step_s") -> float:
-    rest = history[1:]  # the first step boots the replicas' kernels
-    return sum(r[key] for r in rest) / len(rest)
 
 
 class _StopAfter(GRPO):
@@ -243,20 +238,18 @@ class _StopAfter(GRPO):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(400)
-def test_pull_beats_the_static_split_with_a_slow_replica(tmp_path, no_stray_procs):
-    """One replica of two is 8x slower: the static split waits for it every
-    step; by pull the fast one takes more groups."""
-    split = GRPO(configure(tmp_path, "split", *SLOWED, "placement.policy=2")).run()
-    pulled = GRPO(configure(tmp_path, "pull", *SLOWED, *PULL)).run()
-    # The rollout is where pull wins (measured 0.37-0.42x here); a step adds the same
-    # training to both, whose time on a loaded 2-core CI runner varies by ~0.5 s.
-    rollout = _step_s(pulled, "time/rollout_s"), _step_s(split, "time/rollout_s")
-    assert rollout[0] < 0.7 * rollout[1], rollout
-    assert _step_s(pulled) < _step_s(split), (pulled, split)
-    for history in (split, pulled):
-        assert history[-1]["samples/trained_total"] == 4 * 16 * 8
-        assert all(r["samples/dropped"] == 0 for r in history)
+@pytest.mark.timeout(300)
+def test_pull_gives_the_fast_replica_more_groups(tmp_path, no_stray_procs):
+    """One replica of two is 8x slower: a static split would give each half the
+    groups every step and wait for the slow one; by pull the fast one takes more.
+    (What that saves in step time is measured by benchmarks/stragglers.py, not here.)"""
+    algo = GRPO(configure(tmp_path, "pull", *SLOWED, *PULL))
+    history = algo.run()
+    by_replica = algo.dispatcher.trained_by_replica
+    assert sorted(by_replica) == [0, 1] and sum(by_replica.values()) == 4 * 16, by_replica
+    assert by_replica[0] >= 2 * by_replica[1], by_replica
+    assert history[-1]["samples/trained_total"] == 4 * 16 * 8
+    assert all(r["samples/dropped"] == 0 for r in history)
 
 
 @pytest.mark.e2e

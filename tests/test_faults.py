@@ -6,7 +6,7 @@ import time
 import pytest
 from monarch.actor import Actor, endpoint
 
-from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
+from meshrl.procs.mesh import RemoteCallError, RoleMeshes, call_error, wait
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
 
@@ -24,6 +24,26 @@ class Fragile(Actor):
     def sleep(self, seconds: float) -> str:
         time.sleep(seconds)
         return "done"
+
+
+@pytest.mark.unit
+def test_a_report_about_a_stopped_mesh_is_not_the_loss_of_the_callers_procs():
+    """Monarch's report that stopping a replaced mesh failed can reach a call on its
+    replacement (seen on SLURM under load): it is marked stray, the call's procs are
+    asked before anything is replaced (`Supervisor.stray`)."""
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    stopped = SupervisionError(
+        "actor proc_mesh_controller_policy-5n3<q>.local<8p>@tcp://127.0.0.1:1 failed:\n"
+        "  error stopping proc mesh: statuses: Timeout(30.0s)=0..1)"
+    )
+    error = call_error(stopped, "policy.generate[1]")
+    assert error.proc_lost and error.stray and error.role == "policy"
+    assert "error stopping proc mesh" in str(error) and "\n" not in str(error)
+    died = call_error(SupervisionError("actor policy[1] failed: process exited"), "policy.x[1]")
+    assert died.proc_lost and not died.stray
+    raised = call_error(ValueError("bad"), "policy.x[0]")
+    assert not raised.proc_lost and not raised.stray
 
 
 def test_dead_proc_raises_instead_of_hanging(no_stray_procs):

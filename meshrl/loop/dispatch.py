@@ -36,7 +36,7 @@ import math
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +96,7 @@ class Group:
     version: int = -1  # the weight version it was generated with
     latency_s: float = 0.0  # from taken to scored
     late: bool = False  # taken by a replica before a step that did not train it
+    replica: int = -1  # the policy rank that generated it (-1: not yet, or restored)
     pixels: list | None = None  # its rows' images, [I, C, H, W] each (`meshrl.model.vision`)
 
 
@@ -157,6 +158,9 @@ class Dispatcher:
         self.generated: deque = deque(maxlen=cfg.bias_window)  # (latency, length)
         self.trained: deque = deque(maxlen=cfg.bias_window)
         self.errors = 0
+        # Groups trained, by the policy rank that generated them: how the work was shared
+        # (kept out of the step metrics, which must not depend on timing).
+        self.trained_by_replica: Counter[int] = Counter()
         self.hand_out_s = 0.0  # the loop's waits in `hand_out` since the last step
         self._taking = threading.Lock()
         self.waiter = Waiter(self.sup.timeout_s)  # a thread per call: no polling delay
@@ -195,6 +199,7 @@ class Dispatcher:
             self._top_up(need)
             self._resume()
         self.trained.extend(self._shape(g) for g in taken)
+        self.trained_by_replica.update(g.replica for g in taken)
         pad = self.collector.tokenizer.pad_token_id
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
         self.state.ledger.generated += need * self.k
@@ -327,7 +332,7 @@ class Dispatcher:
                 ]
                 now = time.monotonic()
                 for group in groups:
-                    group.sent = now
+                    group.sent, group.replica = now, rank
                 ids = [row for g in groups for row in g.ids]
                 seeds = [s for g in groups for s in g.seeds]
                 pixels = [row for g in groups for row in g.pixels or [None] * len(g.ids)]
@@ -408,7 +413,9 @@ class Dispatcher:
             self.pending.extendleft(reversed(groups))
         else:
             self.to_score.extendleft(reversed(groups))
-        if error.proc_lost:
+        if error.stray:  # its procs answer: the groups are sent again, nothing lost
+            self.sup.stray(self.policy if role == "policy" else self.environment, error)
+        elif error.proc_lost:
             if role == "policy":
                 self.state.ledger.generated += len(groups) * self.k
                 self.state.ledger.drop("policy_lost", len(groups) * self.k)

@@ -92,7 +92,9 @@ class Supervisor:
                 return gather(futures, what, self.timeout_s), repeats
             except RemoteCallError as error:
                 futures = None
-                if not error.proc_lost:
+                if error.stray:
+                    self.stray(role, error)
+                elif not error.proc_lost:
                     self.retry(error, errors)
                     errors += 1
                 elif respawns == role.respawns:  # else: replaced since the call was sent
@@ -160,6 +162,18 @@ class Supervisor:
             f"{took:.1f}s (details: {self.run.dir}/faults.log)",
             flush=True,
         )
+
+    def stray(self, role: Role, error: RemoteCallError) -> None:
+        """The call failed on a report about another mesh (`RemoteCallError.stray`).
+        Its procs are asked (a proc really gone is recovered as a loss); a role
+        that catches up from its peers is asked again, one whose state lives only
+        in it (trainer, critic) may have run the call already: `RoleLost`, back to
+        a checkpoint, so no step is applied twice."""
+        log_fault(f"{error} (a report about a mesh meshrl replaced)")
+        self.check_alive(role)
+        host = self.run.meshes.share.get(role.name, role.name)
+        if host not in self.catch_up or role.name not in self.catch_up:
+            raise RoleLost(error, host)
 
     def check_alive(self, role: Role) -> None:
         """Ask each proc of `role` (its watch) whether it is there; a proc gone is

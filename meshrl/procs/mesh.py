@@ -57,12 +57,16 @@ class RemoteCallError(RuntimeError):
     """A remote call failed, timed out, or its mesh lost a process. `what` names
     the call (`trainer.train_step[1]`); `role` is its first part."""
 
-    def __init__(self, message: str, what: str = "", proc_lost: bool = False):
+    def __init__(self, message: str, what: str = "", proc_lost: bool = False, stray: bool = False):
         super().__init__(message)
         self.what = what
         self.proc_lost = proc_lost
         """True when the proc behind the call died (Monarch supervision), False
         for an exception raised in the actor or a deadline."""
+        self.stray = stray
+        """True when the call failed on Monarch's report that stopping *another*
+        mesh failed (one meshrl replaced, whose node is gone): the call's own procs
+        may be fine (`Supervisor.stray` asks them; elsewhere it counts as a loss)."""
 
     @property
     def role(self) -> str:
@@ -121,13 +125,27 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
         except Exception as error:
             # Monarch raises SupervisionError when the proc is gone, ActorError when
             # the endpoint raised.
-            lost = type(error).__name__ == "SupervisionError"
-            raise RemoteCallError(f"{what} failed: {_first_line(error)}", what, lost) from error
+            raise call_error(error, what) from error
         if proc_pool.lost and proc_pool.is_lost(what):  # seen gone before Monarch says
             gone = "its proc is gone (seen before Monarch's supervision says so)"
             raise RemoteCallError(f"{what} failed: {gone}", what, True)
         if time.monotonic() > deadline:
             raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
+
+
+def call_error(error: BaseException, what: str) -> RemoteCallError:
+    """What a Monarch future raised, as the `RemoteCallError` of call `what`."""
+    lost = type(error).__name__ == "SupervisionError"
+    # Seen under load on SLURM: the stop of a mesh on a lost node times out (Monarch
+    # waits 30 s) and that report reaches a call on the mesh that replaced it.
+    stray = lost and STOP_FAILED in str(error)
+    said = " ".join(str(error).split()) if stray else _first_line(error)  # which mesh, and why
+    return RemoteCallError(f"{what} failed: {said}", what, lost, stray)
+
+
+STOP_FAILED = "error stopping proc mesh"
+"""Monarch's words when stopping a proc mesh failed: meshrl stops only meshes it
+replaced or is closing, so a call failing with them is not the loss of its procs."""
 
 
 def _first_line(error: BaseException) -> str:
@@ -163,7 +181,8 @@ def gather(futures: Sequence, what: str, timeout_s: float) -> list:
         except RemoteCallError as error:
             errors.append(error)
     if errors:
-        raise next((e for e in errors if e.proc_lost), errors[0])
+        lost = [e for e in errors if e.proc_lost]
+        raise next((e for e in lost if not e.stray), lost[0] if lost else errors[0])
     return results
 
 
