@@ -146,7 +146,7 @@ def local_master() -> tuple[str, int]:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real SLURM cluster on this machine for the `cluster` tests: slurmctld and
-    8 slurmd (`tests/slurm_cluster.py`), installed from Debian's packages when
+    12 slurmd (`tests/slurm_cluster.py`), installed from Debian's packages when
     missing and possible; skipped with the reason where it is not. After the
     session: no daemon, no job."""
     from tests.slurm_cluster import Cluster
@@ -154,7 +154,7 @@ def slurm_cluster(tmp_path_factory):
     why = Cluster.unavailable()
     if why:
         pytest.skip(f"no SLURM cluster here: {why}")
-    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=8)
+    cluster = Cluster(str(tmp_path_factory.mktemp("slurm")), nodes=12)
     # A pytest process killed hard (SIGKILL, or an xdist worker on Ctrl-C) runs no
     # teardown: this process, in a session of its own, stops the cluster once it is gone.
     reaper = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""The same scripts on a real SLURM cluster (slurmctld and 8 slurmd on this machine,
+"""The same scripts on a real SLURM cluster (slurmctld and 12 slurmd on this machine,
 `tests/slurm_cluster.py`), with the faults a scheduler brings.
 
 Each run is the CLI a user types, in a process of its own (a SLURM run's
@@ -32,7 +32,7 @@ def command(run_dir, name, *overrides, module="algorithms.grpo", config=DEFAULT_
     return [
         sys.executable, "-m", module, "--config", config,
         "job.kind=slurm", "job.partition=debug", f"job.python_exe={sys.executable}",
-        "placement.threads_per_proc=1",  # eight "nodes" share this machine's cores
+        "placement.threads_per_proc=1",  # twelve "nodes" share this machine's cores
         "run.progress=false", f"run.dir={run_dir}", f"run.name={name}",
         *overrides,
     ]  # fmt: skip
@@ -148,31 +148,37 @@ def test_grpo_on_slurm_learns_over_rdma_with_each_role_on_nodes_of_its_own(
     assert_clean_end(cluster)
 
 
-@pytest.mark.parametrize(
-    "module,config,overrides",
-    [
-        ("algorithms.ppo", "ppo.yaml", ["steps=3", "warm_start.steps=2", "eval.every=0"]),
-        ("algorithms.dpo", "dpo.yaml", ["steps=3"]),
-        ("algorithms.coevolve", "coevolve.yaml", ["steps=2"]),
-    ],
-    ids=["ppo", "dpo", "coevolve"],
-)
-def test_ppo_dpo_and_coevolution_run_unchanged_on_slurm(
-    slurm_cluster, tmp_path, module, config, overrides, no_stray_procs
-):
-    proc = start(
-        slurm_cluster, tmp_path, "run", *overrides, module=module,
-        config=os.path.join(CONFIGS, config),
-    )  # fmt: skip
-    out = finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    records = history(tmp_path, "run")
-    assert records and all(
-        math.isfinite(v) for r in records for v in r.values() if isinstance(v, float)
-    )
-    jobs = status(tmp_path, "run")["slurm"]
-    nodes = [n for where in jobs.values() for n in where["nodes"]]
-    assert len(jobs) >= 2 and len(nodes) == len(set(nodes)), jobs  # nodes of their own
+OTHERS = {  # name: (module, config, overrides)
+    "ppo": ("algorithms.ppo", "ppo.yaml", ["steps=3", "warm_start.steps=2", "eval.every=0"]),
+    "dpo": ("algorithms.dpo", "dpo.yaml", ["steps=3"]),
+    "coevolve": ("algorithms.coevolve", "coevolve.yaml", ["steps=2"]),
+}
+
+
+def test_ppo_dpo_and_coevolution_run_unchanged_on_slurm(slurm_cluster, tmp_path, no_stray_procs):
+    """The three at once, as three users would submit them (11 nodes of the 12: none
+    waits for another's): each gets nodes of its own from the same cluster."""
+    procs = {
+        name: start(
+            slurm_cluster,
+            tmp_path,
+            name,
+            *overrides,
+            module=module,
+            config=os.path.join(CONFIGS, config),
+        )  # fmt: skip
+        for name, (module, config, overrides) in OTHERS.items()
+    }
+    outs = {name: finish(proc) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, outs[name][-3000:])
+        records = history(tmp_path, name)
+        assert records and all(
+            math.isfinite(v) for r in records for v in r.values() if isinstance(v, float)
+        ), name
+        jobs = status(tmp_path, name)["slurm"]
+        nodes = [n for where in jobs.values() for n in where["nodes"]]
+        assert len(jobs) >= 2 and len(nodes) == len(set(nodes)), (name, jobs)  # nodes of their own
     assert_clean_end(slurm_cluster)
 
 
