@@ -22,7 +22,7 @@ from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import Episode, Step, make_task, sandbox
 from meshrl.envs.base import checked_reward
 from meshrl.envs.sandbox import SandboxConfig
-from meshrl.model.models import load_tokenizer
+from meshrl.model.tokenizer import load_tokenizer
 from meshrl.observe.telemetry import observed, record
 from meshrl.procs.faults import Drillable
 from meshrl.types import Prompt

@@ -60,7 +60,8 @@ sys.path.insert(0, REPO)
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from meshrl.config import TaskConfig, load_config  # noqa: E402
 from meshrl.envs import make_task  # noqa: E402
-from meshrl.model.models import build_char_tokenizer, load_model  # noqa: E402
+from meshrl.model.models import load_model  # noqa: E402
+from meshrl.model.tokenizer import build_char_tokenizer  # noqa: E402
 
 MODELS = {
     "34M": ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8"]

@@ -12,7 +12,7 @@ from actors.trainer import Trainer
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
 from meshrl.envs import make_task
-from meshrl.model.models import build_char_tokenizer
+from meshrl.model.tokenizer import build_char_tokenizer
 from meshrl.procs.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
 from meshrl.types import Completions, TrainBatch
 from meshrl.weights.publisher import WeightHandle

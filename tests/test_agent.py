@@ -36,7 +36,8 @@ def agent_data(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from meshrl.model.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import embedded_config
+    from meshrl.model.tokenizer import build_char_tokenizer
 
     root = tmp_path_factory.mktemp("agent")
     tok = build_char_tokenizer()

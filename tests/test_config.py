@@ -238,7 +238,8 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from meshrl.config import ModelConfig
-    from meshrl.model.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import embedded_config
+    from meshrl.model.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     small = embedded_config(ModelConfig(), vocab_size=len(tokenizer) - 10)
@@ -253,7 +254,8 @@ def prompt_collector(cfg):
     from meshrl.envs import make_task
     from meshrl.loop.collector import Collector
     from meshrl.loop.state import LoopState
-    from meshrl.model.models import context_length, load_tokenizer
+    from meshrl.model.models import context_length
+    from meshrl.model.tokenizer import load_tokenizer
 
     state = LoopState(seed=cfg.run.seed)
     tokenizer, task = load_tokenizer(cfg.model), make_task(cfg.task)

@@ -10,7 +10,8 @@ import torch
 from algorithms.distill import Distill, DistillConfig
 from meshrl.config import ConfigError, ModelConfig, TaskConfig, load_config
 from meshrl.envs import make_task
-from meshrl.model.models import build_char_tokenizer, load_model
+from meshrl.model.models import load_model
+from meshrl.model.tokenizer import build_char_tokenizer
 from meshrl.types import TrainBatch
 from tests.conftest import REPO
 from tests.test_algorithms import QUIET, undocumented_metrics

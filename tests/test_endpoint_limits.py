@@ -16,7 +16,7 @@ import pytest
 from meshrl.config import GenerationConfig
 from meshrl.envs.rollout import ChatFormat
 from meshrl.envs.serve import MAX_BODY_BYTES, PolicyServer, Router
-from meshrl.model.models import build_char_tokenizer
+from meshrl.model.tokenizer import build_char_tokenizer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

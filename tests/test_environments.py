@@ -37,7 +37,7 @@ def grpo(tmp_path, config, *overrides):
 def tiny_reward_model(path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from meshrl.model.models import build_char_tokenizer
+    from meshrl.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     config = LlamaConfig(

@@ -16,7 +16,7 @@ from meshrl.envs.math import ArithmeticError_, answers_match, arith, extract_ans
 from meshrl.envs.rollout import ChatFormat
 from meshrl.envs.samples import main as samples_main
 from meshrl.envs.tools import ToolEpisode
-from meshrl.model.models import build_char_tokenizer
+from meshrl.model.tokenizer import build_char_tokenizer
 from meshrl.types import Prompt
 from tests.conftest import DEFAULT_CONFIG
 
@@ -247,7 +247,7 @@ def test_a_disabled_tool_answers_so_and_a_multi_turn_warm_start_trace_masks_the_
     from meshrl.config import ModelConfig
     from meshrl.envs.rollout import ChatFormat
     from meshrl.loop.supervised import demonstration_tokens
-    from meshrl.model.models import load_tokenizer
+    from meshrl.model.tokenizer import load_tokenizer
 
     prompt = Prompt("What is 12 * 34?", "408", {"expression": "12 * 34"})
     off = ToolEpisode(prompt, tools=[])

@@ -6,7 +6,7 @@ import pytest
 
 from meshrl.envs import kuhn
 from meshrl.loop.games import Game, deal, results, strategy_batch, strategy_of
-from meshrl.model.models import build_char_tokenizer
+from meshrl.model.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.unit
 

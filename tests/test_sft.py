@@ -17,7 +17,8 @@ from meshrl.config import ConfigError, ModelConfig, load_config
 from meshrl.envs.dataset import DatasetError
 from meshrl.envs.sft_data import conversation, load_examples, pair
 from meshrl.loop.export import model_source
-from meshrl.model.models import build_char_tokenizer, load_model
+from meshrl.model.models import load_model
+from meshrl.model.tokenizer import build_char_tokenizer
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_algorithms import QUIET, undocumented_metrics
 

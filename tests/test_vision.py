@@ -201,7 +201,8 @@ def _save_tiny_gemma3(path) -> None:
     )
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    from meshrl.model.models import build_char_tokenizer, embedded_config
+    from meshrl.model.models import embedded_config
+    from meshrl.model.tokenizer import build_char_tokenizer
 
     chars = build_char_tokenizer()
     tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",

@@ -21,7 +21,8 @@ import torch
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.loop import checkpoint
 from meshrl.model import lora
-from meshrl.model.models import load_model, load_processor, load_tokenizer
+from meshrl.model.models import load_model, load_processor
+from meshrl.model.tokenizer import load_tokenizer
 
 
 def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=None) -> None:

@@ -114,7 +114,7 @@ class VLLMEngine:
         if path is None:  # the embedded model: vLLM loads from a directory
             self._dir = tempfile.TemporaryDirectory(prefix="meshrl-vllm-")
             path = self._dir.name
-            from meshrl.model.models import load_tokenizer
+            from meshrl.model.tokenizer import load_tokenizer
 
             model.save_pretrained(path)
             load_tokenizer(model_cfg).save_pretrained(path)

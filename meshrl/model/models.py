@@ -1,8 +1,8 @@
-"""Models and tokenizers: any HF causal LM from a local path, or the embedded default.
+"""Models: any HF causal LM from a local path, or the embedded default.
 
 The embedded default is a tiny model (Llama unless `model.arch` says otherwise,
 `meshrl.model.architectures`) built from `ModelConfig` plus a character tokenizer
-built here in code, so nothing is downloaded. Both save with
+built in code (`meshrl.model.tokenizer`), so nothing is downloaded. Both save with
 `save_pretrained` and load back through `AutoModelForCausalLM` /
 `AutoTokenizer`, exactly like a real model.
 """
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import string
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
-from tokenizers.models import WordLevel
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,31 +35,13 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
 from meshrl.config import ModelConfig
 from meshrl.model import mrope, vision
-from meshrl.model.architectures import VISION_ARCHITECTURES, saved_tokenizer, tiny_config
+from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
 from meshrl.model.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
+from meshrl.model.tokenizer import build_char_tokenizer, load_tokenizer
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
     from meshrl.model.routing import Replay
-
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-# Printable ASCII, space to tilde: enough for digits, arithmetic and short text.
-CHARACTERS = [chr(c) for c in range(32, 127)]
-assert set(string.digits) <= set(CHARACTERS)
-
-
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character; BOS is prepended on encode."""
-    vocab = {token: i for i, token in enumerate([PAD, BOS, EOS, *CHARACTERS])}
-    core = Tokenizer(WordLevel(vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
-    )
 
 
 def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfig:
@@ -89,19 +68,6 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -
     extra = getattr(config, "eos_token_id", None)
     ids += extra if isinstance(extra, list) else [extra]
     return sorted({i for i in ids if i is not None})
-
-
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
-    if cfg.path is None:
-        tokenizer = build_char_tokenizer()
-        if cfg.arch in VISION_ARCHITECTURES:
-            return vision.with_image_token(tokenizer, cfg.arch)
-        return tokenizer
-    tokenizer = saved_tokenizer(cfg.path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def context_length(cfg: ModelConfig) -> int:
