@@ -33,8 +33,7 @@ from meshrl.loop.supervised import demonstrations, supervised_steps
 from meshrl.loop.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import mismatch_metrics, mismatch_weights
-from meshrl.model.models import context_length, vision_format
-from meshrl.model.tokenizer import load_tokenizer
+from meshrl.model.tokenizer import context_length, load_tokenizer, vision_format
 from meshrl.procs.mesh import RemoteCallError
 from meshrl.types import Completions, TrainBatch
 

@@ -45,8 +45,7 @@ from meshrl.loop.export import start_from
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import add_evaluation
 from meshrl.model.losses import group_advantages, masked_mean, scale_of
-from meshrl.model.models import context_length
-from meshrl.model.tokenizer import load_tokenizer
+from meshrl.model.tokenizer import context_length, load_tokenizer
 from meshrl.procs.mesh import split
 from meshrl.types import Completions, TrainBatch
 

@@ -76,8 +76,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
     from meshrl.loop.collector import Collector
     from meshrl.loop.run import Run
     from meshrl.loop.supervisor import Supervisor
-    from meshrl.model.models import context_length, vision_format
-    from meshrl.model.tokenizer import load_tokenizer
+    from meshrl.model.tokenizer import context_length, load_tokenizer, vision_format
 
     start_from(cfg.model, "model.path")
     tokenizer, context, state = load_tokenizer(cfg.model), context_length(cfg.model), LoopState()

@@ -42,8 +42,7 @@ def serve(cfg: ServeConfig) -> None:
     from meshrl.loop.run import Run
     from meshrl.loop.state import LoopState
     from meshrl.loop.supervisor import Supervisor
-    from meshrl.model.models import context_length
-    from meshrl.model.tokenizer import load_tokenizer
+    from meshrl.model.tokenizer import context_length, load_tokenizer
 
     start_from(cfg.model, "model.path")
     tokenizer, context = load_tokenizer(cfg.model), context_length(cfg.model)

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from meshrl.config import ModelConfig  # noqa: E402
 from meshrl.envs.vision import VisionCount  # noqa: E402
 from meshrl.model.generation import sample  # noqa: E402
-from meshrl.model.models import completion_logprobs, load_model, vision_format  # noqa: E402
+from meshrl.model.models import completion_logprobs, load_model  # noqa: E402
+from meshrl.model.tokenizer import vision_format
 from meshrl.model.vision import stack  # noqa: E402
 
 

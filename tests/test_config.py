@@ -254,8 +254,7 @@ def prompt_collector(cfg):
     from meshrl.envs import make_task
     from meshrl.loop.collector import Collector
     from meshrl.loop.state import LoopState
-    from meshrl.model.models import context_length
-    from meshrl.model.tokenizer import load_tokenizer
+    from meshrl.model.tokenizer import context_length, load_tokenizer
 
     state = LoopState(seed=cfg.run.seed)
     tokenizer, task = load_tokenizer(cfg.model), make_task(cfg.task)

@@ -60,7 +60,7 @@ from meshrl.envs.serve_http import (
     number,
     text_chars,
 )
-from meshrl.model.models import max_token_chars
+from meshrl.model.tokenizer import max_token_chars
 from meshrl.observe.front import BoundedServer
 from meshrl.procs.mesh import RemoteCallError, wait
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from meshrl.envs.rollout import ChatFormat, encode_prompts, run_episodes, to_completions
-from meshrl.model.models import max_token_chars
+from meshrl.model.tokenizer import max_token_chars
 from meshrl.model.vision import shard
 from meshrl.procs.mesh import split, start_each
 from meshrl.types import Completions, Prompt

@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -68,36 +68,6 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -
     extra = getattr(config, "eos_token_id", None)
     ids += extra if isinstance(extra, list) else [extra]
     return sorted({i for i in ids if i is not None})
-
-
-def context_length(cfg: ModelConfig) -> int:
-    """Tokens the model attends over (prompt + completion), from its config."""
-    if cfg.path is None:
-        return cfg.max_positions
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(cfg.path)
-    return getattr(config, "text_config", config).max_position_embeddings
-
-
-def vision_format(cfg: ModelConfig) -> vision.VisionFormat | None:
-    """The controller's `VisionFormat` for a vision-language model (its processor
-    checked against the model's config); None for a text model."""
-    processor = load_processor(cfg)
-    if processor is None:
-        return None
-    if cfg.path is not None:
-        vision.check_pair(processor, AutoConfig.from_pretrained(cfg.path), "model.path")
-    return vision.VisionFormat(processor, cfg.vision.max_pixels)
-
-
-def load_processor(cfg: ModelConfig):
-    """A vision-language model's processor (`meshrl.model.vision`); None for a text model."""
-    if cfg.path is None:
-        if cfg.arch not in VISION_ARCHITECTURES:
-            return None
-        return vision.build_processor(cfg, load_tokenizer(cfg))
-    return vision.saved_processor(cfg.path)
 
 
 _INIT_LOCK = threading.Lock()
@@ -331,14 +301,6 @@ def completion_values(
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)
     return packed.scatter(values.flatten()[packed.at])
-
-
-def max_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of `tokenizer` stands for (its longest
-    vocabulary entry): a text of more than n times this has more than n tokens,
-    known without tokenizing it."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return max((len(t) for t in vocab), default=64) or 1
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

@@ -1,14 +1,16 @@
-"""Tokenizers: the embedded default's character tokenizer, built in code, or the one
-saved beside a model.
+"""What a model reads and writes: its tokenizer (the embedded default's character
+tokenizer, built in code, or the one saved beside a model), a vision-language
+model's processor, and its context length.
 
-Its own module, apart from `meshrl.model.models`: a proc that only reads and
-writes text (an environment, a reward function's host) needs a tokenizer, not
-transformers' modelling code, which costs a proc ~4 s of CPU to import.
+Apart from `meshrl.model.models`: a proc that only reads and writes text (an
+environment) and the controller need these, not transformers' modelling code,
+which costs a process ~3 s of CPU to import.
 """
 
 from __future__ import annotations
 
 import string
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
@@ -16,6 +18,7 @@ from tokenizers.models import WordLevel
 # From its own module, not transformers' lazy top level: a colocated policy and
 # trainer import their modules in two threads of one proc at once, and the lazy
 # top level broke under that (`meshrl.model.models`).
+from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
 from meshrl.config import ModelConfig
@@ -53,3 +56,39 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest
+    vocabulary entry): a text of more than n times this has more than n tokens,
+    known without tokenizing it."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(t) for t in vocab), default=64) or 1
+
+
+def context_length(cfg: ModelConfig) -> int:
+    """Tokens the model attends over (prompt + completion), from its config."""
+    if cfg.path is None:
+        return cfg.max_positions
+    config = AutoConfig.from_pretrained(cfg.path)
+    return getattr(config, "text_config", config).max_position_embeddings
+
+
+def vision_format(cfg: ModelConfig) -> vision.VisionFormat | None:
+    """The controller's `VisionFormat` for a vision-language model (its processor
+    checked against the model's config); None for a text model."""
+    processor = load_processor(cfg)
+    if processor is None:
+        return None
+    if cfg.path is not None:
+        vision.check_pair(processor, AutoConfig.from_pretrained(cfg.path), "model.path")
+    return vision.VisionFormat(processor, cfg.vision.max_pixels)
+
+
+def load_processor(cfg: ModelConfig):
+    """A vision-language model's processor (`meshrl.model.vision`); None for a text model."""
+    if cfg.path is None:
+        if cfg.arch not in VISION_ARCHITECTURES:
+            return None
+        return vision.build_processor(cfg, load_tokenizer(cfg))
+    return vision.saved_processor(cfg.path)
