@@ -11,13 +11,8 @@ from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.envs.digits import positional_match
 from meshrl.model.generation import sample, top_p_filter
-from meshrl.model.models import (
-    build_char_tokenizer,
-    completion_logprobs,
-    load_model,
-    load_tokenizer,
-    stop_token_ids,
-)
+from meshrl.model.models import completion_logprobs, load_model, stop_token_ids
+from meshrl.model.tokenizer import build_char_tokenizer, load_tokenizer
 from meshrl.weights.publisher import TornWeights, WeightPublisher
 from meshrl.weights.receiver import WeightReceiver
 

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.unit
 MODEL = ModelConfig()
 
 
-def grouped_batch(groups=(3, 5, 2), group_size=4, T=6, seed=0):
+def grouped_batch(groups=(3, 5, 2), group_size=4, T=6, seed=0, empty=()):
     """Groups sharing a prompt (lengths `groups`, left-padded), completions of
-    1..T tokens (right-padded): [B, P + T] ids and mask."""
+    1..T tokens (right-padded; rows in `empty`: none): [B, P + T] ids and mask."""
     g = torch.Generator().manual_seed(seed)
     P, B = max(groups), len(groups) * group_size
     ids, mask = torch.zeros(B, P + T, dtype=torch.long), torch.zeros(B, P + T)
@@ -27,19 +27,29 @@ def grouped_batch(groups=(3, 5, 2), group_size=4, T=6, seed=0):
         p = groups[b // group_size]
         if b % group_size == 0:
             prompt = torch.randint(3, 90, (p,), generator=g)
-        t = int(torch.randint(1, T + 1, (), generator=g))
+        t = int(torch.randint(1, T + 1, (), generator=g)) if b not in empty else 0
         ids[b, P - p : P], mask[b, P - p : P] = prompt, 1
         ids[b, P : P + t], mask[b, P : P + t] = torch.randint(3, 90, (t,), generator=g), 1
     return ids, mask, T
 
 
 @pytest.mark.parametrize(
-    "arch, groups, T",
-    [("llama", (3, 5, 2), 6), ("gemma2", (12, 20, 9), 10), ("gpt2", (3, 5, 2), 6)],
-    ids=["llama", "gemma2_rows_past_its_sliding_window", "gpt2_absolute_positions"],
+    "arch, groups, T, empty",
+    [
+        ("llama", (3, 5, 2), 6, ()),
+        ("gemma2", (12, 20, 9), 10, ()),
+        ("gpt2", (3, 5, 2), 6, ()),
+        ("llama", (3, 5, 2), 6, (0, 5, 6)),
+    ],
+    ids=[
+        "llama",
+        "gemma2_rows_past_its_sliding_window",
+        "gpt2_absolute_positions",
+        "rows_with_empty_completions",  # a rollout hook's or outside data's
+    ],
 )
-def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups, T):
-    ids, mask, T = grouped_batch(groups, T=T)
+def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups, T, empty):
+    ids, mask, T = grouped_batch(groups, T=T, empty=empty)
     scored = mask[:, -T:]
     cfg = ModelConfig(arch=arch)
     model = load_model(cfg, seed=1)

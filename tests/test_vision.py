@@ -22,15 +22,8 @@ from meshrl.loop.collector import Collector
 from meshrl.loop.state import LoopState
 from meshrl.model import vision
 from meshrl.model.generation import sample
-from meshrl.model.models import (
-    completion_logprobs,
-    completion_values,
-    load_model,
-    load_processor,
-    load_tokenizer,
-    load_value_model,
-    vision_format,
-)
+from meshrl.model.models import completion_logprobs, completion_values, load_model, load_value_model
+from meshrl.model.tokenizer import load_processor, load_tokenizer, vision_format
 from meshrl.model.vision import ImageError, VisionFormat, stack
 from meshrl.types import Prompt, TrainBatch
 from tests.conftest import REPO

@@ -148,14 +148,15 @@ def pack(
             c += p
             for b in members:  # its tokens but the last, which predicts nothing
                 t = completion_len[b]
-                tokens[r, c : c + t - 1] = torch.tensor(ids[b][P : P + t - 1])
-                positions[r, c : c + t - 1] = torch.arange(p, p + t - 1)
-                tree[r, c : c + t - 1], member[r, c : c + t - 1] = tree_id, b
-                source[r, c : c + t - 1] = b * width + torch.arange(P, P + t - 1)
+                n = max(t - 1, 0)  # an empty completion (t = 0) lays out nothing
+                tokens[r, c : c + n] = torch.tensor(ids[b][P : P + n], dtype=torch.long)
+                positions[r, c : c + n] = torch.arange(p, p + n)
+                tree[r, c : c + n], member[r, c : c + n] = tree_id, b
+                source[r, c : c + n] = b * width + torch.arange(P, P + n)
                 rows += [b] * t
                 cols += range(t)
-                at += [last_prompt, *range(r * capacity + c, r * capacity + c + t - 1)][:t]
-                c += max(t - 1, 0)
+                at += [last_prompt, *range(r * capacity + c, r * capacity + c + n)][:t]
+                c += n
             tree_id += 1
     causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
     same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)
