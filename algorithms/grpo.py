@@ -57,9 +57,19 @@ class GRPOConfig(RLConfig):
     """group (GRPO), batch, or none (Dr. GRPO): the std that divides advantages."""
 
     min_group_size = 2
+    kl_in_reward = False
+    """True when the algorithm puts the KL into the reward (REINFORCE++): then
+    `GRPO.loss` adds no KL term of its own."""
 
     def validate(self) -> None:
         super().validate()
+        if self.kl_coef > 0 and self.kl_kind == "k1" and not self.kl_in_reward:
+            # k1 = log(pi/ref): its expected gradient under pi is zero, so as a loss
+            # term it adds noise and no pull towards the reference.
+            raise ConfigError(
+                "config key 'kl_kind': k1 as a loss term has an expected gradient of "
+                "zero (it adds only noise); use k3 (the default) or k2, or kl_coef=0"
+            )
         if self.loss_aggregation not in AGGREGATIONS:
             raise ConfigError(
                 f"config key 'loss_aggregation': '{self.loss_aggregation}' is not "
@@ -78,9 +88,6 @@ class GRPOConfig(RLConfig):
 
 class GRPO(Algorithm):
     name = "grpo"
-    kl_in_reward = False
-    """True when `compute_advantages` puts the KL into the reward (REINFORCE++):
-    then `loss` adds no KL term of its own."""
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -222,7 +229,7 @@ class GRPO(Algorithm):
             kl = scale_of(batch.completion_mask, batch.scale).token_mean(
                 kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
             )
-            if not self.kl_in_reward:
+            if not cfg.kl_in_reward:
                 loss = loss + cfg.kl_coef * kl
             metrics["policy/kl_ref"] = kl.item()
         return loss, metrics

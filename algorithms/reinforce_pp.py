@@ -33,6 +33,7 @@ class ReinforcePPConfig(GRPOConfig):
     loss_aggregation: str = "token-mean"
 
     min_group_size = 1
+    kl_in_reward = True  # `compute_advantages` shapes the rewards with it
 
     def validate(self) -> None:
         super().validate()
@@ -44,7 +45,6 @@ class ReinforcePPConfig(GRPOConfig):
 
 class ReinforcePP(GRPO):
     name = "reinforce_pp"
-    kl_in_reward = True
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B, T] globally normalized returns of KL-shaped rewards."""

@@ -106,6 +106,7 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["rollout.dispatch=pull", "task.name=calculator"], "rollout.dispatch"),
         (["faults.slow=[trainer:0x4@1]"], "faults.slow"),
         (["faults.episode_latency=slow"], "faults.episode_latency"),
+        (["kl_coef=0.1", "kl_kind=k1"], "kl_kind"),  # a KL loss term whose gradient is zero
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):

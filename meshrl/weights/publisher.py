@@ -276,6 +276,10 @@ class WeightPublisher:
         for i, (piece, (_, param)) in enumerate(zip(self.pieces, self.parameters(), strict=True)):
             local, _ = _local_piece(piece.name, param)
             source = _as_bytes(local)
+            if source.device != last.device:
+                # A GPU trainer's piece: copied to the host once, then compared with
+                # the slot (torch.equal needs both on one device) and written from there.
+                source = source.to(last.device)
             span = slice(piece.offset, piece.offset + piece.num_bytes)
             if not delta:
                 self.changed_at[i] = None
