@@ -170,6 +170,42 @@ def test_the_core_has_no_import_cycle_and_imports_no_upper_layer():
 
 
 @pytest.mark.unit
+def test_every_actor_enters_transformers_through_one_module():
+    """A colocated policy and trainer import their modules in two threads of one
+    proc: entered by two routes at once, transformers' circular imports were seen
+    half done (a colocated run failed with "partially initialized module
+    'transformers.utils'"). Each actor's first import of transformers is made by
+    meshrl.model.tokenizer, whose import lock then orders the threads."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import builtins, sys\n"
+        "real, first = builtins.__import__, []\n"
+        "def hook(name, globals=None, *args, **kwargs):\n"
+        "    if not first and name.split('.')[0] in ('transformers', 'peft'):\n"
+        "        first.append((globals or {}).get('__name__'))\n"
+        "    return real(name, globals, *args, **kwargs)\n"
+        "builtins.__import__ = hook\n"
+        "__import__(sys.argv[1])\n"
+        "print(first[0])\n"
+    )
+    # The two routes: the trainer's (through its export code) and the modelling code's
+    # (every other actor that holds a model comes through meshrl.model.models).
+    modules = ["actors.trainer", "meshrl.model.models"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe, m], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        for m in modules
+    ]
+    entered = {
+        m: p.communicate(timeout=120)[0].strip() for m, p in zip(modules, procs, strict=True)
+    }
+    assert set(entered.values()) == {"meshrl.model.tokenizer"}, entered
+
+
+@pytest.mark.unit
 def test_functions_stay_small_and_the_loops_show_the_meshes():
     # (No limit on a file's lines: a file holds one concern, however long.)
     for top in ("meshrl", "actors", "algorithms"):

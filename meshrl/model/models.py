@@ -17,6 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+# transformers is first imported through meshrl.model.tokenizer, in every proc: see
+# there why one module must be the way in.
+from meshrl.model.tokenizer import build_char_tokenizer, load_tokenizer  # isort: split
+
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -29,7 +34,7 @@ from transformers import (
 # The sampler's cache classes (meshrl.model.generation) come through here, imported
 # with the model classes above: a colocated policy and trainer import their
 # modules in two threads of one proc at once, and importing transformers'
-# submodules from both sides broke its lazy imports (ImportError on
+# modelling submodules from both sides broke its lazy imports (ImportError on
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
@@ -37,7 +42,6 @@ from meshrl.config import ModelConfig
 from meshrl.model import mrope, vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
 from meshrl.model.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
-from meshrl.model.tokenizer import build_char_tokenizer, load_tokenizer
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:

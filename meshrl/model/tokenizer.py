@@ -15,9 +15,12 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 
-# From its own module, not transformers' lazy top level: a colocated policy and
-# trainer import their modules in two threads of one proc at once, and the lazy
-# top level broke under that (`meshrl.model.models`).
+# This module is the one way into transformers (`meshrl.model.models` imports it
+# first): a colocated policy and trainer import their modules in two threads of
+# one proc at once, and two threads entering transformers by two routes (here
+# and the modelling code) met its circular imports half done ("cannot import
+# name ... from partially initialized module 'transformers.utils'"). The
+# import lock of this module makes the second thread wait until the first is in.
 from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
