@@ -20,6 +20,8 @@ import torch
 
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.loop import checkpoint
+from meshrl.model import lora
+from meshrl.model.models import load_model
 from meshrl.model.tokenizer import load_processor, load_tokenizer
 
 
@@ -51,10 +53,6 @@ def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=Non
 
 def _write_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=None) -> None:
     from transformers.utils import logging as hf_logging
-
-    # The modelling code here, not at the top: the controller imports this module
-    # (`start_from`, `model_source`) and must not pay for it.
-    from meshrl.model import lora
 
     hf_logging.disable_progress_bar()  # keep the console to the run's own bar
     (load_processor(model_cfg) or load_tokenizer(model_cfg)).save_pretrained(path)
@@ -104,9 +102,6 @@ def resolve(path: str) -> tuple[str, str]:
 def export_checkpoint(path: str, out: str) -> str:
     """The trainer's model in checkpoint (or run dir) `path` as an HF directory
     at `out`; returns the checkpoint exported."""
-    from meshrl.model import lora
-    from meshrl.model.models import load_model
-
     ckpt, run_dir = resolve(path)
     cfg = run_model_config(run_dir)
     model = load_model(cfg)

@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
+from meshrl.model.generation import sample
 
 ENGINES = ("hf", "vllm")
 
@@ -62,10 +63,6 @@ class HFEngine:
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None."""
-        # Imported here: a controller reads this module for its config checks
-        # (`vllm_missing`) and must not pay for the modelling code (~3 s of CPU).
-        from meshrl.model.generation import sample
-
         pixels, counts = images if images is not None else (None, None)
         return sample(
             self.model,

@@ -3,8 +3,9 @@ tokenizer, built in code, or the one saved beside a model), a vision-language
 model's processor, and its context length.
 
 Apart from `meshrl.model.models`: a proc that only reads and writes text (an
-environment) and the controller need these, not transformers' modelling code,
-which costs a process ~3 s of CPU to import.
+environment) needs these, not transformers' modelling code, which costs a
+process ~3 s of CPU to import. (The controller still imports that code, with the
+actor classes it spawns.)
 """
 
 from __future__ import annotations
