@@ -316,6 +316,7 @@ class RoleMeshes:
                     _setup_proc, threads, count, device_offset, self.job_cfg.kind != "local"
                 ),
                 name=role,
+                bootstrap_command=self._bootstrap_command(),
             )
         self.meshes[role] = mesh
         self.actors[role] = []
@@ -326,6 +327,15 @@ class RoleMeshes:
         # be done before the role's actors register (spawning is asynchronous).
         wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
 
+    def _bootstrap_command(self) -> Any:
+        """How Monarch starts a proc: a fork of this process's fork server on a
+        `local` job (`job.fork_server`), else Monarch's default."""
+        if self.job_cfg.kind != "local" or not self.job_cfg.fork_server:
+            return None
+        from meshrl.procs import zygote
+
+        return zygote.server().command()
+
     def _group(self, role: str) -> Any:
         """An elastic role's procs, one mesh each (`meshrl.procs.pool.ProcGroup`)."""
         from meshrl.procs.pool import make_group, renew_slurm_hosts
@@ -335,7 +345,12 @@ class RoleMeshes:
 
         def spawn_proc(host: Any, slot: int) -> Any:
             setup = functools.partial(_setup_proc, threads, count, offset + slot, kind != "local")
-            return host.spawn_procs(per_host={"procs": 1}, bootstrap=setup, name=role)
+            return host.spawn_procs(
+                per_host={"procs": 1},
+                bootstrap=setup,
+                name=role,
+                bootstrap_command=self._bootstrap_command(),
+            )
 
         def pool_key(slot: int) -> tuple | None:
             return (threads, 1, offset + slot) if keyed and kind == "local" else None

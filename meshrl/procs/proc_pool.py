@@ -91,9 +91,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+PROC_COMM = "meshrl-proc"
+"""The process name (`/proc/PID/comm`) of a proc forked by `meshrl.procs.zygote`."""
+
+
 def monarch_pids() -> set[int]:
-    """Pids of live Monarch processes on this machine: mesh procs and the
-    subprocess hosts of a `process` job (for checking that nothing leaked)."""
+    """Pids of live Monarch processes on this machine: mesh procs (forked ones
+    included; not their stand-ins, which end with them) and the subprocess hosts
+    of a `process` job (for checking that nothing leaked)."""
     pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -101,10 +106,12 @@ def monarch_pids() -> set[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
+            with open(f"/proc/{entry}/comm") as f:
+                forked = f.read().strip() == PROC_COMM
         except OSError:
             continue
-        monarch = any(m in cmdline for m in (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar"))
-        if monarch and alive(int(entry)):
+        markers = (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar")
+        if (forked or any(m in cmdline for m in markers)) and alive(int(entry)):
             pids.add(int(entry))
     return pids
 

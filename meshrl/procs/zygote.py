@@ -1,0 +1,346 @@
+"""A fork server for the procs of local runs: each proc starts with torch and
+transformers already imported.
+
+A Monarch proc is a fresh `python -m monarch._src.actor.bootstrap_main`; before
+its first actor runs it spends about 7 s of CPU importing torch, transformers
+and meshrl's modelling code. A run with six procs pays that six times, a
+respawn after a lost proc pays it again, and a test suite pays it hundreds of
+times. Here one server process imports them once; every local proc is then a
+`fork()` of it, which takes a fraction of a second.
+
+Monarch still spawns and supervises each proc's process as it always does,
+through a `BootstrapCommand` (`command()`): that process is this file's small
+client (stdlib only, `python -S`). It hands its environment, working directory
+and open file descriptors to the server over a Unix socket, the server forks a
+child that takes them over and runs Monarch's proc main, and the client stands
+in for the child until it ends:
+
+- signals sent to the client (Monarch's stop) are passed on to the child;
+- the child's exit status becomes the client's (a child killed by SIGKILL ends
+  its client by SIGKILL), so Monarch sees the proc end as it ended;
+- a client killed outright drops its socket; the child sees that and ends
+  itself, so no proc outlives the process Monarch knows.
+
+What is forked holds no threads of Monarch's runtime (the server never imports
+Monarch: its Rust runtime starts threads at import, and a fork keeps only the
+forking thread) and has run no torch op, so CUDA and the OpenMP pools start in
+the child, with the child's environment. The socket lives in a directory only
+this user can enter (mode 0700) and the server refuses a peer of another uid.
+
+This file runs as a script (`python zygote.py serve|connect ...`) and imports
+nothing outside the standard library at its top, so the client starts in a
+few milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+
+BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
+PRELOAD = ("torch", "meshrl.model.models", "meshrl.procs.proc_pool")
+"""What the server imports before it forks (never Monarch: see the module doc)."""
+PROC_COMM = "meshrl-proc"  # = meshrl.procs.proc_pool.PROC_COMM (this file imports no meshrl)
+MAX_FDS = 250
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        socket.send_fds(conn, [data], list(fds))
+    else:
+        conn.sendall(data)
+
+
+def _recv_line(conn: socket.socket, buffer: bytearray) -> dict | None:
+    """The next JSON line from `conn`, or None at its end."""
+    while b"\n" not in buffer:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buffer.extend(chunk)
+    line, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return json.loads(line)
+
+
+# --- client -----------------------------------------------------------------
+
+
+def _open_fds(skip: int) -> list[int]:
+    fds = []
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd == skip:
+            continue
+        try:
+            os.fstat(fd)  # the listing's own descriptor is gone by now
+        except OSError:
+            continue
+        fds.append(fd)
+    return sorted(fds)
+
+
+def connect(path: str, argv: list[str]) -> None:
+    """Stand in for a forked proc: hand this process's environment and file
+    descriptors to the server at `path`, then pass signals on and exit as the
+    proc exits."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    fds = _open_fds(conn.fileno())[:MAX_FDS]
+    request = {
+        "argv": argv,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "fds": fds,
+        "inheritable": [os.get_inheritable(fd) for fd in fds],
+    }
+    _send(conn, request, fds)
+    # The child holds them now; a pipe whose other end waits for EOF must not
+    # stay open here. (0-2 are kept for a message of our own.)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    buffer = bytearray()
+    reply = _recv_line(conn, buffer)
+    if reply is None or "pid" not in reply:
+        sys.stderr.write(f"meshrl fork server at {path} refused the proc: {reply}\n")
+        os._exit(1)
+    child = reply["pid"]
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    while True:
+        try:
+            reply = _recv_line(conn, buffer)
+            break
+        except InterruptedError:  # a forwarded signal; keep waiting
+            continue
+    if reply is None:  # the server went away: the child ends with no status
+        os._exit(1)
+    status = reply["status"]
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum != signal.SIGKILL:  # (whose handler cannot be set)
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+# --- server -----------------------------------------------------------------
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name (`/proc/PID/comm`, what `ps -o comm` shows)."""
+    import ctypes
+
+    PR_SET_NAME = 15
+    ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become the proc the client was started as."""
+    import fcntl
+    import resource
+
+    listener.close()
+    # Where the child parks descriptors while it takes the client's numbers.
+    HIGH_FD = max(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0] - MAX_FDS - 8,
+        1 + max(request["fds"], default=2),
+    )
+    for signum in FORWARDED:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Move what we hold out of the way, drop the server's own descriptors, then
+    # take the client's at their numbers.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in fds]
+    watch_fd = fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
+    conn.close()
+    os.closerange(0, HIGH_FD)
+    for target, inheritable, fd in zip(request["fds"], request["inheritable"], high, strict=True):
+        os.dup2(fd, target, inheritable=inheritable)
+        os.close(fd)
+    watch = socket.socket(fileno=watch_fd)
+    _name_process(PROC_COMM)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = list(request["argv"])
+    sys.path[0] = request["cwd"]  # as `python -m` puts it
+    if "numpy" in sys.modules:  # (seeded from the OS at import: once, in the server)
+        sys.modules["numpy"].random.seed()
+    # The client's end closes when it dies: then so does this proc.
+    import threading
+
+    def watch_client() -> None:
+        try:
+            while watch.recv(4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch_client, name="meshrl-zygote-watch", daemon=True).start()
+    # What `python -m monarch._src.actor.bootstrap_main` runs; its SystemExit
+    # ends this process as it ends a proc, through the interpreter's exit.
+    import runpy
+
+    runpy.run_module(BOOTSTRAP_MAIN, run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def serve(path: str, preload: list[str]) -> None:
+    """Import `preload`, then fork a proc for every client that connects to `path`."""
+    import importlib
+
+    owner = os.getppid()
+    sys.path[0] = os.getcwd()  # not this file's folder, whose modules would shadow others
+    for name in preload:
+        importlib.import_module(name)
+    if any(name.startswith("monarch._rust") for name in sys.modules):
+        raise SystemExit(f"the fork server's preload {preload} imported Monarch's runtime")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    # Tell the starter we are ready: it waits for this line.
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    children: dict[int, socket.socket] = {}
+    while os.getppid() == owner:
+        readable, _, _ = select.select([listener], [], [], 0.1)
+        while True:  # reap ended children and tell their clients how they ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    _send(conn, {"status": status})
+                conn.close()
+        if not readable:
+            continue
+        conn, _ = listener.accept()
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid != os.getuid():
+            conn.close()
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
+            while not data.endswith(b"\n"):
+                more = conn.recv(1 << 20)
+                if not more:
+                    raise ConnectionError("the client went away")
+                data += more
+            request = json.loads(data)
+        except (OSError, ValueError, ConnectionError):
+            conn.close()
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(conn, listener, request, fds)
+            except SystemExit:
+                raise
+            except BaseException:  # noqa: BLE001 - the proc could not start: say why, end
+                import traceback
+
+                traceback.print_exc()
+                os._exit(1)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = conn
+        with contextlib.suppress(OSError):
+            _send(conn, {"pid": pid})
+
+
+# --- the controller's side ----------------------------------------------------
+
+
+class ForkServer:
+    """A running fork server (`start()`), owned by this process: it ends when
+    `close()` is called or this process ends."""
+
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, timeout_s: float = 120.0):
+        import atexit
+        import subprocess
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="meshrl-fork-")  # 0700: this user only
+        self.path = os.path.join(self.folder, "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "serve", self.path, *preload],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        atexit.register(self.close)
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else b""
+        if line != b"ready\n":
+            self.close()
+            raise RuntimeError(
+                f"the proc fork server did not start within {timeout_s:.0f} s "
+                f"(exit code {self.process.poll()}); set job.fork_server=false to spawn "
+                "every proc fresh"
+            )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def command(self) -> object:
+        """The `BootstrapCommand` that makes Monarch's proc a fork of this server."""
+        from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+
+        args = ["-S", os.path.abspath(__file__), "connect", self.path]
+        return BootstrapCommand(sys.executable, None, args, {})
+
+    def close(self) -> None:
+        import shutil
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it must not outlive us
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_server: ForkServer | None = None
+
+
+def server() -> ForkServer:
+    """This process's fork server, started on first use (and again if it died)."""
+    global _server
+    if _server is None or not _server.alive():
+        if _server is not None:
+            _server.close()
+        _server = ForkServer()
+    return _server
+
+
+if __name__ == "__main__":
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "serve":
+        serve(path, sys.argv[3:])
+    elif mode == "connect":
+        connect(path, [sys.argv[0], "-m", BOOTSTRAP_MAIN])
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} serve|connect SOCKET ...")
