@@ -34,8 +34,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest workers: the suite waits (on SLURM's clock, on deadlines it tests) about
+# half its time, so a second worker fills the cores; the SLURM tests share one worker.
+WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)

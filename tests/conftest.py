@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from meshrl.procs import zygote
 from meshrl.procs.mesh import monarch_pids
 from meshrl.procs.proc_pool import pooled_pids, reuse_procs
 
@@ -104,8 +105,11 @@ def wait_for_no_new_procs(before: set[int], timeout_s: float = 30.0) -> set[int]
 def reused_procs():
     """Runs in this process reuse the single-proc meshes of earlier tests' runs
     (`meshrl.procs.proc_pool.ProcPool`): a proc boots torch and transformers once, not once
-    per test. Stopped, and checked gone, at the end of the session."""
+    per test. Stopped, and checked gone, at the end of the session. Every other
+    local proc, of this process's runs and of the command-line runs and notebook
+    kernels it starts, is a fork of one server (`meshrl.procs.zygote.share`)."""
     before = monarch_procs()
+    zygote.share()
     pool = reuse_procs()
     yield pool
     reuse_procs(False)

@@ -290,7 +290,13 @@ def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, 
     command += ["--config", DEFAULT_CONFIG, f"policy.serve_port={port}", f"run.dir={tmp_path}"]
     command += ["run.name=serve"]
     proc = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A background shell starts children with SIGINT ignored; a user's terminal does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120

@@ -139,7 +139,9 @@ def call_error(error: BaseException, what: str) -> RemoteCallError:
     # Seen under load on SLURM: the stop of a mesh on a lost node times out (Monarch
     # waits 30 s) and that report reaches a call on the mesh that replaced it.
     stray = lost and STOP_FAILED in str(error)
-    said = " ".join(str(error).split()) if stray else _first_line(error)  # which mesh, and why
+    # A lost proc's report says how it ended on its second line ("exited with
+    # non-zero code 3", "Killed(sig=9)"): keep it, on one line.
+    said = " ".join(str(error).split()) if lost else _first_line(error)
     return RemoteCallError(f"{what} failed: {said}", what, lost, stray)
 
 

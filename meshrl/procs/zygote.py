@@ -47,6 +47,8 @@ BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
 PRELOAD = ("torch", "meshrl.model.models", "meshrl.procs.proc_pool")
 """What the server imports before it forks (never Monarch: see the module doc)."""
 PROC_COMM = "meshrl-proc"  # = meshrl.procs.proc_pool.PROC_COMM (this file imports no meshrl)
+STAND_IN_ENV = "MESHRL_PROC_STAND_IN"
+"""Set in a forked proc: the pid of its stand-in, the process Monarch spawned."""
 MAX_FDS = 250
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
@@ -99,6 +101,7 @@ def connect(path: str, argv: list[str]) -> None:
         "argv": argv,
         "env": dict(os.environ),
         "cwd": os.getcwd(),
+        "pid": os.getpid(),
         "fds": fds,
         "inheritable": [os.get_inheritable(fd) for fd in fds],
     }
@@ -160,9 +163,13 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
         resource.getrlimit(resource.RLIMIT_NOFILE)[0] - MAX_FDS - 8,
         1 + max(request["fds"], default=2),
     )
-    for signum in FORWARDED:
+    for signum in FORWARDED:  # as a fresh Python has them
         signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Its own process group: a terminal's Ctrl-C reaches it once, through its
+    # stand-in (which is in the terminal's group, as a proc would be).
+    os.setpgid(0, 0)
     # Move what we hold out of the way, drop the server's own descriptors, then
     # take the client's at their numbers.
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD) for fd in fds]
@@ -177,6 +184,7 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[STAND_IN_ENV] = str(request["pid"])
     sys.argv = list(request["argv"])
     sys.path[0] = request["cwd"]  # as `python -m` puts it
     if "numpy" in sys.modules:  # (seeded from the OS at import: once, in the server)
@@ -206,6 +214,9 @@ def serve(path: str, preload: list[str]) -> None:
     import importlib
 
     owner = os.getppid()
+    # Ctrl-C in a terminal reaches the whole process group: the owner decides
+    # what to do about it (it ends this server when it exits).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.path[0] = os.getcwd()  # not this file's folder, whose modules would shadow others
     for name in preload:
         importlib.import_module(name)
@@ -272,33 +283,40 @@ def serve(path: str, preload: list[str]) -> None:
 
 
 class ForkServer:
-    """A running fork server (`start()`), owned by this process: it ends when
-    `close()` is called or this process ends."""
+    """A fork server at `path`: one this process started (`start()`, ended by
+    `close()` or with this process), or one it was handed (`SHARED_ENV`)."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD, timeout_s: float = 120.0):
+    def __init__(self, path: str, process: object = None, folder: str | None = None):
+        self.path, self.process, self.folder = path, process, folder
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...] = PRELOAD, timeout_s: float = 120.0) -> ForkServer:
         import atexit
         import subprocess
         import tempfile
 
-        self.folder = tempfile.mkdtemp(prefix="meshrl-fork-")  # 0700: this user only
-        self.path = os.path.join(self.folder, "socket")
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "serve", self.path, *preload],
+        folder = tempfile.mkdtemp(prefix="meshrl-fork-")  # 0700: this user only
+        path = os.path.join(folder, "socket")
+        process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "serve", path, *preload],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
         )
-        atexit.register(self.close)
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        line = self.process.stdout.readline() if ready else b""
-        if line != b"ready\n":
-            self.close()
+        started = cls(path, process, folder)
+        atexit.register(started.close)
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+        if (process.stdout.readline() if ready else b"") != b"ready\n":
+            started.close()
             raise RuntimeError(
                 f"the proc fork server did not start within {timeout_s:.0f} s "
-                f"(exit code {self.process.poll()}); set job.fork_server=false to spawn "
+                f"(exit code {process.poll()}); set job.fork_server=false to spawn "
                 "every proc fresh"
             )
+        return started
 
     def alive(self) -> bool:
+        if self.process is None:
+            return os.path.exists(self.path)
         return self.process.poll() is None
 
     def command(self) -> object:
@@ -311,6 +329,8 @@ class ForkServer:
     def close(self) -> None:
         import shutil
 
+        if self.process is None:  # not ours to stop
+            return
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -323,17 +343,39 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+SHARED_ENV = "MESHRL_FORK_SERVER"
+"""A fork server's socket that this process and the processes it starts use
+instead of starting their own (`share()`): a test suite's or a notebook
+session's, whose command-line runs and kernels then fork their procs from it."""
+
 _server: ForkServer | None = None
 
 
 def server() -> ForkServer:
-    """This process's fork server, started on first use (and again if it died)."""
+    """The fork server local procs come from: the one `SHARED_ENV` names, else
+    this process's own, started on first use (and again if it died)."""
     global _server
+    shared = os.environ.get(SHARED_ENV)
+    if shared:
+        if not os.path.exists(shared):
+            raise RuntimeError(
+                f"{SHARED_ENV}={shared}: no fork server listens there (unset it, or set "
+                "job.fork_server=false)"
+            )
+        return ForkServer(shared)
     if _server is None or not _server.alive():
         if _server is not None:
             _server.close()
-        _server = ForkServer()
+        _server = ForkServer.start()
     return _server
+
+
+def share() -> str:
+    """Start this process's fork server if needed and hand it to every process
+    started from here on (`SHARED_ENV`); returns its socket."""
+    path = server().path
+    os.environ[SHARED_ENV] = path
+    return path
 
 
 if __name__ == "__main__":

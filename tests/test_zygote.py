@@ -1,0 +1,101 @@
+"""Local procs are forks of one server that imported torch once
+(`meshrl.procs.zygote`): each is still a proc Monarch spawned, supervises and
+stops, and ends with the process Monarch knows."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from monarch.actor import Actor, endpoint
+
+from meshrl.procs.job import JobConfig
+from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
+from meshrl.procs.proc_pool import alive
+from meshrl.procs.zygote import STAND_IN_ENV, server
+
+pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
+
+
+class Probe(Actor):
+    @endpoint
+    def facts(self) -> dict:
+        with open("/proc/self/comm") as f:
+            comm = f.read().strip()
+        return {
+            "pid": os.getpid(),
+            "comm": comm,
+            "stand_in": int(os.environ.get(STAND_IN_ENV, 0)),
+            "cwd": os.getcwd(),
+            "stdout": os.readlink("/proc/self/fd/1"),
+            "threads": int(os.environ["OMP_NUM_THREADS"]),
+        }
+
+    @endpoint
+    def exit(self, code: int) -> None:
+        os._exit(code)
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_forked_procs_are_monarchs_procs_and_end_with_their_stand_ins(no_stray_procs):
+    with RoleMeshes({"a": 2, "b": 1}) as meshes:
+        probes, other = (meshes[role].spawn("probe", Probe) for role in ("a", "b"))
+        facts = [answer for _, answer in wait(probes.facts.call(), "facts", 60).items()]
+        facts.append(wait(other.facts.call_one(), "facts", 60))
+        for proc in facts:
+            assert proc["comm"] == "meshrl-proc"  # a fork of the server, not a fresh Python
+            assert parent(proc["stand_in"]) == os.getpid()  # what Monarch spawned, here
+            # The fork took over the stand-in's descriptors and directory.
+            assert os.readlink(f"/proc/{proc['stand_in']}/fd/1") == proc["stdout"]
+            assert proc["cwd"] == os.getcwd() and proc["threads"] == 1
+        assert len({proc["pid"] for proc in facts}) == 3
+
+        # A proc that exits: Monarch sees it end with its exit code.
+        with pytest.raises(RemoteCallError, match="code 3") as info:
+            wait(probes.slice(procs=0).exit.call_one(3), "a.exit", 60)
+        assert info.value.proc_lost
+        assert not alive(facts[0]["stand_in"])
+        assert wait(probes.slice(procs=1).facts.call_one(), "a.facts", 60) == facts[1]
+
+        # Monarch's process killed outright: its fork ends too, and the proc is lost.
+        os.kill(facts[2]["stand_in"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(facts[2]["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(facts[2]["pid"])
+        with pytest.raises(RemoteCallError, match="sig=9") as info:
+            wait(other.facts.call_one(), "b.facts", 60)
+        assert info.value.proc_lost
+
+
+def test_without_the_fork_server_each_proc_is_a_fresh_python(no_stray_procs):
+    with RoleMeshes({"workers": 1}, job=JobConfig(fork_server=False)) as meshes:
+        probe = meshes["workers"].spawn("probe", Probe)
+        facts = wait(probe.facts.call_one(), "facts", 120)
+        assert facts["comm"] != "meshrl-proc" and facts["stand_in"] == 0
+        assert parent(facts["pid"]) == os.getpid()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_reach_the_fork_server():
+    """The socket's folder is this user's alone (mode 0700): the kernel refuses
+    a process of another uid before the server sees it."""
+    path = server().path
+    assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    probe = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n"
+        "    s.connect(sys.argv[1])\n"
+        "except PermissionError:\n"
+        "    sys.exit(7)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, path], timeout=30)
+    assert result.returncode == 7
