@@ -34,12 +34,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest workers: the suite waits (on SLURM's clock, on deadlines it tests) about
-# half its time, so a second worker fills the cores; the SLURM tests share one worker.
-WORKERS ?= 2
-
 test: lint
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)
@@ -47,6 +43,7 @@ check: lint
 bench: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python benchmarks/weight_sync.py
+	$(BIN)/python benchmarks/proc_start.py
 	$(BIN)/python benchmarks/generation.py
 	$(BIN)/python benchmarks/prefix_training.py
 	$(BIN)/python benchmarks/step_breakdown.py

@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import DEFAULT_CONFIG, REPO
 
-# One xdist worker runs them all: one SLURM cluster for the session.
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420), pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
 CONFIGS = os.path.join(REPO, "algorithms", "configs")
 

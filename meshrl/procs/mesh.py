@@ -303,7 +303,7 @@ class RoleMeshes:
             return None
         if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
             return None
-        return (threads, count, device_offset)
+        return (threads, count, device_offset, self.job_cfg.fork_server)
 
     def _spawn_procs(self, role: str) -> None:
         threads, count, device_offset = self._spawn_args[role]
@@ -355,7 +355,9 @@ class RoleMeshes:
             )
 
         def pool_key(slot: int) -> tuple | None:
-            return (threads, 1, offset + slot) if keyed and kind == "local" else None
+            if not keyed or kind != "local":
+                return None
+            return (threads, 1, offset + slot, self.job_cfg.fork_server)
 
         group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
         if kind == "slurm":
