@@ -14,6 +14,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from meshrl.procs.zygote import PROC_COMM
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,10 +91,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-PROC_COMM = "meshrl-proc"
-"""The process name (`/proc/PID/comm`) of a proc forked by `meshrl.procs.zygote`."""
 
 
 def monarch_pids() -> set[int]:

@@ -46,7 +46,8 @@ import sys
 BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
 PRELOAD = ("torch", "meshrl.model.models", "meshrl.procs.proc_pool")
 """What the server imports before it forks (never Monarch: see the module doc)."""
-PROC_COMM = "meshrl-proc"  # = meshrl.procs.proc_pool.PROC_COMM (this file imports no meshrl)
+PROC_COMM = "meshrl-proc"
+"""The process name (`/proc/PID/comm`) of a forked proc (`proc_pool.monarch_pids`)."""
 STAND_IN_ENV = "MESHRL_PROC_STAND_IN"
 """Set in a forked proc: the pid of its stand-in, the process Monarch spawned."""
 MAX_FDS = 250
@@ -124,12 +125,7 @@ def connect(path: str, argv: list[str]) -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    while True:
-        try:
-            reply = _recv_line(conn, buffer)
-            break
-        except InterruptedError:  # a forwarded signal; keep waiting
-            continue
+    reply = _recv_line(conn, buffer)  # (a forwarded signal does not interrupt it: PEP 475)
     if reply is None:  # the server went away: the child ends with no status
         os._exit(1)
     status = reply["status"]
@@ -258,7 +254,7 @@ def serve(path: str, preload: list[str]) -> None:
                     raise ConnectionError("the client went away")
                 data += more
             request = json.loads(data)
-        except (OSError, ValueError, ConnectionError):
+        except (OSError, ValueError):  # (ConnectionError is an OSError)
             conn.close()
             continue
         pid = os.fork()
