@@ -246,6 +246,7 @@ def serve(path: str, preload: list[str]) -> None:
         if uid != os.getuid():
             conn.close()
             continue
+        fds: list[int] = []
         try:
             data, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
             while not data.endswith(b"\n"):
@@ -255,6 +256,8 @@ def serve(path: str, preload: list[str]) -> None:
                 data += more
             request = json.loads(data)
         except (OSError, ValueError):  # (ConnectionError is an OSError)
+            for fd in fds:  # what a broken request passed, not kept open here
+                os.close(fd)
             conn.close()
             continue
         pid = os.fork()
