@@ -13,7 +13,7 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.procs.job import JobConfig
 from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
-from meshrl.procs.proc_pool import alive
+from meshrl.procs.proc_pool import alive, monarch_pids
 from meshrl.procs.zygote import STAND_IN_ENV, server
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
@@ -49,12 +49,18 @@ def test_forked_procs_are_monarchs_procs_and_end_with_their_stand_ins(no_stray_p
         facts = [answer for _, answer in wait(probes.facts.call(), "facts", 60).items()]
         facts.append(wait(other.facts.call_one(), "facts", 60))
         for proc in facts:
-            assert proc["comm"] == "meshrl-proc"  # a fork of the server, not a fresh Python
+            # A fork of the server, not a fresh Python, named after its stand-in.
+            assert proc["comm"] == f"meshrl@{proc['stand_in']}"
             assert parent(proc["stand_in"]) == os.getpid()  # what Monarch spawned, here
             # The fork took over the stand-in's descriptors and directory.
             assert os.readlink(f"/proc/{proc['stand_in']}/fd/1") == proc["stdout"]
             assert proc["cwd"] == os.getcwd() and proc["threads"] == 1
         assert len({proc["pid"] for proc in facts}) == 3
+        # Counted as this process's procs, though the server forked them; not another's.
+        assert {proc["pid"] for proc in facts} <= monarch_pids(started_by=os.getpid())
+        with subprocess.Popen(["sleep", "30"]) as other_process:
+            assert not monarch_pids(started_by=other_process.pid)
+            other_process.kill()
 
         # A proc that exits: Monarch sees it end with its exit code.
         with pytest.raises(RemoteCallError, match="code 3") as info:
@@ -78,7 +84,7 @@ def test_without_the_fork_server_each_proc_is_a_fresh_python(no_stray_procs):
     with RoleMeshes({"workers": 1}, job=JobConfig(fork_server=False)) as meshes:
         probe = meshes["workers"].spawn("probe", Probe)
         facts = wait(probe.facts.call_one(), "facts", 120)
-        assert facts["comm"] != "meshrl-proc" and facts["stand_in"] == 0
+        assert not facts["comm"].startswith("meshrl@") and facts["stand_in"] == 0
         assert parent(facts["pid"]) == os.getpid()
 
 

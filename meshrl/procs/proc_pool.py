@@ -93,25 +93,49 @@ def alive(pid: int) -> bool:
         return False
 
 
-def monarch_pids() -> set[int]:
+def monarch_pids(started_by: int | None = None) -> set[int]:
     """Pids of live Monarch processes on this machine: mesh procs (forked ones
     included; not their stand-ins, which end with them) and the subprocess hosts
-    of a `process` job (for checking that nothing leaked)."""
+    of a `process` job (for checking that nothing leaked). With `started_by`, only
+    those that process started: its descendants, a forked proc counting as a child
+    of its stand-in."""
+    table: dict[int, tuple[int, str]] = {}  # pid -> (parent, comm), from one pass over /proc
     pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry}/comm") as f:
-                forked = f.read().strip() == PROC_COMM
         except OSError:
             continue
+        state, parent = tail.split()[:2]
+        comm = head.split("(", 1)[1]
+        table[int(entry)] = (int(parent), comm)
         markers = (b"bootstrap_main", b"worker_loop_fo", b"_job_sidecar")
-        if (forked or any(m in cmdline for m in markers)) and alive(int(entry)):
+        forked = comm.startswith(PROC_COMM)
+        if (forked or any(m in cmdline for m in markers)) and state != "Z":
             pids.add(int(entry))
-    return pids
+    if started_by is None:
+        return pids
+
+    def up(pid: int) -> int:
+        parent, comm = table.get(pid, (0, ""))
+        stand_in = comm[len(PROC_COMM) :] if comm.startswith(PROC_COMM) else ""
+        return int(stand_in) if stand_in.isdigit() else parent
+
+    def mine(pid: int) -> bool:
+        for _ in range(64):  # deeper than any process tree meshrl makes
+            pid = up(pid)
+            if pid == started_by:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return {pid for pid in pids if mine(pid)}
 
 
 lost: dict[str, float] = {}

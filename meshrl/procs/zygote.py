@@ -46,8 +46,10 @@ import sys
 BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
 PRELOAD = ("torch", "meshrl.model.models", "meshrl.procs.proc_pool")
 """What the server imports before it forks (never Monarch: see the module doc)."""
-PROC_COMM = "meshrl-proc"
-"""The process name (`/proc/PID/comm`) of a forked proc (`proc_pool.monarch_pids`)."""
+PROC_COMM = "meshrl@"
+"""How the process name (`/proc/PID/comm`) of a forked proc starts: `meshrl@` and the
+pid of its stand-in (`proc_pool.monarch_pids`). Forked by the server, the proc is not a
+descendant of the process that started it; its name says through which stand-in it is."""
 STAND_IN_ENV = "MESHRL_PROC_STAND_IN"
 """Set in a forked proc: the pid of its stand-in, the process Monarch spawned."""
 MAX_FDS = 250
@@ -176,7 +178,7 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
         os.dup2(fd, target, inheritable=inheritable)
         os.close(fd)
     watch = socket.socket(fileno=watch_fd)
-    _name_process(PROC_COMM)
+    _name_process(f"{PROC_COMM}{request['pid']}")
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
