@@ -8,7 +8,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from algorithms.ppo import PPO, PPOConfig
 from algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from algorithms.rloo import RLOO
 from meshrl.config import load_config
+from meshrl.procs import zygote
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -31,9 +31,7 @@ QUIET = ["run.progress=false", "run.save_final=false"]
 def run_cli(module, config, run_dir, *overrides, timeout=300):
     """The launch command from the config's header, writing to `run_dir`."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
+        zygote.python_m(
             module,
             "--config",
             os.path.join(CONFIGS, f"{config}.yaml"),
@@ -41,7 +39,7 @@ def run_cli(module, config, run_dir, *overrides, timeout=300):
             f"run.dir={run_dir}",
             "run.name=run",
             *QUIET,
-        ],
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from meshrl.procs import zygote
 from tests.conftest import DEFAULT_CONFIG, REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
@@ -29,13 +30,15 @@ CONFIGS = os.path.join(REPO, "algorithms", "configs")
 
 def command(run_dir, name, *overrides, module="algorithms.grpo", config=DEFAULT_CONFIG):
     """The user's command for a SLURM run (each role on nodes of its own)."""
-    return [
-        sys.executable, "-m", module, "--config", config,
+    # The controller runs here, a fork of the suite's server (`zygote.python_m`); its
+    # procs and hosts run on the SLURM nodes, fresh Pythons started by slurmd.
+    return zygote.python_m(
+        module, "--config", config,
         "job.kind=slurm", "job.partition=debug", f"job.python_exe={sys.executable}",
         "placement.threads_per_proc=1",  # twelve "nodes" share this machine's cores
         "run.progress=false", f"run.dir={run_dir}", f"run.name={name}",
         *overrides,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def start(cluster, run_dir, name, *overrides, **kwargs) -> subprocess.Popen:
@@ -48,6 +51,8 @@ def start(cluster, run_dir, name, *overrides, **kwargs) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A background shell starts children with SIGINT ignored; a user's terminal does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

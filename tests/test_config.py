@@ -5,13 +5,12 @@ import importlib
 import json
 import os
 import subprocess
-import sys
-import time
 
 import pytest
 
 from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, load_config, save_config
+from meshrl.procs import zygote
 from tests.conftest import DEFAULT_CONFIG, REPO
 
 pytestmark = pytest.mark.unit
@@ -141,13 +140,12 @@ BAD_COMMANDS = [
 
 
 def test_cli_exits_with_one_line_before_spawning(no_stray_procs, tmp_path):
-    """Each bad command, run side by side (each is a fresh interpreter importing torch)."""
-    started = time.monotonic()
+    """Each bad command, run side by side."""
     runs = []
     for i, (args, fragment) in enumerate(BAD_COMMANDS):
         run_dir = tmp_path / str(i)
         run_dir.mkdir()
-        command = [sys.executable, "-m", "algorithms.grpo", *args, f"run.dir={run_dir}"]
+        command = zygote.python_m("algorithms.grpo", *args, f"run.dir={run_dir}")
         proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         runs.append((args, fragment, run_dir, proc))
     for args, fragment, run_dir, proc in runs:
@@ -161,7 +159,6 @@ def test_cli_exits_with_one_line_before_spawning(no_stray_procs, tmp_path):
         assert lines[0].startswith("error: ") and fragment in lines[0], (args, lines)
         assert stdout == b"", args
         assert not os.listdir(run_dir), args  # nothing was started, nothing written
-    assert time.monotonic() - started < 60
 
 
 def test_help_lists_every_key(capsys):

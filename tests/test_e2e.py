@@ -19,6 +19,7 @@ from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import load_config
 from meshrl.loop import checkpoint
 from meshrl.model.models import load_model
+from meshrl.procs import zygote
 from tests.conftest import DEFAULT_CONFIG, REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -35,11 +36,11 @@ REQUIRED = [
 ]
 
 
-def grpo_command(run_dir, name, *overrides):
-    """The CLI a user types, writing to `run_dir/name`."""
-    return [
-        sys.executable,
-        "-m",
+def grpo_command(run_dir, name, *overrides, fresh=False):
+    """The CLI a user types, writing to `run_dir/name`: a fresh Python with
+    `fresh`, else a fork of the suite's server (`zygote.python_m`)."""
+    python_m = (lambda *args: [sys.executable, "-m", *args]) if fresh else zygote.python_m
+    return python_m(
         "algorithms.grpo",
         "--config",
         DEFAULT_CONFIG,
@@ -47,12 +48,12 @@ def grpo_command(run_dir, name, *overrides):
         f"run.dir={run_dir}",
         f"run.name={name}",
         "run.progress=false",
-    ]
+    )
 
 
-def run_grpo(run_dir, name, *overrides, timeout=300):
+def run_grpo(run_dir, name, *overrides, timeout=300, fresh=False):
     return subprocess.run(
-        grpo_command(run_dir, name, *overrides),
+        grpo_command(run_dir, name, *overrides, fresh=fresh),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -76,6 +77,7 @@ def test_cli_run_writes_everything_and_trains_every_parameter(tmp_path, no_stray
         "placement.policy=2",
         "eval.every=0",  # the replicas' own counts below are the training batch's alone
         timeout=300,
+        fresh=True,  # the command as a user types it, in a Python of its own
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "e2e"
@@ -266,7 +268,12 @@ def test_ctrl_c_stops_the_run_and_every_proc(stop_signal, tmp_path, no_stray_pro
     process = subprocess.Popen(
         # A checkpoint every 100000 steps: none is due until the stop asks for one.
         grpo_command(
-            tmp_path, "interrupted", "steps=100000", "warm_start.steps=0", "checkpoint.every=100000"
+            tmp_path,
+            "interrupted",
+            "steps=100000",
+            "warm_start.steps=0",
+            "checkpoint.every=100000",
+            fresh=True,  # a fresh Python, in this process's group as in a terminal
         ),
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -2,6 +2,7 @@
 (`meshrl.procs.zygote`): each is still a proc Monarch spawned, supervises and
 stops, and ends with the process Monarch knows."""
 
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,10 @@ from monarch.actor import Actor, endpoint
 from meshrl.procs.job import JobConfig
 from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
 from meshrl.procs.proc_pool import alive, monarch_pids
-from meshrl.procs.zygote import STAND_IN_ENV, server
+from meshrl.procs.zygote import STAND_IN_ENV, python_m, server
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Probe(Actor):
@@ -105,3 +107,82 @@ def test_another_user_cannot_reach_the_fork_server():
     )
     result = subprocess.run([sys.executable, "-c", probe, path], timeout=30)
     assert result.returncode == 7
+
+
+def test_python_m_runs_a_module_as_a_fork_that_behaves_as_a_fresh_python(tmp_path):
+    """`python_m` (the suite's command-line runs): argv, working directory,
+    environment, PYTHONPATH, pipes, exit status and signals as `python -m`."""
+    command = python_m("tests.test_zygote", "a b", "c")
+    assert command[3] == "run", command  # the suite shares its fork server
+    (tmp_path / "zygote_extra.py").write_text("VALUE = 7\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PROBE": "yes"}
+    # Three at once: each fork must exit cleanly though the server held sockets to
+    # the others when it forked it (their numbers are reused in the child).
+    runs = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for run in runs:
+        stdout, stderr = run.communicate("in\n", timeout=60)
+        assert run.returncode == 5, stderr
+        assert stderr == "to stderr\n"
+    facts = json.loads(stdout)
+    assert facts == {
+        "args": ["a b", "c"],
+        "file": os.path.join(REPO, "tests", "test_zygote.py"),
+        "cwd": REPO,
+        "path0": REPO,
+        "extra": 7,
+        "env": "yes",
+        "stdin": "in\n",
+        "comm": "meshrl-run",  # not counted as a Monarch proc
+    }
+    # Started with SIGINT ignored (as by a background shell), it ignores it as a
+    # fresh Python would; SIGTERM ends it, and its stand-in, by that signal.
+    with subprocess.Popen(
+        python_m("tests.test_zygote", "sleep"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    ) as sleeper:
+        assert sleeper.stdout.readline() == "ready\n"
+        sleeper.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(timeout=1)
+        sleeper.send_signal(signal.SIGTERM)
+        assert sleeper.wait(timeout=30) == -signal.SIGTERM
+
+
+if __name__ == "__main__":  # what the test above runs through `python_m`
+    if sys.argv[1:] == ["sleep"]:
+        print("ready", flush=True)
+        time.sleep(60)
+    import zygote_extra
+
+    with open("/proc/self/comm") as f:
+        comm = f.read().strip()
+    print(
+        json.dumps(
+            {
+                "args": sys.argv[1:],
+                "file": sys.argv[0],
+                "cwd": os.getcwd(),
+                "path0": sys.path[0],
+                "extra": zygote_extra.VALUE,
+                "env": os.environ["PROBE"],
+                "stdin": sys.stdin.read(),
+                "comm": comm,
+            }
+        )
+    )
+    sys.stderr.write("to stderr\n")
+    sys.exit(5)

@@ -50,8 +50,10 @@ PROC_COMM = "meshrl@"
 """How the process name (`/proc/PID/comm`) of a forked proc starts: `meshrl@` and the
 pid of its stand-in (`proc_pool.monarch_pids`). Forked by the server, the proc is not a
 descendant of the process that started it; its name says through which stand-in it is."""
+RUN_COMM = "meshrl-run"
+"""The process name of a forked `python -m` (`python_m`): not a proc."""
 STAND_IN_ENV = "MESHRL_PROC_STAND_IN"
-"""Set in a forked proc: the pid of its stand-in, the process Monarch spawned."""
+"""Set in a fork: the pid of its stand-in (for a proc, the process Monarch spawned)."""
 MAX_FDS = 250
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
@@ -93,18 +95,21 @@ def _open_fds(skip: int) -> list[int]:
     return sorted(fds)
 
 
-def connect(path: str, argv: list[str]) -> None:
-    """Stand in for a forked proc: hand this process's environment and file
-    descriptors to the server at `path`, then pass signals on and exit as the
-    proc exits."""
+def connect(path: str, argv: list[str], module: str = BOOTSTRAP_MAIN) -> None:
+    """Stand in for a forked proc (or, with `module`, a forked `python -m module`):
+    hand this process's environment and file descriptors to the server at `path`,
+    then pass signals on and exit as the fork exits."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     fds = _open_fds(conn.fileno())[:MAX_FDS]
     request = {
+        "module": module,
         "argv": argv,
         "env": dict(os.environ),
         "cwd": os.getcwd(),
         "pid": os.getpid(),
+        # Ignored signals stay ignored in a fresh Python (a background shell's SIGINT).
+        "ignored": [int(s) for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN],
         "fds": fds,
         "inheritable": [os.get_inheritable(fd) for fd in fds],
     }
@@ -150,20 +155,33 @@ def _name_process(name: str) -> None:
     ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: list[int]) -> None:
+def _child(
+    conn: socket.socket,
+    listener: socket.socket,
+    others: list[socket.socket],
+    request: dict,
+    fds: list[int],
+) -> None:
     """In the forked child: become the proc the client was started as."""
     import fcntl
     import resource
 
     listener.close()
+    # The server's sockets to its other children: their numbers are closed below and
+    # then reused (by Monarch's runtime, say); an object still holding one would
+    # close that descriptor when the interpreter exits and collects it.
+    for other in others:
+        other.detach()
     # Where the child parks descriptors while it takes the client's numbers.
     HIGH_FD = max(
         resource.getrlimit(resource.RLIMIT_NOFILE)[0] - MAX_FDS - 8,
         1 + max(request["fds"], default=2),
     )
-    for signum in FORWARDED:  # as a fresh Python has them
+    for signum in FORWARDED:  # as a fresh Python started by the client would have them
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in request.get("ignored", ()):
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # Its own process group: a terminal's Ctrl-C reaches it once, through its
     # stand-in (which is in the terminal's group, as a proc would be).
@@ -178,13 +196,19 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
         os.dup2(fd, target, inheritable=inheritable)
         os.close(fd)
     watch = socket.socket(fileno=watch_fd)
-    _name_process(f"{PROC_COMM}{request['pid']}")
+    module = request.get("module", BOOTSTRAP_MAIN)
+    _name_process(f"{PROC_COMM}{request['pid']}" if module == BOOTSTRAP_MAIN else RUN_COMM)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[STAND_IN_ENV] = str(request["pid"])
     sys.argv = list(request["argv"])
     sys.path[0] = request["cwd"]  # as `python -m` puts it
+    # What a fresh interpreter takes from its environment at start.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [p for p in extra if p not in sys.path]
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
     if "numpy" in sys.modules:  # (seeded from the OS at import: once, in the server)
         sys.modules["numpy"].random.seed()
     # The client's end closes when it dies: then so does this proc.
@@ -203,7 +227,7 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict, fds: lis
     # ends this process as it ends a proc, through the interpreter's exit.
     import runpy
 
-    runpy.run_module(BOOTSTRAP_MAIN, run_name="__main__", alter_sys=True)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 
@@ -265,7 +289,7 @@ def serve(path: str, preload: list[str]) -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                _child(conn, listener, request, fds)
+                _child(conn, listener, list(children.values()), request, fds)
             except SystemExit:
                 raise
             except BaseException:  # noqa: BLE001 - the proc could not start: say why, end
@@ -379,11 +403,28 @@ def share() -> str:
     return path
 
 
+def python_m(module: str, *args: str) -> list[str]:
+    """The command line of `python -m module args...`, run as a fork of the
+    shared fork server (`share()`) where this process has one: it then skips the
+    seconds of importing torch and transformers. Otherwise, a fresh Python.
+
+    For a process that starts many short command-line runs (the test suite). The
+    fork is its stand-in's in every way a caller sees (descriptors, environment,
+    working directory, signals, exit status) but one: it leads a process group
+    of its own, so a terminal's Ctrl-C reaches it through the stand-in only."""
+    shared = os.environ.get(SHARED_ENV)
+    if shared and os.path.exists(shared):
+        return [sys.executable, "-S", os.path.abspath(__file__), "run", shared, module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
     if mode == "serve":
         serve(path, sys.argv[3:])
     elif mode == "connect":
         connect(path, [sys.argv[0], "-m", BOOTSTRAP_MAIN])
+    elif mode == "run":  # run SOCKET MODULE ARGS...: `python -m MODULE ARGS...`, forked
+        connect(path, [sys.argv[0], *sys.argv[4:]], module=sys.argv[3])
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} serve|connect SOCKET ...")
+        raise SystemExit(f"usage: {sys.argv[0]} serve|connect|run SOCKET ...")
