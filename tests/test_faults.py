@@ -66,3 +66,50 @@ def test_deadline_names_the_call(no_stray_procs):
         workers = meshes["workers"].spawn("fragile", Fragile)
         with pytest.raises(RemoteCallError, match=r"workers\.sleep did not answer within 1s"):
             wait(workers.sleep.call_one(30.0), "workers.sleep", timeout_s=1)
+
+
+@pytest.mark.unit
+def test_a_slurm_worker_still_starting_is_not_a_lost_one():
+    """`WorkerWatch` dials real sockets: a worker that has not answered yet (a new
+    allocation's, starting slowly on a busy node) is left alone; one that answered
+    and then stops answering has its procs entered as lost."""
+    import socket
+
+    from meshrl.procs import proc_pool
+    from meshrl.procs.slurm import Allocation
+    from meshrl.procs.slurm_faults import WorkerWatch
+
+    def listener(port: int) -> socket.socket | None:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            return None
+        s.listen()
+        return s
+
+    for port in range(42000, 43000, 2):  # two free ports in a row, as a job lays them out
+        first, second = listener(port), listener(port + 1)
+        if first and second:
+            second.close()  # worker 1 still starting
+            break
+        for s in (first, second):
+            if s:
+                s.close()
+    alloc = Allocation("policy", count=2, port=port, addresses=["127.0.0.1"] * 2)
+    watch = WorkerWatch(lambda: [(alloc, lambda down: [f"policy[{i}]" for i in down])], 0.05)
+    try:
+        time.sleep(0.6)  # a dozen rounds
+        assert not proc_pool.lost
+        second = listener(port + 1)  # worker 1 up; then worker 0's node is lost
+        time.sleep(0.3)
+        first.close()
+        deadline = time.monotonic() + 5
+        while "policy[0]" not in proc_pool.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(proc_pool.lost) == {"policy[0]"}
+    finally:
+        watch.close()
+        second.close()
+        proc_pool.lost.clear()

@@ -66,7 +66,9 @@ class WorkerWatch:
     `targets()` gives each SLURM allocation of the run (its roles' own jobs and
     the one-node jobs of hosts that joined a pool) with `procs(workers)`, which
     names the procs (`role[rank]`) on those of its workers (None: all). Every
-    `every_s` each worker is dialled; when one does not answer twice in a row,
+    `every_s` each worker is dialled; when one that has answered before (not one
+    still starting, however slowly: the job's start timeout covers those) does
+    not answer twice in a row,
     its allocation unchanged meanwhile, its procs are entered in
     `proc_pool.lost`, which fails the calls waiting on them at once
     (`meshrl.procs.mesh.wait`); the recovery then replaces them as for any lost proc.
@@ -76,6 +78,7 @@ class WorkerWatch:
         self.targets, self.every_s = targets, every_s
         self.lock = threading.Lock()
         self.misses: dict[tuple, int] = {}
+        self.answered: dict[tuple, set[int]] = {}  # layout -> workers seen listening
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshrl-slurm-workers", daemon=True)
         self._thread.start()
@@ -95,7 +98,10 @@ class WorkerWatch:
                 if not alloc.addresses or self._stop.is_set():
                     continue  # not started yet, or the run is closing
                 layout = self._layout(alloc)
-                down = [i for i in range(len(alloc.addresses)) if not alloc.listening(i)]
+                up = {i for i in range(len(alloc.addresses)) if alloc.listening(i)}
+                seen = self.answered.setdefault(layout, set())
+                seen |= up
+                down = sorted(seen - up)
                 if not down:
                     self.misses.pop(layout, None)
                     continue
