@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)

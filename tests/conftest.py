@@ -130,23 +130,12 @@ TIERS = ("unit", "actors", "e2e", "notebook", "cluster")
 """Every test names its tier (pyproject's markers): `make check` runs unit and actors."""
 
 
-SECOND_LANE = ("cluster", "notebook")
-"""`make test` runs two pytest workers (`-n 2 --dist loadgroup`), each a lane of its
-own: the SLURM tier, which spends most of its time waiting on the scheduler, and
-the notebooks (and tests/test_job.py's subprocess hosts) beside everything else,
-so that the two lanes take about as long."""
-
-
 def pytest_collection_modifyitems(config, items):
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(
             f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered)}"
         )
-    for item in items:
-        second = any(item.get_closest_marker(t) for t in SECOND_LANE)
-        second = second or item.nodeid.startswith("tests/test_job.py")
-        item.add_marker(pytest.mark.xdist_group("second" if second else "first"))
 
 
 def local_master() -> tuple[str, int]:

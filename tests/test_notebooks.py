@@ -1,29 +1,49 @@
 """Every notebook in notebooks/ runs top to bottom; a failing cell fails the suite."""
 
 import glob
+import json
 import os
 
 import nbformat
 import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from meshrl.procs import zygote
 from tests.conftest import REPO
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
 
 
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory) -> KernelSpecManager:
+    """A kernel spec like ipykernel's own whose kernel is a fork of the suite's
+    server (`zygote.python_m`): it starts with torch imported."""
+    folder = tmp_path_factory.mktemp("kernels")
+    (folder / "forked").mkdir()
+    spec = {
+        "argv": zygote.python_m("ipykernel_launcher", "-f", "{connection_file}"),
+        "display_name": "Python 3 (ipykernel, forked)",
+        "language": "python",
+        "interrupt_mode": "signal",
+    }
+    (folder / "forked" / "kernel.json").write_text(json.dumps(spec))
+    return KernelSpecManager(kernel_dirs=[str(folder)])
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(path, no_stray_procs):
+def test_notebook_runs(path, kernels, no_stray_procs):
     notebook = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         "commit notebooks without outputs"
     )
     NotebookClient(
         notebook,
+        km=KernelManager(kernel_name="forked", kernel_spec_manager=kernels),
         timeout=500,
-        kernel_name="python3",
         resources={"metadata": {"path": os.path.dirname(path)}},
     ).execute()
 
