@@ -410,8 +410,10 @@ def python_m(module: str, *args: str) -> list[str]:
 
     For a process that starts many short command-line runs (the test suite). The
     fork is its stand-in's in every way a caller sees (descriptors, environment,
-    working directory, signals, exit status) but one: it leads a process group
-    of its own, so a terminal's Ctrl-C reaches it through the stand-in only."""
+    working directory, signals, exit status) but two: it leads a process group
+    of its own, so a terminal's Ctrl-C reaches it through the stand-in only; and
+    its str hashes are seeded as the server's were (PYTHONHASHSEED is read at an
+    interpreter's start), as are every forked proc's."""
     shared = os.environ.get(SHARED_ENV)
     if shared and os.path.exists(shared):
         return [sys.executable, "-S", os.path.abspath(__file__), "run", shared, module, *args]
