@@ -23,10 +23,8 @@ ALGO ?= grpo
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, alone and exact: pip then takes the CPU build instead of a multi-GB CUDA one.
-	# --no-compile: Python compiles the modules it imports when it first imports them, not
-	# every file of every package at install (180 s -> 115 s here).
-	$(BIN)/pip install -q --disable-pip-version-check --no-compile torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
