@@ -1,5 +1,5 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
-# `make test` : create/update .venv, install, lint, run every test
+# `make test` : create/update .venv, install, lint, run every test (WORKERS=2 pytest workers)
 # `make check`: the fast tiers for the edit loop (lint, then the `unit` and `actors` tests)
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
@@ -14,6 +14,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+WORKERS ?= 2
+# Python keeps the bytecode it compiles (some machines set PYTHONDONTWRITEBYTECODE, and then
+# every process compiled torch's modules anew); pip compiles nothing at install
+# (`--no-compile`): the first import compiles only the modules a run uses, and keeps them.
+unexport PYTHONDONTWRITEBYTECODE
 ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
@@ -23,8 +28,8 @@ ALGO ?= grpo
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, alone and exact: pip then takes the CPU build instead of a multi-GB CUDA one.
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --no-compile --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -35,7 +40,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
 
 check: lint
 	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)

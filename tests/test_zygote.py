@@ -14,7 +14,7 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.procs.job import JobConfig
 from meshrl.procs.mesh import RemoteCallError, RoleMeshes, wait
-from meshrl.procs.proc_pool import alive, monarch_pids
+from meshrl.procs.proc_pool import CORES_ENV, alive, local_cores, monarch_pids
 from meshrl.procs.zygote import STAND_IN_ENV, python_m, server
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(180)]
@@ -186,3 +186,23 @@ if __name__ == "__main__":  # what the test above runs through `python_m`
     )
     sys.stderr.write("to stderr\n")
     sys.exit(5)
+
+
+def test_local_cores_follow_the_affinity_and_meshrl_cores(monkeypatch):
+    """A run's local procs share the cores this process may run on (a `taskset` or
+    a container's cpuset, not the machine's count), or `MESHRL_CORES` where set."""
+    monkeypatch.delenv(CORES_ENV, raising=False)
+    assert local_cores() == len(os.sched_getaffinity(0))
+    one = min(os.sched_getaffinity(0))
+    pinned = subprocess.run(
+        [sys.executable, "-c", "from meshrl.procs.proc_pool import local_cores; print(local_cores())"],
+        preexec_fn=lambda: os.sched_setaffinity(0, {one}),
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert pinned.stdout.strip() == "1"
+    monkeypatch.setenv(CORES_ENV, "3")
+    assert local_cores() == 3
+    for bad in ("0", "two"):
+        monkeypatch.setenv(CORES_ENV, bad)
+        with pytest.raises(ValueError, match=f"{CORES_ENV}='{bad}'"):
+            local_cores()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 import time
 import warnings
@@ -275,7 +274,7 @@ class RoleMeshes:
             )
             for g in groups
         )
-        threads = threads_per_proc or (max(1, (os.cpu_count() or 1) // busy) if shared else None)
+        threads = threads_per_proc or (max(1, proc_pool.local_cores() // busy) if shared else None)
         device_offset = 0
         self._spawn_args: dict[str, tuple] = {}
         try:

@@ -156,7 +156,23 @@ def is_lost(what: str) -> bool:
 
 DEVICE_OFFSET_ENV = "MESHRL_DEVICE_OFFSET"
 HOST_TAG_ENV = "MESHRL_HOST_TAG"
+CORES_ENV = "MESHRL_CORES"
 RDMA_CHUNK_MB = 64
+
+
+def local_cores() -> int:
+    """The cores a run's procs on this machine share: `MESHRL_CORES` where set
+    (say, two runs side by side on one workstation, each given half), else the
+    cores this process may run on (its CPU affinity: `taskset`, a container's
+    cpuset), which `os.cpu_count()` would overstate."""
+    given = os.environ.get(CORES_ENV)
+    if given is None:
+        if hasattr(os, "sched_getaffinity"):  # not on macOS
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"environment variable {CORES_ENV}={given!r}: a whole number >= 1")
+    return int(given)
 
 
 def setup_proc(
@@ -183,7 +199,7 @@ def setup_proc(
     monarch.configure(rdma_max_chunk_size_mb=RDMA_CHUNK_MB)
 
     if num_threads is None:
-        num_threads = max(1, (os.cpu_count() or 1) // procs_per_host)
+        num_threads = max(1, local_cores() // procs_per_host)
     torch.set_num_threads(num_threads)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ[DEVICE_OFFSET_ENV] = str(device_offset)
