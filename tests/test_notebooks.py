@@ -1,8 +1,10 @@
 """Every notebook in notebooks/ runs top to bottom; a failing cell fails the suite."""
 
+import contextlib
 import glob
 import json
 import os
+import time
 
 import nbformat
 import pytest
@@ -11,7 +13,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 from meshrl.procs import zygote
-from tests.conftest import REPO
+from tests.conftest import REPO, own_pids
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
 
@@ -40,12 +42,28 @@ def test_notebook_runs(path, kernels, no_stray_procs):
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         "commit notebooks without outputs"
     )
-    NotebookClient(
-        notebook,
-        km=KernelManager(kernel_name="forked", kernel_spec_manager=kernels),
-        timeout=500,
-        resources={"metadata": {"path": os.path.dirname(path)}},
-    ).execute()
+    km = KernelManager(kernel_name="forked", kernel_spec_manager=kernels)
+    try:
+        NotebookClient(
+            notebook, km=km, timeout=500, resources={"metadata": {"path": os.path.dirname(path)}}
+        ).execute()
+    finally:  # a client given its kernel manager leaves the kernel running
+        if km.has_kernel:
+            km.shutdown_kernel()
+    deadline = time.monotonic() + 30
+    while kernel_forks() and time.monotonic() < deadline:  # (it exits a moment later)
+        time.sleep(0.25)
+    assert not kernel_forks(), "the notebook's kernel outlived it"
+
+
+def kernel_forks() -> set[int]:
+    """This pytest process's live forks of the server that run a module (the kernel)."""
+    found = set()
+    for pid in own_pids():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == zygote.RUN_COMM:
+                found.add(pid)
+    return found
 
 
 @pytest.mark.unit
