@@ -264,58 +264,60 @@ def set_time_limit(cluster, job_id: str, minutes_left: float) -> None:
     cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit}")
 
 
-@pytest.mark.parametrize("how", ["requeue", "time_limit"])
-def test_a_requeued_trainer_job_checkpoints_first_and_the_run_ends_bitwise_equal(
-    how, straight, slurm_cluster, tmp_path, no_stray_procs
+def test_a_timed_out_then_requeued_trainer_job_checkpoints_first_and_ends_bitwise_equal(
+    straight, slurm_cluster, tmp_path, no_stray_procs
 ):
-    """`requeue`: `scontrol requeue` of the trainer's job (what a preemption by
-    requeue does): SLURM's SIGTERM is the notice. `time_limit`: the trainer's job
-    has `--time` with `--signal` and its limit is brought near mid-run: SLURM's
-    warning is the notice, and the run requeues the job itself. Either way a
-    checkpoint is written before the kill, the run goes on when SLURM starts the
-    job again, and the final weights equal the uninterrupted run's."""
+    """Both notices SLURM gives, in one run. First the time limit: the trainer's job
+    has `--time` with `--signal`, and its limit is brought near at step 1: SLURM's
+    warning is the notice, and the run requeues the job itself. Then, with the job
+    started again and the run stepping, `scontrol requeue` (what a preemption by
+    requeue does): SLURM's SIGTERM is the notice. Each time a checkpoint is written
+    before the kill and the run goes on when SLURM starts the job again; the final
+    weights equal the uninterrupted run's."""
     cluster = slurm_cluster
     # A slower environment (the same math) keeps the run going until SLURM, which
-    # checks time limits every 30 s, has sent its warning.
-    slow = ["faults.episode_latency=0.3,0x1"]
-    extra = (
-        [*slow, "job.time_limit=00:30:00", "job.warn_before_s=90"] if how == "time_limit" else []
-    )
-    proc = start(cluster, tmp_path, "requeued", *SAME, *extra)
+    # checks time limits every 30 s, has sent its warning, and past the requeue.
+    slow = ["faults.episode_latency=0.3,0x1", "job.time_limit=00:30:00", "job.warn_before_s=90"]
+    proc = start(cluster, tmp_path, "requeued", *SAME, *slow)
+    faults = tmp_path / "requeued" / "faults.log"
 
-    def interrupt():
+    def near_limit():
         job_id = status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"]
-        if how == "requeue":
-            cluster.run("scontrol", "requeue", job_id)
-        else:
-            set_time_limit(cluster, job_id, 1.0)  # inside the 90 s warning
+        set_time_limit(cluster, job_id, 1.0)  # inside the 90 s warning
         return job_id
+
+    def wait_for(check, what, timeout=240):
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert proc.poll() is None, finish(proc)[-3000:]
+            assert time.monotonic() < deadline, f"{what}: {cluster.run('squeue', check=False)}"
+            time.sleep(0.2)
 
     # SLURM checks time limits every 30 s: the warning may come that late, so the
     # limit is brought near early enough for it to land mid-run.
-    thread, done = at_step(tmp_path, "requeued", 4 if how == "requeue" else 1, interrupt, proc)
-    if how == "time_limit":  # once warned and requeued, the job's limit goes back
-        thread.join(timeout=240)
-        faults = tmp_path / "requeued" / "faults.log"
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline:
-            if faults.exists() and "trainer job warning" in faults.read_text():
-                cluster.run("scontrol", "update", f"JobId={done['result']}", "TimeLimit=30")
-                break
-            time.sleep(0.2)
+    thread, done = at_step(tmp_path, "requeued", 1, near_limit, proc)
+    thread.join(timeout=240)
+    assert "result" in done, "the time limit was never brought near"
+    job_id = done["result"]
+    wait_for(lambda: faults.exists() and "trainer job warning" in faults.read_text(), "warning")
+    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=30")  # once warned
+    # Stepping again after the first recovery: now the requeue.
+    wait_for(lambda: history(tmp_path, "requeued")[-1].get("faults/recoveries") == 1, "recovery")
+    steps = len(history(tmp_path, "requeued"))
+    wait_for(lambda: len(history(tmp_path, "requeued")) >= steps + 2, "steps after the recovery")
+    assert len(history(tmp_path, "requeued")) < 110, "the run ended before its requeue"
+    cluster.run("scontrol", "requeue", job_id)
     out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert "result" in done, "the job was never interrupted"
-    with open(tmp_path / "requeued" / "faults.log") as f:
-        faults = f.read()
-    said = "trainer job terminated" if how == "requeue" else "trainer job warning"
-    assert f"written on SLURM's notice ({said}" in faults, faults
+    text = faults.read_text()
+    for said in ("trainer job warning", "trainer job terminated"):
+        assert f"written on SLURM's notice ({said}" in text, text
     records = history(tmp_path, "requeued")
     assert [r["step"] for r in records] == list(range(120))
-    assert records[-1]["faults/recoveries"] == 1  # the trainer's procs were killed after it
+    assert records[-1]["faults/recoveries"] == 2  # the trainer's procs were killed after each
     assert_ledger_exact(records)
-    # The same job, started again by SLURM, holds the trainer.
-    assert status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"] == done["result"]
+    # The same job, started again by SLURM twice, holds the trainer.
+    assert status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"] == job_id
     b = load_file(str(tmp_path / "requeued" / "final" / "model.safetensors"))
     assert all(torch.equal(straight[k], b[k]) for k in straight), "parameters differ"
     assert_clean_end(cluster)
