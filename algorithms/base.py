@@ -79,7 +79,17 @@ class Algorithm:
         start_from(cfg.model, "model.path")
         self.state = LoopState(seed=cfg.run.seed)
         self.meshes: Any = None  # the `Run`, once spawned
+        self.ready = False  # the meshes spawned and set up (each `run()` says so)
         self.log: Any = None
+        # The pieces a loop composes once its meshes are up; None where an algorithm
+        # has no such piece (DPO and SFT have no collector, no pools to scale, ...).
+        self.sup: Any = None
+        self.sync: Any = None
+        self.ckpt: Any = None
+        self.collector: Any = None
+        self.evaluator: Any = None
+        self.scaler: Any = None
+        self.dispatcher: Any = None
         self.tokenizer = load_tokenizer(cfg.model)
         self.vision = vision_format(cfg.model)  # None: a text model
         self.context = context_length(cfg.model)
@@ -97,15 +107,18 @@ class Algorithm:
     def after_step(self, step: int, metrics: dict) -> None:
         """Record the step (metrics.jsonl, the sinks, the progress bar), with the
         held-out evaluation (`eval:`) when one is due, on the replicas now idle."""
-        evaluator = getattr(self, "evaluator", None)
-        if evaluator is not None:
-            metrics.update(evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
+        if self.evaluator is not None:
+            metrics.update(self.evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
         self.log.step(metrics)
 
     # --- in a notebook --------------------------------------------------------------------
 
     def train(self, num_steps: int) -> list[dict]:
         """`num_steps` more steps, the meshes kept up; the records of those steps."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(
+                f"train(num_steps={num_steps!r}): a whole number of steps (0: spawn the meshes only)"
+            )
         done = len(self.log.history) if self.log is not None else 0
         return self.run(num_steps)[done:]
 
@@ -113,20 +126,33 @@ class Algorithm:
         """One more step; its record."""
         return self.train(1)[-1]
 
+    def trainers(self) -> list:
+        """The trainer meshes `set_lr` and `set_temperature` reach (co-evolution:
+        one per player)."""
+        return [self.trainer]
+
     def set_lr(self, lr: float) -> None:
-        """The trainer's learning rate from the next step on (its schedule keeps
-        its shape: this is the new peak)."""
+        """The trainers' learning rate from the next step on (its schedule keeps
+        its shape: this is the new peak). Before the meshes are up, the config's."""
         self.cfg.optim.lr = lr
-        self.sup.call_all(self.trainer, "set_lr", lr)
+        if self.ready:
+            for trainer in self.trainers():
+                self.sup.call_all(trainer, "set_lr", lr)
 
     def set_temperature(self, temperature: float) -> None:
-        """Sample at `temperature` from the next step on; the trainer takes its
+        """Sample at `temperature` from the next step on; the trainers take their
         log-probs at the same one (else the ratio would not start at 1)."""
+        if not hasattr(self.cfg, "generation"):
+            raise ValueError(f"{self.name}: set_temperature(): this algorithm samples nothing")
         self.cfg.generation.temperature = temperature
-        self.sup.call_all(self.trainer, "set_temperature", temperature)
+        if self.ready:
+            for trainer in self.trainers():
+                self.sup.call_all(trainer, "set_temperature", temperature)
 
     def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
         """Every proc of every mesh, asked now (`Run.mesh_status`)."""
+        if self.meshes is None:
+            raise ValueError(f"{self.name}: mesh_status(): no meshes yet (train(0) spawns them)")
         return self.meshes.mesh_status(timeout_s, show)
 
     def stop(self, save: bool = True) -> None:
@@ -136,11 +162,11 @@ class Algorithm:
             return
         try:
             if save and self.log is not None:
-                if getattr(self, "dispatcher", None) is not None:  # late groups never trained
+                if self.dispatcher is not None:  # late groups never trained
                     self.dispatcher.drop_all("run_end")
                 if self.cfg.run.save_final:
                     self.sup.call_all(self.trainer, "save", f"{self.meshes.dir}/final")
-                paths = self.sync.paths if getattr(self, "sync", None) else []
+                paths = self.sync.paths if self.sync is not None else []
                 self.log.close(weights=weight_paths(paths) + run_faults(self.state))
         finally:
             self.close()
@@ -152,16 +178,43 @@ class Algorithm:
 
     @property
     def last_episodes(self) -> list:
-        """The multi-turn episodes of the last step (`meshrl.envs.rollout.EpisodeState`)."""
-        return self.collector.last_episodes
+        """The multi-turn episodes of the last step (`meshrl.envs.rollout.EpisodeState`);
+        none where the algorithm plays no episodes (DPO, SFT)."""
+        return self.collector.last_episodes if self.collector is not None else []
+
+    def failed(self, error: BaseException, num_steps: int | None) -> None:
+        """What a `run()` that raised `error` leaves behind. In a notebook
+        (`train`, `step`), an exception in a hook or an actor, or from a bad
+        argument, leaves the meshes up and the object usable: fix the cause and
+        call `step()` again. The samples of the step it broke are counted as
+        dropped (`samples/dropped_step_error`), so the ledger still adds up.
+        Everything else stops every proc: a script's `run()`, Ctrl-C or SIGTERM,
+        a lost proc no recovery replaced, a call that never answered (its mesh's
+        state is unknown), and an error before the meshes were all up."""
+        kept = (
+            num_steps is not None
+            and isinstance(error, Exception)
+            and self.ready  # the meshes were all up and set (the loop says so)
+            and not (
+                isinstance(error, RemoteCallError)
+                and (error.proc_lost or error.timed_out or error.stray)
+            )
+        )
+        if not kept:
+            self.close()
+            return
+        ledger = self.state.ledger
+        broken = ledger.generated - ledger.trained - sum(ledger.dropped.values())
+        if broken > 0:
+            ledger.drop("step_error", broken)
 
     def close(self) -> None:
         """Stop every proc now (no save)."""
-        meshes, self.meshes = self.meshes, None
-        if getattr(self, "dispatcher", None) is not None:
+        meshes, self.meshes, self.ready = self.meshes, None, False
+        if self.dispatcher is not None:
             with contextlib.suppress(Exception):
                 self.dispatcher.pause()  # its thread sends no more calls
-        if getattr(self, "collector", None) is not None:
+        if self.collector is not None:
             self.collector.close()  # the policy's endpoint
         if meshes is not None:
             self._run_dir = meshes.dir
@@ -268,6 +321,7 @@ class Algorithm:
             raise RemoteCallError(
                 "reference lost (a reference is recovered from a checkpoint: set checkpoint.every)",
                 "reference",
+                proc_lost=True,
             )
         self.sup.call_all(self.reference, "load_state", saved)
 
@@ -313,7 +367,9 @@ class Algorithm:
 
     def settle(self) -> None:
         """Collect the work in flight (batches generated ahead, the rollout queue's
-        calls, weight pulls)."""
+        calls, weight pulls); nothing to do where none runs ahead (DPO, SFT)."""
+        if self.collector is None:
+            return
         for batch in self.state.ahead:
             self.collector.collect(batch)
         if self.dispatcher is not None:
@@ -322,6 +378,13 @@ class Algorithm:
 
     def scale(self, **sizes: int) -> None:
         """Grow or shrink elastic pools now, between steps: `algo.scale(policy=3)`."""
+        if not self.elastic:
+            raise ValueError(
+                f"{self.name}: scale(): no pools that grow and shrink (grpo, ppo and "
+                "their variants have them)"
+            )
+        if self.scaler is None:
+            raise ValueError(f"{self.name}: scale(): no meshes yet (train(0) spawns them)")
         self.scaler.scale(**sizes)
 
     def steps_to(self, num_steps: int | None) -> int:

@@ -145,6 +145,7 @@ class Player:
 
 class Coevolve(Algorithm):
     name = "coevolve"
+    elastic = ()  # no pools that grow and shrink (`scale` says so)
     headline = "a/reward/mean"
 
     def run(self, num_steps: int | None = None) -> list[dict]:
@@ -154,6 +155,7 @@ class Coevolve(Algorithm):
         try:
             if self.meshes is None:
                 self.spawn()
+            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
             pairings = [("a", "a")] if cfg.shared_policy else [("a", "b"), ("b", "a")]
             end = self.steps_to(num_steps)
@@ -181,8 +183,8 @@ class Coevolve(Algorithm):
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise
         if num_steps is None:
             self.stop()
@@ -245,6 +247,9 @@ class Coevolve(Algorithm):
         self.match = Match(sup, policies, self.tokenizer, cfg.generation)
         self.log = StepLog(run, cfg.steps, self.state.step, self.headline)
         self.before = self.evaluate() if fresh else {}
+
+    def trainers(self) -> list:
+        return [player.trainer for player in self.players.values()]
 
     def sync_all(self) -> None:
         for player in self.players.values():

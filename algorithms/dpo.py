@@ -145,6 +145,7 @@ class DPOConfig:
 
 class DPO(Algorithm):
     name = "dpo"
+    elastic = ()  # no pools that grow and shrink (`scale` says so)
     headline = "eval/accuracy"
 
     def run(self, num_steps: int | None = None) -> list[dict]:
@@ -180,6 +181,7 @@ class DPO(Algorithm):
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)
                 self.before = self.evaluate()
                 print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
+            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
             end = self.steps_to(num_steps)
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
@@ -201,8 +203,8 @@ class DPO(Algorithm):
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise
         if num_steps is None:
             self.stop()

@@ -121,6 +121,7 @@ class GRPO(Algorithm):
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
                 self.compose(run, [self.trainer, self.frozen_copy, self.policy])
+            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
             policy, trainer, reference = self.policy, self.trainer, self.reference
             end = self.steps_to(num_steps)
@@ -179,8 +180,8 @@ class GRPO(Algorithm):
                     })  # fmt: skip
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise
         if num_steps is None:
             self.stop()

@@ -139,6 +139,7 @@ class PPO(Algorithm):
                 self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
                 if run.resume_from is None:  # the critic's backbone starts as the policy
                     self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
+            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
             end = self.steps_to(num_steps)
@@ -195,8 +196,8 @@ class PPO(Algorithm):
                     })  # fmt: skip
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise
         if num_steps is None:
             self.stop()

@@ -116,6 +116,7 @@ class SFTConfig:
 
 class SFT(Algorithm):
     name = "sft"
+    elastic = ()  # no pools that grow and shrink (`scale` says so)
     headline = "loss/nll"
 
     def run(self, num_steps: int | None = None) -> list[dict]:
@@ -140,6 +141,7 @@ class SFT(Algorithm):
                 self.ckpt.resume()
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)
                 self.before = self.evaluate()
+            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
             end = self.steps_to(num_steps)
             with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
@@ -164,8 +166,8 @@ class SFT(Algorithm):
                     self.after_step(step, record)
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
-        except BaseException:
-            self.close()
+        except BaseException as error:
+            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise
         if num_steps is None:
             self.stop()

@@ -109,6 +109,7 @@ def test_two_players_train_apart_resume_exactly_and_recover_alone(tmp_path, no_s
     try:
         records = faulty.train(7)
         after = weights(faulty)
+        faulty.set_lr(5e-4)  # a notebook call: both players' trainers take it
     finally:
         faulty.close()
     assert records[6]["a/recovered_from_step"] == 4 and "a/weights/version" not in records[6]

@@ -17,6 +17,7 @@ from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import load_config
 from meshrl.loop.run import StopRequest
 from meshrl.loop.state import Ledger, LoopState
+from meshrl.procs.mesh import RemoteCallError
 from meshrl.types import TrainBatch
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.test_recovery import configure
@@ -388,3 +389,60 @@ def test_two_policy_trainer_pairs_train_apart_in_one_script(tmp_path, no_stray_p
         assert pairs["a"][2].version == 3 and pairs["b"][2].version == 2
         assert all(not torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
         assert state.ledger.generated == 5 * cfg.prompts_per_step * cfg.group_size
+
+
+@pytest.mark.unit
+def test_notebook_calls_work_on_every_algorithm_or_say_why_not(tmp_path):
+    """Before the meshes are up, and on algorithms without pools or episodes, each
+    notebook call works or refuses in one line naming the call."""
+    dpo = DPO(
+        configure(tmp_path, "dpo", schema=DPOConfig, path=f"{REPO}/algorithms/configs/dpo.yaml")
+    )
+    with pytest.raises(ValueError, match=r"dpo: scale\(\): no pools that grow and shrink"):
+        dpo.scale(policy=2)
+    with pytest.raises(ValueError, match=r"dpo: mesh_status\(\): no meshes yet"):
+        dpo.mesh_status()
+    with pytest.raises(ValueError, match=r"dpo: set_temperature\(\): this algorithm samples"):
+        dpo.set_temperature(0.5)
+    assert dpo.last_episodes == []
+    dpo.settle()  # nothing runs ahead
+    dpo.set_lr(1e-4)  # the config's, before the meshes are up
+    assert dpo.cfg.optim.lr == 1e-4
+    grpo = GRPO(configure(tmp_path, "grpo"))
+    with pytest.raises(ValueError, match=r"grpo: scale\(\): no meshes yet"):
+        grpo.scale(policy=2)
+    with pytest.raises(ValueError, match=r"train\(num_steps='ten'\)"):
+        grpo.train("ten")
+    grpo.set_temperature(0.5)
+    assert grpo.cfg.generation.temperature == 0.5 and grpo.meshes is None
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_in_a_notebook_an_actor_error_keeps_the_meshes_and_the_next_step_goes_on(
+    tmp_path, no_stray_procs
+):
+    """The trainer's step raises (a drill, no retry) during `train(3)`: the error
+    reaches the cell, the meshes stay up, and `step()` goes on from that step; the
+    samples of the broken step are counted as dropped."""
+    algo = GRPO(configure(
+        tmp_path, "run", "steps=5", "warm_start.steps=0", "run.save_final=false",
+        "faults.retry_errors=0", "faults.raise_in=[trainer.train_step@1]",
+    ))  # fmt: skip
+    try:
+        algo.train(1)
+        pids = {p["pid"] for p in algo.mesh_status(show=False)}
+        with pytest.raises(RemoteCallError, match=r"trainer\.train_step"):
+            algo.train(3)
+        assert algo.meshes is not None and algo.state.step == 1
+        record = algo.step()
+        assert record["step"] == 1 and {p["pid"] for p in algo.mesh_status(show=False)} == pids
+        assert (
+            record["samples/dropped_step_error"] == algo.cfg.prompts_per_step * algo.cfg.group_size
+        )
+        assert record["samples/generated_total"] == (
+            record["samples/trained_total"] + record["samples/dropped_total"]
+        )
+    finally:
+        algo.stop()
+    assert algo.meshes is None

@@ -183,7 +183,7 @@ class Dispatcher:
             elif time.monotonic() - last > self.sup.timeout_s:
                 raise RemoteCallError(
                     f"rollout: no generation or scoring answered within {self.sup.timeout_s:g}s "
-                    f"({self._under_way()} groups under way)", "policy",
+                    f"({self._under_way()} groups under way)", "policy", timed_out=True,
                 )  # fmt: skip
             self._drop_stale()
             self._top_up(need)
@@ -262,7 +262,7 @@ class Dispatcher:
             if time.monotonic() - started > self.sup.timeout_s:
                 raise RemoteCallError(
                     f"rollout: {len(self.pending)} groups not taken by a replica within "
-                    f"{self.sup.timeout_s:g}s", "policy",
+                    f"{self.sup.timeout_s:g}s", "policy", timed_out=True,
                 )  # fmt: skip
             time.sleep(POLL_S / 5)
         self.hand_out_s += time.monotonic() - started
@@ -440,7 +440,9 @@ class Dispatcher:
         while self.generating.running or self.scoring.running or self.to_score:
             if time.monotonic() > deadline:
                 raise RemoteCallError(
-                    f"the rollout queue did not settle within {self.sup.timeout_s:g}s", "policy"
+                    f"the rollout queue did not settle within {self.sup.timeout_s:g}s",
+                    "policy",
+                    timed_out=True,
                 )
             self._dispatch_scoring()
             self._poll()

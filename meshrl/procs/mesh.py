@@ -56,12 +56,21 @@ class RemoteCallError(RuntimeError):
     """A remote call failed, timed out, or its mesh lost a process. `what` names
     the call (`trainer.train_step[1]`); `role` is its first part."""
 
-    def __init__(self, message: str, what: str = "", proc_lost: bool = False, stray: bool = False):
+    def __init__(
+        self,
+        message: str,
+        what: str = "",
+        proc_lost: bool = False,
+        stray: bool = False,
+        timed_out: bool = False,
+    ):
         super().__init__(message)
         self.what = what
         self.proc_lost = proc_lost
         """True when the proc behind the call died (Monarch supervision), False
         for an exception raised in the actor or a deadline."""
+        self.timed_out = timed_out
+        """True when the call did not answer within its deadline (it may still run)."""
         self.stray = stray
         """True when the call failed on Monarch's report that stopping *another*
         mesh failed (one meshrl replaced, whose node is gone): the call's own procs
@@ -129,7 +138,9 @@ def wait(future: Any, what: str, timeout_s: float) -> Any:
             gone = "its proc is gone (seen before Monarch's supervision says so)"
             raise RemoteCallError(f"{what} failed: {gone}", what, True)
         if time.monotonic() > deadline:
-            raise RemoteCallError(f"{what} did not answer within {timeout_s:g}s", what)
+            raise RemoteCallError(
+                f"{what} did not answer within {timeout_s:g}s", what, timed_out=True
+            )
 
 
 def call_error(error: BaseException, what: str) -> RemoteCallError:
