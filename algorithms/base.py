@@ -126,6 +126,25 @@ class Algorithm:
         """One more step; its record."""
         return self.train(1)[-1]
 
+    def spawn_trainer(
+        self, run: Any, role: str = "trainer", seed: int | None = None, shm_prefix: str = ""
+    ) -> Any:
+        """The trainer mesh, spawned from the config the same way by every algorithm:
+        `model`, `optim` and `trainer` (micro-batches, layout, routing replay); its
+        LR schedule over `total_updates` optimizer steps; its log-probs at the
+        sampling temperature (1 where nothing samples); `placement.sharding`."""
+        from actors.trainer import Trainer
+
+        cfg = self.cfg
+        temperature = cfg.generation.temperature if hasattr(cfg, "generation") else 1.0
+        return run.spawn(
+            role, Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
+            total_steps=cfg.total_updates, temperature=temperature,
+            seed=cfg.run.seed if seed is None else seed, sharding=cfg.placement.sharding,
+            shm_prefix=shm_prefix or run.shm_prefix, micro_batches=cfg.trainer.micro_batches,
+            layout=cfg.trainer.layout, routing_replay=cfg.trainer.routing_replay, rendezvous=True,
+        )  # fmt: skip
+
     def trainers(self) -> list:
         """The trainer meshes `set_lr` and `set_temperature` reach (co-evolution:
         one per player)."""

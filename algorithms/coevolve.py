@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, HookLoss, main
+from algorithms.base import Algorithm, main
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -106,6 +106,11 @@ class CoevolveConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps of each player's trainer over the run (its LR schedule)."""
+        return self.steps
 
     def validate(self) -> None:
         for section in (
@@ -196,7 +201,6 @@ class Coevolve(Algorithm):
         """Per player a policy and a trainer mesh; their syncs, the supervisor,
         the checkpointer; version 0 on every replica (or a checkpoint's state)."""
         from actors.policy import Policy
-        from actors.trainer import Trainer
 
         cfg = self.cfg
         names = ["a"] if cfg.shared_policy else ["a", "b"]
@@ -213,13 +217,9 @@ class Coevolve(Algorithm):
         self.players: dict[str, Player] = {}
         for i, name in enumerate(names):
             seed = cfg.run.seed + i  # B's weights start elsewhere than A's
-            trainer = run.spawn(
-                f"trainer_{name}", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-                total_steps=cfg.steps, temperature=cfg.generation.temperature, seed=seed,
-                sharding=cfg.placement.sharding, shm_prefix=f"{run.shm_prefix}-{name}",
-                micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout,
-                routing_replay=cfg.trainer.routing_replay, rendezvous=True,
-            )  # fmt: skip
+            trainer = self.spawn_trainer(
+                run, f"trainer_{name}", seed=seed, shm_prefix=f"{run.shm_prefix}-{name}"
+            )
             policy = run.spawn(
                 f"policy_{name}", Policy, cfg.model, seed, cfg.policy, self.context,
                 f"{run.shm_prefix}-{name}",

@@ -23,10 +23,11 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, HookLoss, main
+from algorithms.base import Algorithm, main
 from meshrl.config import (
     ConfigError,
     ModelConfig,
@@ -35,7 +36,7 @@ from meshrl.config import (
     RunConfig,
     check_lora_placement,
 )
-from meshrl.config.trainer import LAYOUTS
+from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
 from meshrl.loop.run import Run
@@ -97,9 +98,10 @@ class DPOConfig:
     """cDPO: assumed probability that a preference label is flipped."""
     eval_every: int = 25
     """Steps between held-out evaluations (and after the last step)."""
-    layout: str = "tree"
-    """The trainer's and reference's batch layout (as `trainer.layout` in GRPO):
-    tree (a pair's two responses share one forward of its prompt), packed or padded."""
+    MOVED: ClassVar[dict[str, str]] = {"layout": "trainer.layout"}
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """`trainer.layout` also lays out the reference's batches (tree: a pair's two
+    responses share one forward of its prompt)."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     sft: DPOSFTConfig = field(default_factory=DPOSFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -109,6 +111,11 @@ class DPOConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps over the run (the LR schedule's length)."""
+        return self.steps
 
     def validate(self) -> None:
         for section in (
@@ -127,10 +134,8 @@ class DPOConfig:
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(
-                f"config key 'layout': '{self.layout}' is not one of {', '.join(LAYOUTS)}"
-            )
+        self.trainer.validate()
+        self.trainer.check_offline("DPO", micro_batches=False)
         if self.beta <= 0:
             raise ConfigError("config key 'beta': must be > 0")
         if not 0 <= self.label_smoothing < 0.5:
@@ -152,7 +157,6 @@ class DPO(Algorithm):
         """Spawn the meshes (first call), train `num_steps` more steps (None: to
         `cfg.steps`, then save the model and stop every proc)."""
         from actors.reference import Reference
-        from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
         try:
@@ -160,13 +164,9 @@ class DPO(Algorithm):
                 self.load_pairs()
                 procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
                 run = self.meshes = Run(cfg, self.name, procs)
-                self.trainer = run.spawn(
-                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-                    total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
-                    shm_prefix=run.shm_prefix, layout=cfg.layout, rendezvous=True,
-                )  # fmt: skip
+                self.trainer = self.spawn_trainer(run)
                 self.reference = run.spawn(
-                    "reference", Reference, cfg.model, cfg.run.seed, cfg.layout
+                    "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
                 )
                 self.sup = sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(sup)

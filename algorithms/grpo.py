@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algorithms.base import Algorithm, HookLoss, RLConfig, main
+from algorithms.base import Algorithm, RLConfig, main
 from meshrl.config import ConfigError
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import rollout_metrics
@@ -97,19 +97,12 @@ class GRPO(Algorithm):
         from actors.environment import Environment
         from actors.policy import Policy
         from actors.reward_model import RewardModel
-        from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
         try:
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
-                self.trainer = run.spawn(
-                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature,
-                    seed=cfg.run.seed, sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix,
-                    micro_batches=cfg.trainer.micro_batches, layout=cfg.trainer.layout, rendezvous=True,
-                    routing_replay=cfg.trainer.routing_replay,
-                )  # fmt: skip
+                self.trainer = self.spawn_trainer(run)
                 self.policy = run.spawn(
                     "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
                 )  # fmt: skip

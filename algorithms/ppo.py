@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.base import Algorithm, HookLoss, RLConfig, main
+from algorithms.base import Algorithm, RLConfig, main
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.loop.run import Run
 from meshrl.loop.steplog import rollout_metrics
@@ -108,18 +108,12 @@ class PPO(Algorithm):
         from actors.policy import Policy
         from actors.reference import Reference
         from actors.reward_model import RewardModel
-        from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
         try:
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
-                self.trainer = run.spawn(
-                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self), seed=cfg.run.seed,
-                    total_steps=cfg.total_updates, temperature=cfg.generation.temperature, rendezvous=True,
-                    sharding=cfg.placement.sharding, shm_prefix=run.shm_prefix, layout=cfg.trainer.layout,
-                    micro_batches=cfg.trainer.micro_batches, routing_replay=cfg.trainer.routing_replay,
-                )  # fmt: skip
+                self.trainer = self.spawn_trainer(run)
                 self.critic = run.spawn(
                     "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,
                     value_clip=cfg.value_clip, seed=cfg.run.seed, layout=cfg.trainer.layout,

@@ -24,10 +24,11 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, HookLoss, main
+from algorithms.base import Algorithm, main
 from algorithms.dpo import SHIPPED_PREFERENCES
 from meshrl.config import (
     ConfigError,
@@ -37,7 +38,7 @@ from meshrl.config import (
     RunConfig,
     check_lora_placement,
 )
-from meshrl.config.trainer import LAYOUTS
+from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError
 from meshrl.envs.sft_data import Example, load_examples
 from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
@@ -79,10 +80,11 @@ class SFTConfig:
     """Rows per step."""
     eval_every: int = 25
     """Steps between held-out evaluations (and after the last step)."""
-    layout: str = "tree"
-    """The trainer's batch layout (as `trainer.layout` in GRPO): tree, packed or padded."""
-    micro_batches: int = 1
-    """Passes each trainer proc splits its rows into (gradient accumulation)."""
+    MOVED: ClassVar[dict[str, str]] = {
+        "layout": "trainer.layout",
+        "micro_batches": "trainer.micro_batches",
+    }
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -91,6 +93,11 @@ class SFTConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps over the run (the LR schedule's length)."""
+        return self.steps
 
     def validate(self) -> None:
         for section in (
@@ -105,13 +112,11 @@ class SFTConfig:
         ):
             section.validate()
         check_lora_placement(self.model, self.placement)
-        for key in ("steps", "batch_size", "eval_every", "micro_batches"):
+        for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(
-                f"config key 'layout': '{self.layout}' is not one of {', '.join(LAYOUTS)}"
-            )
+        self.trainer.validate()
+        self.trainer.check_offline("SFT")
 
 
 class SFT(Algorithm):
@@ -122,19 +127,13 @@ class SFT(Algorithm):
     def run(self, num_steps: int | None = None) -> list[dict]:
         """Spawn the trainer mesh (first call), train `num_steps` more steps (None:
         to `cfg.steps`, then save the model and stop every proc)."""
-        from actors.trainer import Trainer
 
         cfg, state = self.cfg, self.state
         try:
             if self.meshes is None:  # --- one mesh: the trainer ---
                 self.load_data()
                 run = self.meshes = Run(cfg, self.name, {"trainer": cfg.placement.trainer})
-                self.trainer = run.spawn(
-                    "trainer", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-                    total_steps=cfg.steps, seed=cfg.run.seed, sharding=cfg.placement.sharding,
-                    shm_prefix=run.shm_prefix, micro_batches=cfg.micro_batches,
-                    layout=cfg.layout, rendezvous=True,
-                )  # fmt: skip
+                self.trainer = self.spawn_trainer(run)
                 self.sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(self.sup)
                 self.ckpt = Checkpointer(run, state, [self.trainer], cfg.checkpoint)

@@ -4,6 +4,7 @@ import glob
 import importlib
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -219,6 +220,31 @@ def test_a_missing_teacher_says_how_to_make_one():
     path = os.path.join(REPO, "algorithms", "configs", "distill.yaml")
     with pytest.raises(ConfigError, match=r"'teacher.path': no such directory: /nope .*make run"):
         load_config(DistillConfig, path, ["teacher.path=/nope"])
+
+
+def test_dpo_and_sft_take_the_trainer_section_and_name_a_moved_key(tmp_path):
+    """DPO and SFT spawn their trainer from `trainer:` as GRPO does; a key they used
+    to have at the top gets one line naming where it went, from a file or an
+    override; a `trainer:` key about a sampler they do not have is refused."""
+    from algorithms.dpo import DPOConfig
+    from algorithms.sft import SFTConfig
+
+    assert load_config(SFTConfig, None, ["trainer.micro_batches=2"]).trainer.micro_batches == 2
+    old = tmp_path / "old.yaml"
+    old.write_text("steps: 3\nlayout: packed\n")
+    for schema, given, says in [
+        (SFTConfig, ["micro_batches=2"], "'micro_batches' is now 'trainer.micro_batches'"),
+        (DPOConfig, ["layout=padded"], "'layout' is now 'trainer.layout' (in override"),
+        (DPOConfig, ["trainer.correction=tis"], "trainer.correction': DPO samples nothing"),
+        (DPOConfig, ["trainer.micro_batches=2"], "trainer.micro_batches': DPO steps on whole"),
+        (SFTConfig, ["trainer.routing_replay=true"], "trainer.routing_replay': SFT samples no"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(schema, None, given)
+    with pytest.raises(
+        ConfigError, match=re.escape(f"'layout' is now 'trainer.layout' (in {old})")
+    ):
+        load_config(SFTConfig, str(old))
 
 
 def test_ppo_keys_are_checked():

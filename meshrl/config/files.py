@@ -62,6 +62,7 @@ def load_config(
             for file_path, file_cfg in _config_chain(path):
                 if known_only:
                     file_cfg = OmegaConf.masked_copy(file_cfg, [k for k in file_cfg if k in merged])
+                _refuse_moved(schema, file_cfg, f"in {file_path}")
                 merged = _merge(merged, file_cfg, f"in {file_path}")
         for item in overrides or []:
             if "=" not in item:
@@ -71,12 +72,25 @@ def load_config(
             except yaml.YAMLError as error:  # a value YAML cannot read (an unbalanced quote)
                 reason = " ".join(str(error).split())
                 raise ConfigError(f"override '{item}': not a YAML value ({reason})") from None
+            _refuse_moved(schema, parsed, f"in override '{item}'")
             merged = _merge(merged, parsed, f"in override '{item}'")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_omegaconf_message(error)) from None
     cfg.validate()
     return cfg
+
+
+def _refuse_moved(schema: type, given: Any, where: str) -> None:
+    """One line for a key that moved (`schema.MOVED`: old dotted key -> new one)."""
+    for old, new in getattr(schema, "MOVED", {}).items():
+        node = given
+        for part in old.split("."):
+            if not isinstance(node, DictConfig) or part not in node:
+                break
+            node = node[part]
+        else:
+            raise ConfigError(f"config key '{old}' is now '{new}' ({where})")
 
 
 def _config_chain(path: str, seen: tuple[str, ...] = ()) -> list[tuple[str, Any]]:

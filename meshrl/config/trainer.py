@@ -74,6 +74,23 @@ class TrainerConfig:
             f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
         )
 
+    def check_offline(self, algorithm: str, micro_batches: bool = True) -> None:
+        """For an algorithm that trains on fixed data, no sampler in the loop (DPO,
+        SFT): the keys about a sampler's log-probs and routes would do nothing, so
+        they are refused; `micro_batches`: whether it can split a rank's rows."""
+        check(self.correction == "none", "trainer.correction", f"{algorithm} samples nothing")
+        check(
+            self.recompute_old_logprobs != "true",
+            "trainer.recompute_old_logprobs",
+            f"{algorithm} has no old log-probs",
+        )
+        check(not self.routing_replay, "trainer.routing_replay", f"{algorithm} samples no routes")
+        check(
+            micro_batches or self.micro_batches == 1,
+            "trainer.micro_batches",
+            f"{algorithm} steps on whole pairs, one pass per rank (not yet split)",
+        )
+
     def recompute(self, model, generation, policy) -> bool:
         """Whether old log-probs come from the trainer (resolving `auto`), given the
         run's `model`, `generation` and `policy` sections."""
