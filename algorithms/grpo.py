@@ -58,8 +58,8 @@ class GRPOConfig(RLConfig):
 
     min_group_size = 2
     kl_in_reward = False
-    """True when the algorithm puts the KL into the reward (REINFORCE++): then
-    `GRPO.loss` adds no KL term of its own."""
+    """True when the algorithm puts the KL into the reward (REINFORCE++, whose own
+    `loss` adds no KL term): `validate` then accepts k1."""
 
     def validate(self) -> None:
         super().validate()
@@ -205,8 +205,17 @@ class GRPO(Algorithm):
     def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
         """Runs on every trainer proc, on its shard of the batch: clipped surrogate
         (+ KL to the reference), each a mean over the whole batch (`batch.scale`)."""
+        loss, metrics = self.surrogate(logprobs, batch)
+        kl = self.kl_to_reference(logprobs, batch)
+        if kl is not None:
+            loss = loss + self.cfg.kl_coef * kl
+            metrics["policy/kl_ref"] = kl.item()
+        return loss, metrics
+
+    def surrogate(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """The clipped policy-gradient surrogate and its metrics (`policy_loss`)."""
         cfg = self.cfg
-        loss, metrics = policy_loss(
+        return policy_loss(
             logprobs,
             batch.old_logprobs,
             batch.advantages,
@@ -219,14 +228,16 @@ class GRPO(Algorithm):
             scale=batch.scale,
             weights=batch.weights,
         )
-        if batch.ref_logprobs is not None and cfg.kl_coef > 0:
-            kl = scale_of(batch.completion_mask, batch.scale).token_mean(
-                kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
-            )
-            if not cfg.kl_in_reward:
-                loss = loss + cfg.kl_coef * kl
-            metrics["policy/kl_ref"] = kl.item()
-        return loss, metrics
+
+    def kl_to_reference(self, logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor | None:
+        """The token-mean KL estimate (`kl_kind`) to the reference over the whole
+        batch; None without one (`kl_coef` 0)."""
+        cfg = self.cfg
+        if batch.ref_logprobs is None or cfg.kl_coef <= 0:
+            return None
+        return scale_of(batch.completion_mask, batch.scale).token_mean(
+            kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
+        )
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ class PPO(Algorithm):
                         try:
                             rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
                             batch.old_values = sup.call_rows(critic, "values", batch)  # prefixes
-                            advantage_info = self.compute_advantages(scores, batch)
+                            batch.advantages = self.compute_advantages(scores, batch)
+                            advantage_info = self.advantage_metrics(scores, batch)
                             # Each minibatch: a policy step on the trainer mesh and a value
                             # step on the critic mesh at the same time, each rank its shard.
                             with log.timer("train"):
@@ -199,18 +200,34 @@ class PPO(Algorithm):
 
     # --- hooks ------------------------------------------------------------------------
 
-    def compute_advantages(self, scores: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
-        """KL-shaped token rewards -> GAE advantages and value targets, set on
-        `batch`; returns metrics. Needs `batch.old_values` (and `ref_logprobs`
-        when kl_coef > 0)."""
+    def compute_advantages(self, scores: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B] scores -> [B, T] advantages, as every on-policy algorithm's hook: GAE
+        over KL-shaped token rewards. Also sets the critic's targets, `batch.returns`.
+        Needs `batch.old_values` (and `ref_logprobs` when kl_coef > 0)."""
         cfg, mask = self.cfg, batch.completion_mask
-        kl = None
-        if batch.ref_logprobs is not None:
-            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind)
-        rewards = token_rewards(scores, mask, kl, cfg.kl_coef)
-        advantages, returns = gae(rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
-        batch.advantages = whiten(advantages, mask) if cfg.whiten_advantages else advantages
-        batch.returns = returns
+        advantages, batch.returns = gae(
+            self.shaped_rewards(scores, batch), batch.old_values, mask, cfg.gamma, cfg.lam
+        )
+        return whiten(advantages, mask) if cfg.whiten_advantages else advantages
+
+    def shaped_rewards(self, scores: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B, T]: each sequence's score on its last token, minus `kl_coef` times each
+        token's KL to the reference."""
+        cfg = self.cfg
+        return token_rewards(
+            scores, batch.completion_mask, self.kl_to_reference(batch), cfg.kl_coef
+        )
+
+    def kl_to_reference(self, batch: TrainBatch) -> torch.Tensor | None:
+        if batch.ref_logprobs is None:
+            return None
+        return kl_estimate(batch.old_logprobs, batch.ref_logprobs, self.cfg.kl_kind)
+
+    def advantage_metrics(self, scores: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
+        """How well the critic predicted the returns, and the shaped rewards' figures."""
+        mask, returns = batch.completion_mask, batch.returns
+        rewards, kl = self.shaped_rewards(scores, batch), self.kl_to_reference(batch)
+        advantages = (returns - batch.old_values) * mask  # GAE's, before any whitening
         info = {
             "value/explained_variance": explained_variance(batch.old_values, returns, mask),
             "value/rollout_mean": masked_mean(batch.old_values, mask).item(),

@@ -33,7 +33,7 @@ class ReinforcePPConfig(GRPOConfig):
     loss_aggregation: str = "token-mean"
 
     min_group_size = 1
-    kl_in_reward = True  # `compute_advantages` shapes the rewards with it
+    kl_in_reward = True  # k1 is accepted: the KL is in the reward, not a loss term
 
     def validate(self) -> None:
         super().validate()
@@ -57,6 +57,15 @@ class ReinforcePP(GRPO):
             kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind)
         shaped = token_rewards(rewards, mask, kl, cfg.kl_coef)
         return whiten(returns_to_go(shaped, mask), mask)
+
+    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """The clipped surrogate alone: the KL is in the reward (`compute_advantages`),
+        so it is only logged here."""
+        loss, metrics = self.surrogate(logprobs, batch)
+        kl = self.kl_to_reference(logprobs, batch)
+        if kl is not None:
+            metrics["policy/kl_ref"] = kl.item()
+        return loss, metrics
 
 
 if __name__ == "__main__":
