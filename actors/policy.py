@@ -95,9 +95,15 @@ class Policy(Drillable, Actor):
             mask[row, width - len(prompt) :] = 1
         stats: dict = {}
         tokens, logprobs, completion_mask = self.engine.generate(
-            ids.to(self.device), mask.to(self.device), prompt_ids, generation, self.generator,
-            stats, seeds, None if images is None else tuple(t.to(self.device) for t in images),
-        )  # fmt: skip
+            ids.to(self.device),
+            mask.to(self.device),
+            prompt_ids,
+            generation,
+            self.generator,
+            stats,
+            seeds,
+            None if images is None else tuple(t.to(self.device) for t in images),
+        )
         tokens_out = completion_mask.sum().item()
         if math.isfinite(stats["entropy_sum"]):
             record("policy/entropy", stats["entropy_sum"] / max(tokens_out, 1), "mean")

@@ -138,12 +138,21 @@ class Algorithm:
         cfg = self.cfg
         temperature = cfg.generation.temperature if hasattr(cfg, "generation") else 1.0
         return run.spawn(
-            role, Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(self),
-            total_steps=cfg.total_updates, temperature=temperature,
-            seed=cfg.run.seed if seed is None else seed, sharding=cfg.placement.sharding,
-            shm_prefix=shm_prefix or run.shm_prefix, micro_batches=cfg.trainer.micro_batches,
-            layout=cfg.trainer.layout, routing_replay=cfg.trainer.routing_replay, rendezvous=True,
-        )  # fmt: skip
+            role,
+            Trainer,
+            cfg.model,
+            cfg.optim,
+            loss_fn=HookLoss(self),
+            total_steps=cfg.total_updates,
+            temperature=temperature,
+            seed=cfg.run.seed if seed is None else seed,
+            sharding=cfg.placement.sharding,
+            shm_prefix=shm_prefix or run.shm_prefix,
+            micro_batches=cfg.trainer.micro_batches,
+            layout=cfg.trainer.layout,
+            routing_replay=cfg.trainer.routing_replay,
+            rendezvous=True,
+        )
 
     def trainers(self) -> list:
         """The trainer meshes `set_lr` and `set_temperature` reach (co-evolution:
@@ -276,18 +285,30 @@ class Algorithm:
         self.sup = sup = Supervisor(run, cfg.faults, state)
         self.sync = sync = WeightSync.from_config(sup, cfg.weights, wait=not cfg.max_staleness)
         self.collector = Collector(
-            cfg, state, sup, sync, self.tokenizer, self.task, self.context,
-            policy, self.environment, self.reward_model, self.vision,
-        )  # fmt: skip
+            cfg,
+            state,
+            sup,
+            sync,
+            self.tokenizer,
+            self.task,
+            self.context,
+            policy,
+            self.environment,
+            self.reward_model,
+            self.vision,
+        )
         if cfg.policy.serve_port:
             print(f"policy endpoint: {self.collector.endpoint(cfg.policy.serve_port).base_url}")
         # Held-out sets, drawn before any training prompt (which then skips them).
         self.evaluator = self.spawn_evaluator(run)
         self.ckpt = Checkpointer(
-            run, state, stateful, cfg.checkpoint,
+            run,
+            state,
+            stateful,
+            cfg.checkpoint,
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
             collector=self.collector,
-        )  # fmt: skip
+        )
         self.ckpt.recover = sup.recover
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
         self.scaler = Scaler(
@@ -370,14 +391,17 @@ class Algorithm:
                 "hook (not yet); use split"
             )
         return Dispatcher(
-            cfg.rollout, self.collector, policy, environment,
+            cfg.rollout,
+            self.collector,
+            policy,
+            environment,
             send=lambda i, ids, seeds, images: policy.slice(procs=i).generate.call_one(
                 ids, cfg.generation, seeds, images
             ),
             score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
                 prompts, texts
             ),
-        )  # fmt: skip
+        )
 
     def before_step(self, step: int) -> None:
         """As `step` begins: the `faults:` drills due, then the pool sizes due."""

@@ -114,9 +114,19 @@ class CoevolveConfig:
 
     def validate(self) -> None:
         for section in (
-            self.model, self.generation, self.policy, self.optim, self.trainer, self.warm_start,
-            self.placement, self.weights, self.run, self.job, self.checkpoint, self.faults,
-        ):  # fmt: skip
+            self.model,
+            self.generation,
+            self.policy,
+            self.optim,
+            self.trainer,
+            self.warm_start,
+            self.placement,
+            self.weights,
+            self.run,
+            self.job,
+            self.checkpoint,
+            self.faults,
+        ):
             section.validate()
         if self.game not in GAMES:
             raise ConfigError(f"config key 'game': '{self.game}' is not one of {', '.join(GAMES)}")
@@ -221,27 +231,41 @@ class Coevolve(Algorithm):
                 run, f"trainer_{name}", seed=seed, shm_prefix=f"{run.shm_prefix}-{name}"
             )
             policy = run.spawn(
-                f"policy_{name}", Policy, cfg.model, seed, cfg.policy, self.context,
+                f"policy_{name}",
+                Policy,
+                cfg.model,
+                seed,
+                cfg.policy,
+                self.context,
                 f"{run.shm_prefix}-{name}",
-            )  # fmt: skip
+            )
             sync = WeightSync.from_config(sup, cfg.weights)
             self.players[name] = player = Player(name, policy, trainer, sync)
             sup.on_respawn(f"policy_{name}", lambda p=player: p.sync.catch_up(p.policy))
         roles = [r for p in self.players.values() for r in (p.trainer, p.policy)]
         subdirs = {r.name: r.name.rsplit("_", 1)[1] for r in roles}  # a/, b/
         self.ckpt = Checkpointer(
-            run, self.state, roles, cfg.checkpoint, after_restore=self.sync_all,
-            same_size=tuple(f"policy_{n}" for n in names), subdirs=subdirs,
-        )  # fmt: skip
+            run,
+            self.state,
+            roles,
+            cfg.checkpoint,
+            after_restore=self.sync_all,
+            same_size=tuple(f"policy_{n}" for n in names),
+            subdirs=subdirs,
+        )
         fresh = self.ckpt.resume() is None
         if fresh:
             if cfg.warm_start.steps:  # the format only: uniform over the sensible actions
                 for name, player in self.players.items():
                     supervised_steps(
-                        sup, player.trainer, lambda step: format_batch(self.tokenizer),
-                        cfg.warm_start.steps, cfg.warm_start.lr,
-                        f"{run.dir}/warm_start_{name}.jsonl", f"warm-start {name}",
-                    )  # fmt: skip
+                        sup,
+                        player.trainer,
+                        lambda step: format_batch(self.tokenizer),
+                        cfg.warm_start.steps,
+                        cfg.warm_start.lr,
+                        f"{run.dir}/warm_start_{name}.jsonl",
+                        f"warm-start {name}",
+                    )
             self.sync_all()  # each trainer's weights on its player's replicas
         policies = {name: player.policy for name, player in self.players.items()}
         self.match = Match(sup, policies, self.tokenizer, cfg.generation)
@@ -308,9 +332,13 @@ class Coevolve(Algorithm):
     def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
         """Runs on every trainer proc: the clipped surrogate, a token mean."""
         return policy_loss(
-            logprobs, batch.old_logprobs, batch.advantages, batch.completion_mask,
-            clip_low=self.cfg.clip, scale=batch.scale,
-        )  # fmt: skip
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.completion_mask,
+            clip_low=self.cfg.clip,
+            scale=batch.scale,
+        )
 
     # --- figures ------------------------------------------------------------------------
 

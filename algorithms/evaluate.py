@@ -91,9 +91,17 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
         sup.on_respawn("environment")
         task = make_task(cfg.task)
         collector = Collector(
-            cfg, state, sup, None, tokenizer, task, context, policy, environment,
+            cfg,
+            state,
+            sup,
+            None,
+            tokenizer,
+            task,
+            context,
+            policy,
+            environment,
             vision=vision_format(cfg.model),
-        )  # fmt: skip
+        )
         try:
             figures = Evaluator(cfg.eval, collector, cfg.run.seed).evaluate()
         finally:

@@ -104,8 +104,14 @@ class GRPO(Algorithm):
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = self.spawn_trainer(run)
                 self.policy = run.spawn(
-                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
-                )  # fmt: skip
+                    "policy",
+                    Policy,
+                    cfg.model,
+                    cfg.run.seed,
+                    cfg.policy,
+                    self.context,
+                    run.shm_prefix,
+                )
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.spawn_reference(run)
                 self.reward_model = None
@@ -131,9 +137,11 @@ class GRPO(Algorithm):
                             )
                             if not self.task.multi_turn:  # (episodes are played in `rollout`)
                                 batch.calls = [
-                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation, seeds, images)
+                                    policy.slice(procs=i).generate.call_one(
+                                        ids, cfg.generation, seeds, images
+                                    )
                                     for i, (ids, seeds, images) in enumerate(batch.shards)
-                                ]  # fmt: skip
+                                ]
                             state.ahead.append(batch)
                         # Collect it, score it on the environment mesh, refill failed groups
                         # (or, by pull, the groups the free replicas took: `rollout.dispatch`).
@@ -150,10 +158,12 @@ class GRPO(Algorithm):
                             # Each trainer rank steps on its shard of every minibatch
                             # (DDP or FSDP2 inside the mesh) ...
                             with log.timer("train"):
-                                train_metrics = step_metrics([
-                                    sup.call_sharded(trainer, "train_step", batch.rows(rows))
-                                    for rows in self.minibatches(len(batch))
-                                ])  # fmt: skip
+                                train_metrics = step_metrics(
+                                    [
+                                        sup.call_sharded(trainer, "train_step", batch.rows(rows))
+                                        for rows in self.minibatches(len(batch))
+                                    ]
+                                )
                             # ... then publishes the new version, and every replica
                             # pulls it: shared memory on this host, RDMA across hosts.
                             with log.timer("weight_sync"):
@@ -164,13 +174,16 @@ class GRPO(Algorithm):
                             continue
                     sup.guard_finite(step, train_metrics, self.newest_checkpoint())
                     self.record_samples(step, completions, rewards, batch.advantages)
-                    self.after_step(step, {
-                        "step": step,
-                        **rollout_metrics(rewards, completions, sync),
-                        **rollout_info,  # after the reward keys: a rollout may refine them
-                        **train_metrics,
-                        **self.accounting(trained=len(batch)),
-                    })  # fmt: skip
+                    self.after_step(
+                        step,
+                        {
+                            "step": step,
+                            **rollout_metrics(rewards, completions, sync),
+                            **rollout_info,  # after the reward keys: a rollout may refine them
+                            **train_metrics,
+                            **self.accounting(trained=len(batch)),
+                        },
+                    )
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:

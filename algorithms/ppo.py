@@ -115,17 +115,32 @@ class PPO(Algorithm):
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = self.spawn_trainer(run)
                 self.critic = run.spawn(
-                    "critic", Critic, cfg.model, cfg.critic_optim, total_steps=cfg.total_updates,
-                    value_clip=cfg.value_clip, seed=cfg.run.seed, layout=cfg.trainer.layout,
-                    micro_batches=cfg.trainer.micro_batches, rendezvous=True,
-                )  # fmt: skip
+                    "critic",
+                    Critic,
+                    cfg.model,
+                    cfg.critic_optim,
+                    total_steps=cfg.total_updates,
+                    value_clip=cfg.value_clip,
+                    seed=cfg.run.seed,
+                    layout=cfg.trainer.layout,
+                    micro_batches=cfg.trainer.micro_batches,
+                    rendezvous=True,
+                )
                 self.policy = run.spawn(
-                    "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
-                )  # fmt: skip
+                    "policy",
+                    Policy,
+                    cfg.model,
+                    cfg.run.seed,
+                    cfg.policy,
+                    self.context,
+                    run.shm_prefix,
+                )
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
-                    self.reference = run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)  # fmt: skip
+                    self.reference = run.spawn(
+                        "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
+                    )
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path
@@ -150,9 +165,11 @@ class PPO(Algorithm):
                             )
                             if not self.task.multi_turn:  # (episodes are played in `rollout`)
                                 batch.calls = [
-                                    policy.slice(procs=i).generate.call_one(ids, cfg.generation, seeds, images)
+                                    policy.slice(procs=i).generate.call_one(
+                                        ids, cfg.generation, seeds, images
+                                    )
                                     for i, (ids, seeds, images) in enumerate(batch.shards)
-                                ]  # fmt: skip
+                                ]
                             state.ahead.append(batch)
                         completions, scores, rollout_info = self.next_rollout()
                         batch = TrainBatch.from_completions(completions)
@@ -169,10 +186,14 @@ class PPO(Algorithm):
                             # Each minibatch: a policy step on the trainer mesh and a value
                             # step on the critic mesh at the same time, each rank its shard.
                             with log.timer("train"):
-                                train_metrics = step_metrics([
-                                    sup.call_sharded((trainer, critic), "train_step", batch.rows(rows))
-                                    for rows in self.minibatches(len(batch))
-                                ])  # fmt: skip
+                                train_metrics = step_metrics(
+                                    [
+                                        sup.call_sharded(
+                                            (trainer, critic), "train_step", batch.rows(rows)
+                                        )
+                                        for rows in self.minibatches(len(batch))
+                                    ]
+                                )
                             with log.timer("weight_sync"):  # shm on this host, RDMA across
                                 handle = sync.publish(trainer)  # trainer.publish
                                 sync.pull(policy, handle)  # policy.load_weights
@@ -181,14 +202,17 @@ class PPO(Algorithm):
                             continue
                     sup.guard_finite(step, train_metrics, self.newest_checkpoint())
                     self.record_samples(step, completions, scores, batch.advantages)
-                    self.after_step(step, {
-                        "step": step,
-                        **rollout_metrics(scores, completions, sync),
-                        **advantage_info,
-                        **rollout_info,
-                        **train_metrics,
-                        **self.accounting(trained=len(batch)),
-                    })  # fmt: skip
+                    self.after_step(
+                        step,
+                        {
+                            "step": step,
+                            **rollout_metrics(scores, completions, sync),
+                            **advantage_info,
+                            **rollout_info,
+                            **train_metrics,
+                            **self.accounting(trained=len(batch)),
+                        },
+                    )
                     state.step += 1
                     self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:

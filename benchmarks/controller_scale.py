@@ -232,8 +232,10 @@ def main() -> int:
         for way in rows:
             rows[way].append(measure(n, args.steps, way == "relay"))
             print(f"{way:>5} {rows[way][-1]}", flush=True)
-    print(f"\n{'N':>4} {'way':>6} {'step s':>8} {'overhead s':>11} {'share':>7} "
-          f"{'ctrl cpu s':>11} {'ms/replica':>11} {'depth':>6}")  # fmt: skip
+    print(
+        f"\n{'N':>4} {'way':>6} {'step s':>8} {'overhead s':>11} {'share':>7} "
+        f"{'ctrl cpu s':>11} {'ms/replica':>11} {'depth':>6}"
+    )
     for way, table in rows.items():
         for r in table:
             print(
@@ -245,13 +247,16 @@ def main() -> int:
     line = json.dumps(
         {
             "stand_in_compute_s": {
-                "generate": GENERATE_S, "score": SCORE_S, "train": TRAIN_S, "pull": PULL_S
+                "generate": GENERATE_S,
+                "score": SCORE_S,
+                "train": TRAIN_S,
+                "pull": PULL_S,
             },
             "star": rows["star"],
             "relay": rows["relay"],
             "goal_share_at_largest": {w: r["controller_share"] <= 0.05 for w, r in largest.items()},
         }
-    )  # fmt: skip
+    )
     print(line)
     save_line(line, args.save)
     return 0

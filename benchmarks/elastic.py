@@ -116,7 +116,7 @@ def main() -> int:
                 if x["reward/mean"] != y["reward/mean"]
             ),
             None,
-        ),  # fmt: skip
+        ),
         "steps": args.steps,
     }
     print(json.dumps(figures))

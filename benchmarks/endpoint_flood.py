@@ -136,9 +136,15 @@ def main() -> int:
         cfg = load_config(
             GRPOConfig,
             os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [*PINNED, f"steps={4 * args.steps}", f"policy.serve_port={port}",
-             f"run.dir={run_dir}", "run.name=flood", "run.progress=false"],
-        )  # fmt: skip
+            [
+                *PINNED,
+                f"steps={4 * args.steps}",
+                f"policy.serve_port={port}",
+                f"run.dir={run_dir}",
+                "run.name=flood",
+                "run.progress=false",
+            ],
+        )
         algo = GRPO(cfg)
         try:
             algo.train(2)  # warm: the first steps pay for compilation and caches

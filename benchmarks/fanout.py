@@ -188,8 +188,10 @@ def main() -> int:
         ),
     }
     print(f"\nmodel {model_bytes / 2**20:.0f} MB, relay fanout {fanout} (weights.fanout default)")
-    print(f"{'N':>4} {'star s':>8} {'relay s':>8} {'star/relay':>10} {'star egress':>12} "
-          f"{'relay egress':>13} {'depth':>6}")  # fmt: skip
+    print(
+        f"{'N':>4} {'star s':>8} {'relay s':>8} {'star/relay':>10} {'star egress':>12} "
+        f"{'relay egress':>13} {'depth':>6}"
+    )
     for star, relay in zip(rows["star"], rows["relay"], strict=True):
         print(
             f"{star['replicas']:>4} {star['sync_s']:>8.3f} {relay['sync_s']:>8.3f} "

@@ -82,9 +82,16 @@ def main() -> int:
             for _ in range(args.repeats):
                 started = time.perf_counter()
                 out = sample(
-                    model, ids, mask, max_new_tokens=args.max_new_tokens, eos_token_id=stops,
-                    pad_token_id=0, seeds=seeds, share_prefix=share, drop_finished=drop,
-                )  # fmt: skip
+                    model,
+                    ids,
+                    mask,
+                    max_new_tokens=args.max_new_tokens,
+                    eos_token_id=stops,
+                    pad_token_id=0,
+                    seeds=seeds,
+                    share_prefix=share,
+                    drop_finished=drop,
+                )
                 best = min(best, time.perf_counter() - started)
             reference = reference if reference is not None else out[0]
             assert torch.equal(out[0], reference), f"{way} sampled other tokens"
@@ -96,9 +103,12 @@ def main() -> int:
             figures[f"G{group}_both_tokens_per_s"] / figures[f"G{group}_plain_tokens_per_s"], 2
         )
     figures.update(
-        prompts=args.prompts, prompt_tokens=args.prompt, max_new_tokens=args.max_new_tokens,
-        threads=torch.get_num_threads(), tokens_equal=True,
-    )  # fmt: skip
+        prompts=args.prompts,
+        prompt_tokens=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        threads=torch.get_num_threads(),
+        tokens_equal=True,
+    )
     print(json.dumps(figures))
     return 0
 

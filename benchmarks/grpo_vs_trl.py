@@ -299,16 +299,22 @@ def sweep(args) -> int:
             raise SystemExit(f"{cell} failed (exit {done.returncode})")
         cells[cell] = json.loads(done.stdout.strip().splitlines()[-1])
         print("\n".join(done.stdout.strip().splitlines()[-5:-1]), flush=True)
-    print(json.dumps({
-        "step_time_ratio": {c: f["step_time_ratio"] for c, f in cells.items()},
-        "meshrl_step_s": {c: f["meshrl_step_s"] for c, f in cells.items()},
-        "trl_step_s": {c: f["trl_step_s"] for c, f in cells.items()},
-        "final_reward": {c: [f["meshrl_final_reward"], f["trl_final_reward"]] for c, f in cells.items()},
-        "prompt_tokens": {c: SWEEP[c][1] for c in cells},
-        "max_new_tokens": {c: SWEEP[c][2] for c in cells},
-        "steps": args.steps,
-        "completions_per_step": args.prompts * args.group,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "step_time_ratio": {c: f["step_time_ratio"] for c, f in cells.items()},
+                "meshrl_step_s": {c: f["meshrl_step_s"] for c, f in cells.items()},
+                "trl_step_s": {c: f["trl_step_s"] for c, f in cells.items()},
+                "final_reward": {
+                    c: [f["meshrl_final_reward"], f["trl_final_reward"]] for c, f in cells.items()
+                },
+                "prompt_tokens": {c: SWEEP[c][1] for c in cells},
+                "max_new_tokens": {c: SWEEP[c][2] for c in cells},
+                "steps": args.steps,
+                "completions_per_step": args.prompts * args.group,
+            }
+        )
+    )
     return 0
 
 

@@ -88,10 +88,13 @@ def main() -> int:
     figures["speedup_tree"] = round(figures["padded_step_s"] / figures["tree_step_s"], 2)
     figures["speedup_packed"] = round(figures["padded_step_s"] / figures["packed_step_s"], 2)
     figures.update(
-        prompts=args.prompts, group=args.group, prompt_tokens=args.prompt,
-        completion_tokens=args.completion, timed_steps=args.steps - 1,
+        prompts=args.prompts,
+        group=args.group,
+        prompt_tokens=args.prompt,
+        completion_tokens=args.completion,
+        timed_steps=args.steps - 1,
         params=sum(p.numel() for p in load_model(model).parameters()),
-    )  # fmt: skip
+    )
     print(json.dumps(figures))
     return 0
 

@@ -59,12 +59,17 @@ HEADER = (
 def run_row(module: str, config: str, run_dir: str) -> dict:
     name = config.removesuffix(".yaml")
     command = [
-        sys.executable, "-m", f"algorithms.{module}",
-        "--config", os.path.join("algorithms", "configs", config),
-        f"run.dir={run_dir}", f"run.name={name}",
-        "run.progress=false", "run.samples_every=0",
+        sys.executable,
+        "-m",
+        f"algorithms.{module}",
+        "--config",
+        os.path.join("algorithms", "configs", config),
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        "run.progress=false",
+        "run.samples_every=0",
         f"run.save_final={str(config == TEACHER).lower()}",
-    ]  # fmt: skip
+    ]
     if module == "distill":
         teacher = os.path.join(run_dir, TEACHER.removesuffix(".yaml"), "final")
         if not os.path.isdir(teacher):  # `--only distill.yaml`: train its teacher first
@@ -125,8 +130,10 @@ def commit() -> str:
     )
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=REPO, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return out.stdout.strip() + (" with local changes" if dirty else "")
 
 

@@ -170,8 +170,18 @@ def main() -> int:
         f"link {args.link_gbps:g} Gb/s and slot copies {args.copy_gbps:g} Gb/s per host, "
         f"fanout {fanout}, bf16\n"
     )
-    head = ("model", "N", "star sync", "relay sync", "pipelined", "depth", "star egress",
-            "relay egress", "ctrl star", "ctrl relay")  # fmt: skip
+    head = (
+        "model",
+        "N",
+        "star sync",
+        "relay sync",
+        "pipelined",
+        "depth",
+        "star egress",
+        "relay egress",
+        "ctrl star",
+        "ctrl relay",
+    )
     print(" | ".join(head))
     for r in rows:
         print(
@@ -180,9 +190,18 @@ def main() -> int:
             f" | {human_bytes(r['star_egress_bytes'])} | {human_bytes(r['relay_egress_bytes'])}"
             f" | {r['star_controller_s']:g} s | {r['relay_controller_s']:g} s"
         )
-    print(json.dumps({"calibration": cal, "link_gbps": args.link_gbps,
-                      "copy_gbps": args.copy_gbps, "fanout": fanout,
-                      "assumptions": ASSUMPTIONS, "predictions": rows}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "calibration": cal,
+                "link_gbps": args.link_gbps,
+                "copy_gbps": args.copy_gbps,
+                "fanout": fanout,
+                "assumptions": ASSUMPTIONS,
+                "predictions": rows,
+            }
+        )
+    )
     return 0
 
 

@@ -32,9 +32,15 @@ from tests.slurm_cluster import Cluster  # noqa: E402
 
 CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
 PINNED = [
-    "eval.every=0", "run.progress=false", "placement.threads_per_proc=1", "run.seed=0",
-    "warm_start.steps=20", "prompts_per_step=16", "group_size=8", "placement.policy=1",
-]  # fmt: skip
+    "eval.every=0",
+    "run.progress=false",
+    "placement.threads_per_proc=1",
+    "run.seed=0",
+    "warm_start.steps=20",
+    "prompts_per_step=16",
+    "group_size=8",
+    "placement.policy=1",
+]
 
 
 def lines(run_dir: str) -> list[dict]:
@@ -46,8 +52,17 @@ def lines(run_dir: str) -> list[dict]:
 
 
 def launch(env, root, name, *overrides):
-    command = [sys.executable, "-m", "algorithms.grpo", "--config", CONFIG, *PINNED,
-               f"run.dir={root}", f"run.name={name}", *overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "algorithms.grpo",
+        "--config",
+        CONFIG,
+        *PINNED,
+        f"run.dir={root}",
+        f"run.name={name}",
+        *overrides,
+    ]
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
@@ -101,10 +116,13 @@ def lose_policy_nodes(cluster, root, name, losses, overrides):
         if proc.poll() is not None:
             raise SystemExit(f"the {name} run ended (exit {proc.returncode})")
         time.sleep(0.2)
-    serve = sorted({
-        (r["faults/recoveries"], r["faults/time_to_serve_s"])
-        for r in lines(os.path.join(root, name)) if "faults/time_to_serve_s" in r
-    })  # fmt: skip
+    serve = sorted(
+        {
+            (r["faults/recoveries"], r["faults/time_to_serve_s"])
+            for r in lines(os.path.join(root, name))
+            if "faults/time_to_serve_s" in r
+        }
+    )
     return to_step, [t for _, t in serve], lost
 
 
@@ -130,10 +148,19 @@ def main() -> None:
             figures = {}
             for label, detect in (("monarch", "0"), ("meshrl", "0.5")):
                 name = f"losses_{label}"
-                figures[label] = lose_policy_nodes(cluster, root, name, args.losses, [
-                    "steps=100000", "faults.quarantine_after=1", "faults.max_recoveries=100",
-                    f"faults.detect_s={detect}", *slurm,
-                ])  # fmt: skip
+                figures[label] = lose_policy_nodes(
+                    cluster,
+                    root,
+                    name,
+                    args.losses,
+                    [
+                        "steps=100000",
+                        "faults.quarantine_after=1",
+                        "faults.max_recoveries=100",
+                        f"faults.detect_s={detect}",
+                        *slurm,
+                    ],
+                )
                 if label == "monarch":
                     running[name].terminate()
                     running[name].wait(timeout=120)

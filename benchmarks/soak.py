@@ -72,11 +72,12 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=0, help="max_staleness")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
     parser.add_argument(
-        "--standby", action="store_true",
+        "--standby",
+        action="store_true",
         help="run it twice with the same kills of policy and environment procs, without "
         "and with a standby for each, and compare the times to detect a loss and to "
         "serve again",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if not args.standby:
         figures, _ = soak(args, standby=0)
@@ -120,9 +121,13 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
     if args.standby:  # procs the standbys stand in for, killed (the same ones in both runs)
         roles = ["policy", "environment"]
     kills, raises = fault_schedule(
-        random.Random(args.seed), args.steps, args.faults, args.every, roles,
+        random.Random(args.seed),
+        args.steps,
+        args.faults,
+        args.every,
+        roles,
         1.0 if args.standby else 0.5,
-    )  # fmt: skip
+    )
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="meshrl-soak-")
     overrides = [
         f"steps={args.steps}",
@@ -174,8 +179,10 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
         "wall_s": round(wall, 1),
     }
     print()
-    print(f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, standby {standby}, "
-          f"run dir {algo.run_dir}")  # fmt: skip
+    print(
+        f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, standby {standby}, "
+        f"run dir {algo.run_dir}"
+    )
     print(f"  kills     {', '.join(kills) or '-'}")
     print(f"  raise_in  {', '.join(raises) or '-'}")
     print(f"{'figure':<22}{'value':>12}")

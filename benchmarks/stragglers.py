@@ -86,10 +86,12 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the means")
     parser.add_argument("--overprovision", type=float, default=0.0)
     parser.add_argument(
-        "--staleness", type=int, default=0,
+        "--staleness",
+        type=int,
+        default=0,
         help="max_staleness of every variant (>= 1: generation overlaps training, and "
         "over-provisioned groups that complete late are trained next step)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="meshrl-stragglers-")
     pull = ("rollout.dispatch=pull", f"rollout.overprovision={args.overprovision}")
@@ -97,8 +99,10 @@ def main() -> int:
     static = run(run_dir, "static", args.steps, SLOW, staleness)
     pulled = run(run_dir, "pull", args.steps, SLOW, staleness, *pull)
     even = run(run_dir, "no_straggler", args.steps, staleness, *pull)
-    step_s = {name: mean(h, "time/step_s", args.skip) for name, h in
-              (("static", static), ("pull", pulled), ("no_straggler", even))}  # fmt: skip
+    step_s = {
+        name: mean(h, "time/step_s", args.skip)
+        for name, h in (("static", static), ("pull", pulled), ("no_straggler", even))
+    }
     figures = {
         "step_s_static": round(step_s["static"], 4),
         "step_s_pull": round(step_s["pull"], 4),

@@ -55,8 +55,9 @@ def main() -> int:
     encode_s = median_s(lambda: fmt.prompts(prompts[::8]), args.repeats)
     ids, pixels = fmt.prompts(prompts)
     images, counts = stack(pixels)
-    answer = torch.tensor([[fmt.processor.tokenizer.convert_tokens_to_ids(p.answer), 2]
-                           for p in prompts])  # fmt: skip
+    answer = torch.tensor(
+        [[fmt.processor.tokenizer.convert_tokens_to_ids(p.answer), 2] for p in prompts]
+    )
     full = torch.cat([torch.tensor(ids), answer], 1)
     mask = torch.ones_like(full)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -76,8 +77,16 @@ def main() -> int:
     def generate(with_images: bool) -> None:
         pictures = {"images": images, "image_counts": counts} if with_images else {}
         prompt = torch.tensor(ids) if with_images else text_ids
-        sample(model.eval(), prompt, torch.ones_like(prompt), max_new_tokens=2, eos_token_id=2,
-               pad_token_id=0, seeds=torch.arange(len(ids)), **pictures)  # fmt: skip
+        sample(
+            model.eval(),
+            prompt,
+            torch.ones_like(prompt),
+            max_new_tokens=2,
+            eos_token_id=2,
+            pad_token_id=0,
+            seeds=torch.arange(len(ids)),
+            **pictures,
+        )
         model.train()
 
     result = {

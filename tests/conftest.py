@@ -131,9 +131,15 @@ TIERS = ("unit", "actors", "e2e", "notebook", "cluster")
 
 
 FIRST = (
-    "test_cluster.py", "test_algorithms.py", "test_environments.py", "test_notebooks.py",
-    "test_e2e.py", "test_job.py", "test_elastic.py", "test_recovery.py",
-)  # fmt: skip
+    "test_cluster.py",
+    "test_algorithms.py",
+    "test_environments.py",
+    "test_notebooks.py",
+    "test_e2e.py",
+    "test_job.py",
+    "test_elastic.py",
+    "test_recovery.py",
+)
 """The longest files, longest first (about 480, 220, 200, 200, 100, 100, 80 and 70 s
 alone, measured on 2 cores): `make test`'s two pytest workers (`-n 2`) each take
 the next whole file when theirs ends (`pytest_xdist_make_scheduler`), so the

@@ -89,9 +89,10 @@ def test_a_pickle_payload_in_any_checkpoint_file_is_refused_naming_the_file(
         run = copy_run(saved, tmp_path, name)
         plant(step_dir(run, 3) / f"{name}.pt", marker)
         cfg = load_config(
-            GRPOConfig, DEFAULT_CONFIG,
+            GRPOConfig,
+            DEFAULT_CONFIG,
             overrides(tmp_path, name, f"checkpoint.resume={step_dir(run, 3)}", "steps=4"),
-        )  # fmt: skip
+        )
         with pytest.raises(Exception, match=rf"{name}\.pt is not a checkpoint file") as error:
             GRPO(cfg).run()
         assert "posix.mkdir" in str(error.value)
@@ -134,10 +135,13 @@ def test_the_loop_state_round_trips_as_tensors_and_plain_containers(tmp_path):
     picture = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     prompt = Prompt("12>", "21", data={"tests": ["a"], "n": np.int64(3)}, images=[picture, "p.png"])
     batch = Completions(
-        prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2),
-        completion_ids=torch.zeros(1, 3, dtype=torch.long), completion_mask=torch.ones(1, 3),
-        logprobs=torch.zeros(1, 3), weight_version=4,
-    )  # fmt: skip
+        prompt_ids=torch.ones(1, 2, dtype=torch.long),
+        prompt_mask=torch.ones(1, 2),
+        completion_ids=torch.zeros(1, 3, dtype=torch.long),
+        completion_mask=torch.ones(1, 3),
+        logprobs=torch.zeros(1, 3),
+        weight_version=4,
+    )
     state = {"ahead": [([prompt], batch, 1)], "rng": (3, (1, 2), None)}
     torch.save(checkpoint.to_plain(state), tmp_path / "loop.pt")
     back = checkpoint.from_plain(checkpoint.read(str(tmp_path / "loop.pt")))

@@ -33,12 +33,18 @@ def command(run_dir, name, *overrides, module="algorithms.grpo", config=DEFAULT_
     # The controller runs here, a fork of the suite's server (`zygote.python_m`); its
     # procs and hosts run on the SLURM nodes, fresh Pythons started by slurmd.
     return zygote.python_m(
-        module, "--config", config,
-        "job.kind=slurm", "job.partition=debug", f"job.python_exe={sys.executable}",
+        module,
+        "--config",
+        config,
+        "job.kind=slurm",
+        "job.partition=debug",
+        f"job.python_exe={sys.executable}",
         "placement.threads_per_proc=1",  # twelve "nodes" share this machine's cores
-        "run.progress=false", f"run.dir={run_dir}", f"run.name={name}",
+        "run.progress=false",
+        f"run.dir={run_dir}",
+        f"run.name={name}",
         *overrides,
-    )  # fmt: skip
+    )
 
 
 def start(cluster, run_dir, name, *overrides, **kwargs) -> subprocess.Popen:
@@ -171,7 +177,7 @@ def test_ppo_dpo_and_coevolution_run_unchanged_on_slurm(slurm_cluster, tmp_path,
             *overrides,
             module=module,
             config=os.path.join(CONFIGS, config),
-        )  # fmt: skip
+        )
         for name, (module, config, overrides) in OTHERS.items()
     }
     outs = {name: finish(proc) for name, proc in procs.items()}
@@ -195,9 +201,15 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
 ):
     cluster = slurm_cluster
     proc = start(
-        cluster, tmp_path, "lost", "steps=16", "checkpoint.every=2", "job.hosts.policy=2",
-        "placement.policy=1", "faults.quarantine_after=1",
-    )  # fmt: skip
+        cluster,
+        tmp_path,
+        "lost",
+        "steps=16",
+        "checkpoint.every=2",
+        "job.hosts.policy=2",
+        "placement.policy=1",
+        "faults.quarantine_after=1",
+    )
 
     def lose(role: str):
         where = status(tmp_path, "lost")["slurm"][role]

@@ -208,20 +208,9 @@ def test_every_actor_enters_transformers_through_one_module():
 
 
 @pytest.mark.unit
-def test_functions_stay_small_and_the_loops_show_the_meshes():
-    # (No limit on a file's lines: a file holds one concern, however long.)
-    for top in ("meshrl", "actors", "algorithms"):
-        for folder, _, files in os.walk(os.path.join(REPO, top)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(folder, name)
-                with open(path) as f:
-                    source = f.read()
-                for node in ast.walk(ast.parse(source)):
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        size = node.end_lineno - node.lineno + 1
-                        assert size <= 100, f"{path}:{node.lineno} {node.name}: {size} lines"
+def test_the_loops_show_the_meshes():
+    """Each loop writes its mesh calls where a reader follows it. (No limit on a
+    function's or a file's lines: code splits along concerns, not to meet a number.)"""
     from algorithms.dpo import DPO
     from algorithms.ppo import PPO
 
@@ -283,8 +272,10 @@ def test_generation_ahead_with_a_failing_reward_trains_on(tmp_path, no_stray_pro
     assert [r["step"] for r in history] == [0, 1, 2]
     assert history[1]["samples/dropped_env_failed"] == cfg.group_size
     assert history[1]["samples/trained"] == cfg.prompts_per_step * cfg.group_size
-    assert all(r["samples/generated_total"] == r["samples/trained_total"] + r[
-        "samples/dropped_total"] for r in history)  # fmt: skip
+    assert all(
+        r["samples/generated_total"] == r["samples/trained_total"] + r["samples/dropped_total"]
+        for r in history
+    )
 
 
 class InterruptedDPO(DPO):
@@ -360,9 +351,16 @@ def test_two_policy_trainer_pairs_train_apart_in_one_script(tmp_path, no_stray_p
         pairs = {}
         for name, seed in (("a", 0), ("b", 1)):
             trainer = run.spawn(
-                f"trainer_{name}", Trainer, cfg.model, cfg.optim, loss_fn=HookLoss(algo),
-                total_steps=10, seed=seed, shm_prefix=run.shm_prefix, rendezvous=True,
-            )  # fmt: skip
+                f"trainer_{name}",
+                Trainer,
+                cfg.model,
+                cfg.optim,
+                loss_fn=HookLoss(algo),
+                total_steps=10,
+                seed=seed,
+                shm_prefix=run.shm_prefix,
+                rendezvous=True,
+            )
             policy = run.spawn(f"policy_{name}", Policy, cfg.model, seed, cfg.policy, algo.context)
             sync = WeightSync(sup)
             sync.pull(policy, sync.publish(trainer))  # each replica takes its trainer's v0
@@ -425,10 +423,17 @@ def test_in_a_notebook_an_actor_error_keeps_the_meshes_and_the_next_step_goes_on
     """The trainer's step raises (a drill, no retry) during `train(3)`: the error
     reaches the cell, the meshes stay up, and `step()` goes on from that step; the
     samples of the broken step are counted as dropped."""
-    algo = GRPO(configure(
-        tmp_path, "run", "steps=5", "warm_start.steps=0", "run.save_final=false",
-        "faults.retry_errors=0", "faults.raise_in=[trainer.train_step@1]",
-    ))  # fmt: skip
+    algo = GRPO(
+        configure(
+            tmp_path,
+            "run",
+            "steps=5",
+            "warm_start.steps=0",
+            "run.save_final=false",
+            "faults.retry_errors=0",
+            "faults.raise_in=[trainer.train_step@1]",
+        )
+    )
     try:
         algo.train(1)
         pids = {p["pid"] for p in algo.mesh_status(show=False)}

@@ -67,11 +67,20 @@ def test_a_full_disk_stops_the_run_in_one_line_naming_the_file(small_disk, capfd
             super().after_step(step, metrics)
 
     cfg = load_config(
-        GRPOConfig, DEFAULT_CONFIG,
-        ["steps=6", "warm_start.steps=0", "eval.every=0", "run.samples_every=1",
-         "run.status_every_s=0.2", "checkpoint.every=0", "run.progress=false",
-         f"run.dir={small_disk}", "run.name=run"],
-    )  # fmt: skip
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=6",
+            "warm_start.steps=0",
+            "eval.every=0",
+            "run.samples_every=1",
+            "run.status_every_s=0.2",
+            "checkpoint.every=0",
+            "run.progress=false",
+            f"run.dir={small_disk}",
+            "run.name=run",
+        ],
+    )
     run = small_disk / "run"
     with pytest.raises(OSError) as info:
         FillsTheDisk(cfg).run()

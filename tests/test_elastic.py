@@ -94,8 +94,11 @@ def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     asked = subprocess.Popen(
         [sys.executable, "-m", "meshrl.cli", "scale", run_dir, "policy=3", "environment=2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "elastic" / REQUEST).exists():
         assert asked.poll() is None and time.monotonic() < deadline, asked.communicate()
@@ -116,9 +119,15 @@ def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
     the policy pool: the run goes back to its checkpoint and on, the pool keeps
     the size asked for, and the ledger counts the rewound samples."""
     cfg = configure(
-        tmp_path, "rewind", "steps=5", *ELASTIC, "checkpoint.every=2",
-        "faults.kill=[trainer:0@3]", "pool.schedule=[policy=2@3]", "run.save_final=false",
-    )  # fmt: skip
+        tmp_path,
+        "rewind",
+        "steps=5",
+        *ELASTIC,
+        "checkpoint.every=2",
+        "faults.kill=[trainer:0@3]",
+        "pool.schedule=[policy=2@3]",
+        "run.save_final=false",
+    )
     algo = GRPO(cfg)
     try:
         algo.run(3)
@@ -144,10 +153,15 @@ def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stra
     host of its own (a Monarch ProcessJob), pulls the version over RDMA, serves,
     and its host is stopped when it leaves."""
     cfg = configure(
-        tmp_path, "joined", "steps=4", "warm_start.steps=0", "job.kind=process",
-        "job.max_procs.policy=2", "pool.schedule=[policy=2@1,policy=1@3]",
+        tmp_path,
+        "joined",
+        "steps=4",
+        "warm_start.steps=0",
+        "job.kind=process",
+        "job.max_procs.policy=2",
+        "pool.schedule=[policy=2@1,policy=1@3]",
         "run.save_final=false",
-    )  # fmt: skip
+    )
     algo = GRPO(cfg)
     try:
         algo.run(2)
@@ -260,8 +274,14 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
     and resumed trains them first and ends bit for bit as the run never stopped
     (each group is generated with the version current when it was drawn:
     `Dispatcher.hand_out`)."""
-    ahead = (*PULL, "max_staleness=1", "steps=4", "checkpoint.every=2", "checkpoint.keep=1",
-             "warm_start.steps=0")  # fmt: skip
+    ahead = (
+        *PULL,
+        "max_staleness=1",
+        "steps=4",
+        "checkpoint.every=2",
+        "checkpoint.keep=1",
+        "warm_start.steps=0",
+    )
     straight = GRPO(configure(tmp_path, "straight", *ahead))
     history = straight.run()
     assert history[-1]["samples/trained_total"] == 4 * 16 * 8
@@ -286,8 +306,15 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
 def test_pull_resumes_with_late_groups_pending(tmp_path, no_stray_procs):
     """Over-provisioned: the groups that completed after a step had its batch are
     late; the checkpoint holds them, and the resumed run trains them first."""
-    late = (*PULL, "max_staleness=2", "rollout.overprovision=0.5", "steps=3",
-            "checkpoint.every=2", "warm_start.steps=0", "run.save_final=false")  # fmt: skip
+    late = (
+        *PULL,
+        "max_staleness=2",
+        "rollout.overprovision=0.5",
+        "steps=3",
+        "checkpoint.every=2",
+        "warm_start.steps=0",
+        "run.save_final=false",
+    )
     cut = _StopAfter(configure(tmp_path, "late", *late))
     with pytest.raises(KeyboardInterrupt):
         cut.run()
@@ -313,9 +340,15 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
     ~10 s), a standby that was spawned and loaded takes its rank, pulls the
     version and serves, and a new standby is spawned; the run goes on."""
     cfg = configure(
-        tmp_path, "standby", "steps=5", "warm_start.steps=0", "placement.policy=2",
-        "faults.standby.policy=1", "faults.kill=[policy:0@2]", "run.save_final=false",
-    )  # fmt: skip
+        tmp_path,
+        "standby",
+        "steps=5",
+        "warm_start.steps=0",
+        "placement.policy=2",
+        "faults.standby.policy=1",
+        "faults.kill=[policy:0@2]",
+        "run.save_final=false",
+    )
     algo = GRPO(cfg)
     try:
         algo.run(2)
@@ -350,10 +383,16 @@ def test_ppo_trains_by_pull(tmp_path, no_stray_procs):
     """PPO's loop takes its rollouts from the same queue (its critic values the
     trained rows after)."""
     cfg = configure(
-        tmp_path, "ppo", "steps=2", "rollout.dispatch=pull", "rollout.groups_per_call=4",
-        "placement.policy=2", "prompts_per_step=16",
-        schema=PPOConfig, path=f"{REPO}/algorithms/configs/ppo.yaml",
-    )  # fmt: skip
+        tmp_path,
+        "ppo",
+        "steps=2",
+        "rollout.dispatch=pull",
+        "rollout.groups_per_call=4",
+        "placement.policy=2",
+        "prompts_per_step=16",
+        schema=PPOConfig,
+        path=f"{REPO}/algorithms/configs/ppo.yaml",
+    )
     history = PPO(cfg).run()
     assert [r["samples/trained"] for r in history] == [16 * cfg.group_size] * 2
     assert all(r["samples/dropped"] == 0 and "value/mean" in r for r in history), history[-1]

@@ -77,9 +77,15 @@ def meshes():
 
         def trainer(mesh, **kw):
             return meshes[mesh].spawn(
-                f"trainer_{mesh}", Trainer, MODEL, optim, grpo_loss("token-mean"), 10,
-                master=local_master(), **kw,
-            )  # fmt: skip
+                f"trainer_{mesh}",
+                Trainer,
+                MODEL,
+                optim,
+                grpo_loss("token-mean"),
+                10,
+                master=local_master(),
+                **kw,
+            )
 
         def critic(mesh, **kw):
             return meshes[mesh].spawn(

@@ -136,10 +136,16 @@ def test_slurm_job_is_built_from_config():
     assert job["_meshes"] == {"policy": 1, "trainer": 2, "environment": 1}
     script = job["script"].splitlines()
     for line in [
-        "#SBATCH --job-name=meshrl-grpo-trainer", "#SBATCH --nodes=2", "#SBATCH --no-kill",
-        "#SBATCH --requeue", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=8",
-        "#SBATCH --time=04:00:00", "#SBATCH --signal=B:USR1@120", "#SBATCH --constraint=h100",
-    ]:  # fmt: skip
+        "#SBATCH --job-name=meshrl-grpo-trainer",
+        "#SBATCH --nodes=2",
+        "#SBATCH --no-kill",
+        "#SBATCH --requeue",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --constraint=h100",
+    ]:
         assert line in script, line
     assert any(
         line.startswith(".venv/bin/python -m meshrl.procs.slurm")
@@ -170,9 +176,12 @@ def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_ki
     assert job["mesh"] == "policyjoined3" and job["_meshes"] == {"policyjoined3": 1}
     script = job["script"].splitlines()
     for line in [
-        "#SBATCH --job-name=meshrl-grpo-policyjoined3", "#SBATCH --nodes=1",
-        "#SBATCH --partition=gpu", "#SBATCH --constraint=h100", "#SBATCH --gpus-per-node=8",
-    ]:  # fmt: skip
+        "#SBATCH --job-name=meshrl-grpo-policyjoined3",
+        "#SBATCH --nodes=1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --gpus-per-node=8",
+    ]:
         assert line in script, line
     job = build("grpo_kubernetes.yaml", script=JOIN)
     assert job["mesh"] == "meshrlgrpopolicyjoined3"

@@ -110,9 +110,10 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
                 _get(f"{dashboard}/api/summary", token="not-" + token)
             # The run's own processes: the CLI's tree (its procs, Monarch's sidecar).
             ours = descendants(proc.pid) | {
-                pid for pid in monarch_pids() & own_pids()
+                pid
+                for pid in monarch_pids() & own_pids()
                 if b"_job_sidecar" in Path(f"/proc/{pid}/cmdline").read_bytes()
-            }  # fmt: skip
+            }
             wide = [(a, p) for a, p in listeners(ours) if not a.startswith(("127.", "::1"))]
             assert not wide, f"the run listens beyond loopback: {wide}"
 
@@ -205,18 +206,42 @@ def test_status_shows_monarchs_state_beside_meshrls():
     from meshrl.observe.status import table
 
     rows = [
-        {"role": "policy", "rank": 0, "actor": "policy", "status": "Idle", "reason": None,
-         "timestamp_us": 2},
-        {"role": "policy", "rank": 0, "actor": "policy", "status": "Processing", "reason": None,
-         "timestamp_us": 1},
-        {"role": "policy", "rank": 1, "actor": "policy", "status": "Failed",
-         "reason": "proc exited", "timestamp_us": 3},
-    ]  # fmt: skip
+        {
+            "role": "policy",
+            "rank": 0,
+            "actor": "policy",
+            "status": "Idle",
+            "reason": None,
+            "timestamp_us": 2,
+        },
+        {
+            "role": "policy",
+            "rank": 0,
+            "actor": "policy",
+            "status": "Processing",
+            "reason": None,
+            "timestamp_us": 1,
+        },
+        {
+            "role": "policy",
+            "rank": 1,
+            "actor": "policy",
+            "status": "Failed",
+            "reason": "proc exited",
+            "timestamp_us": 3,
+        },
+    ]
     procs = [
-        {"role": "policy", "rank": 0, "state": "alive", "host": "h", "pid": 1,
-         "actors": [{"actor": "policy", "version": 3}]},
+        {
+            "role": "policy",
+            "rank": 0,
+            "state": "alive",
+            "host": "h",
+            "pid": 1,
+            "actors": [{"actor": "policy", "version": 3}],
+        },
         {"role": "policy", "rank": 1, "state": "dead"},
-    ]  # fmt: skip
+    ]
     merge_states(procs, states_from_rows(rows))
     assert procs[0]["monarch"] == {"policy": "idle"}
     assert procs[1]["failure"] == "policy: proc exited"

@@ -118,9 +118,18 @@ def test_bad_names_get_one_line(tmp_path, no_stray_procs, capsys):
     from algorithms.command import main
 
     url = "http://127.0.0.1:9"  # nothing listens on the discard port
-    code = main(GRPO, GRPOConfig, ["--config", DEFAULT_CONFIG, f"task.name=openenv:{url}",
-                                   f"run.dir={tmp_path}", "run.progress=false",
-                                   "warm_start.steps=0"])  # fmt: skip
+    code = main(
+        GRPO,
+        GRPOConfig,
+        [
+            "--config",
+            DEFAULT_CONFIG,
+            f"task.name=openenv:{url}",
+            f"run.dir={tmp_path}",
+            "run.progress=false",
+            "warm_start.steps=0",
+        ],
+    )
     error = capsys.readouterr().err.strip().splitlines()[0]
     assert code == 1
     assert error.startswith(f"error: openenv server {url} is unreachable: "), error

@@ -79,11 +79,13 @@ def test_every_layout_gives_the_padded_gradient(aggregation):
     ids, mask, T = grouped_batch()
     g = torch.Generator().manual_seed(1)
     batch = TrainBatch(
-        input_ids=ids, attention_mask=mask, completion_mask=mask[:, -T:],
+        input_ids=ids,
+        attention_mask=mask,
+        completion_mask=mask[:, -T:],
         old_logprobs=-4.6 + 0.3 * torch.randn(len(ids), T, generator=g),
         advantages=torch.randn(len(ids), generator=g),
         ref_logprobs=-4.6 + 0.3 * torch.randn(len(ids), T, generator=g),
-    )  # fmt: skip
+    )
     loss_fn = HookLoss(GRPO(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1)))
     model = load_model(MODEL, seed=2)
     grads = {}

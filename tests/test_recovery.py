@@ -311,9 +311,14 @@ def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_versio
 ):
     lora = ["model.lora.rank=4"] if drill.startswith("unmerged") else []
     cfg = configure(
-        tmp_path, "drill", "steps=3", "warm_start.steps=0", "eval.every=0",
-        f"faults.weights=[{drill}]", *lora,
-    )  # fmt: skip
+        tmp_path,
+        "drill",
+        "steps=3",
+        "warm_start.steps=0",
+        "eval.every=0",
+        f"faults.weights=[{drill}]",
+        *lora,
+    )
     with pytest.raises(RemoteCallError) as info:
         GRPO(cfg).run()
     message = str(info.value)

@@ -33,10 +33,16 @@ def sampled():
     prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
     stats: dict = {}
     tokens, logprobs, mask = sample(
-        sampler_model, prompt_ids, prompt_mask, max_new_tokens=16, eos_token_id=[2],
-        pad_token_id=0, generator=torch.Generator().manual_seed(0), stats=stats,
+        sampler_model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=16,
+        eos_token_id=[2],
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+        stats=stats,
         record_routes=True,
-    )  # fmt: skip
+    )
     completions = Completions(
         prompt_ids, prompt_mask, tokens, mask, logprobs, 0, routes=stats["routes"]
     )
@@ -48,9 +54,15 @@ def trainer_pass(model, completions, layout, replay_on):
     replay = Replay(model, replay_on)
     with torch.no_grad():
         logprobs = completion_logprobs(
-            model, batch.input_ids, batch.attention_mask, batch.num_completion_tokens,
-            1.0, layout, replay, batch.routes,
-        )  # fmt: skip
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.num_completion_tokens,
+            1.0,
+            layout,
+            replay,
+            batch.routes,
+        )
     gap = (logprobs - completions.logprobs).abs() * completions.completion_mask
     return replay.take(), gap
 
@@ -104,9 +116,14 @@ def test_routes_survive_concat_and_row_splits(sampled):
     _, completions = sampled
     a, b = completions.rows(slice(0, 8)), completions.rows(slice(8, 16))
     b = Completions(
-        b.prompt_ids[:, 2:], b.prompt_mask[:, 2:], b.completion_ids[:, :9], b.completion_mask[:, :9],
-        b.logprobs[:, :9], 0, routes=b.routes[:, 2 : 2 + 4 + 9],
-    )  # fmt: skip
+        b.prompt_ids[:, 2:],
+        b.prompt_mask[:, 2:],
+        b.completion_ids[:, :9],
+        b.completion_mask[:, :9],
+        b.logprobs[:, :9],
+        0,
+        routes=b.routes[:, 2 : 2 + 4 + 9],
+    )
     joined = Completions.concat([a, b], pad_token_id=0)
     P, T = joined.prompt_ids.size(1), joined.completion_ids.size(1)
     assert joined.routes.shape[:2] == (16, P + T)

@@ -52,10 +52,23 @@ def test_only_the_assistants_tokens_count():
     assert tok.decode(example.prompt) == "s:be|u:12>|a:"
     tokens = tok.convert_ids_to_tokens(example.target)
     expected = [  # each assistant turn: its text, its EOS and the "|" the template closes it with
-        ("2", 1), ("1", 1), ("</s>", 1), ("|", 1),
-        ("u", 0), (":", 0), ("3", 0), ("4", 0), (">", 0), ("|", 0), ("a", 0), (":", 0),
-        ("4", 1), ("3", 1), ("</s>", 1), ("|", 1),
-    ]  # fmt: skip
+        ("2", 1),
+        ("1", 1),
+        ("</s>", 1),
+        ("|", 1),
+        ("u", 0),
+        (":", 0),
+        ("3", 0),
+        ("4", 0),
+        (">", 0),
+        ("|", 0),
+        ("a", 0),
+        (":", 0),
+        ("4", 1),
+        ("3", 1),
+        ("</s>", 1),
+        ("|", 1),
+    ]
     assert list(zip(tokens, example.counted, strict=True)) == expected
     # A pair is the conversation [user, assistant] with a template ...
     assert pair(tok, "12>", "21", "row 1") == conversation(tok, messages[1:3], "row 1")
@@ -129,12 +142,16 @@ def reversal_conversations(path, count: int = 300) -> str:
     rows = []
     for i in range(count):
         digits = f"{(i * 37) % 1000:03d}"
-        rows.append({"messages": [
-            {"role": "user", "content": f"{digits}>"},
-            {"role": "assistant", "content": digits[::-1]},
-            {"role": "user", "content": "again>"},
-            {"role": "assistant", "content": digits},
-        ]})  # fmt: skip
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"{digits}>"},
+                    {"role": "assistant", "content": digits[::-1]},
+                    {"role": "user", "content": "again>"},
+                    {"role": "assistant", "content": digits},
+                ]
+            }
+        )
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
@@ -193,10 +210,18 @@ def test_sft_on_conversations_then_grpo_and_sft_from_its_output(tmp_path, no_str
         grpo.close()
 
     # `meshrl eval` on the SFT run: the sections it needs of another algorithm's config.
-    code = cli_main([
-        "eval", str(run_dir), "--config", DEFAULT_CONFIG, "eval.sets.heldout.prompts=8",
-        "eval.sets.heldout.k=2", f"run.dir={tmp_path}", "run.name=evaluated",
-    ])  # fmt: skip
+    code = cli_main(
+        [
+            "eval",
+            str(run_dir),
+            "--config",
+            DEFAULT_CONFIG,
+            "eval.sets.heldout.prompts=8",
+            "eval.sets.heldout.k=2",
+            f"run.dir={tmp_path}",
+            "run.name=evaluated",
+        ]
+    )
     assert code == 0
     with open(tmp_path / "evaluated" / "eval.json") as f:
         figures = json.load(f)

@@ -56,9 +56,17 @@ def _generate(model, fmt, prompts, seeds, share_prefix=True):
     prompt_ids, prompt_mask = _left_padded(ids, fmt.processor.tokenizer.pad_token_id)
     images, counts = stack(pixels)
     tokens, logprobs, mask = sample(
-        model, prompt_ids, prompt_mask, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
-        seeds=torch.tensor(seeds), share_prefix=share_prefix, images=images, image_counts=counts,
-    )  # fmt: skip
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=4,
+        eos_token_id=2,
+        pad_token_id=0,
+        seeds=torch.tensor(seeds),
+        share_prefix=share_prefix,
+        images=images,
+        image_counts=counts,
+    )
     return tokens, logprobs, mask, prompt_ids, prompt_mask, images, counts
 
 
@@ -107,19 +115,24 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
     critic = load_value_model(arch)
     torch.nn.init.normal_(critic.value_head.weight)
     with torch.no_grad():
-        values = [completion_values(critic, full, attention, T, "padded", x, counts)
-                  for x in (images, images.flip(0))]  # fmt: skip
+        values = [
+            completion_values(critic, full, attention, T, "padded", x, counts)
+            for x in (images, images.flip(0))
+        ]
     assert not torch.allclose(values[0], values[1])
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "arch, processor_class, tower",
-    [(LLAVA, "LlavaProcessor", ("vision_tower", "multi_modal_projector")),
-     (QWEN, "Qwen2VLProcessor", ("visual",)), (QWEN25, "Qwen2_5_VLProcessor", ("visual",)),
-     (QWEN3, "Qwen3VLProcessor", ("visual",))],
+    [
+        (LLAVA, "LlavaProcessor", ("vision_tower", "multi_modal_projector")),
+        (QWEN, "Qwen2VLProcessor", ("visual",)),
+        (QWEN25, "Qwen2_5_VLProcessor", ("visual",)),
+        (QWEN3, "Qwen3VLProcessor", ("visual",)),
+    ],
     ids=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
-)  # fmt: skip
+)
 def test_the_embedded_vlm_round_trips_through_transformers_auto_classes(
     arch, processor_class, tower, tmp_path
 ):
@@ -198,25 +211,40 @@ def _save_tiny_gemma3(path) -> None:
     from meshrl.model.tokenizer import build_char_tokenizer
 
     chars = build_char_tokenizer()
-    tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
-              "eoi_token": "<end_of_image>"}  # fmt: skip
+    tokens = {
+        "boi_token": "<start_of_image>",
+        "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    }
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=chars.backend_tokenizer, pad_token=chars.pad_token,
-        bos_token=chars.bos_token, eos_token=chars.eos_token, padding_side="left",
+        tokenizer_object=chars.backend_tokenizer,
+        pad_token=chars.pad_token,
+        bos_token=chars.bos_token,
+        eos_token=chars.eos_token,
+        padding_side="left",
         extra_special_tokens=tokens,
-    )  # fmt: skip
+    )
     images = Gemma3ImageProcessorPil(
         size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3
     )
     text = embedded_config(ModelConfig(arch="gemma3"), len(tokenizer), pad_token_id=0)
     text.layer_types = ["full_attention", "full_attention"]  # completions see the picture
-    tower = SiglipVisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    tower = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
     config = Gemma3Config(
-        text_config=text, vision_config=tower, mm_tokens_per_image=4,
-        image_token_index=tokenizer.image_token_id, boi_token_index=tokenizer.boi_token_id,
+        text_config=text,
+        vision_config=tower,
+        mm_tokens_per_image=4,
+        image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id,
         eoi_token_index=tokenizer.eoi_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     Gemma3ForConditionalGeneration(config).save_pretrained(path)
     Gemma3Processor(
@@ -239,22 +267,38 @@ def _save_tiny_llava_next(path) -> None:
 
     tokenizer, pins = load_tokenizer(LLAVA), [[32, 32], [32, 64], [64, 32]]
     images = next_images.LlavaNextImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-        image_grid_pinpoints=pins, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        image_grid_pinpoints=pins,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+    )
     text = embedded_config(ModelConfig(arch="llama"), len(tokenizer), pad_token_id=0)
-    tower = CLIPVisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    tower = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
     config = LlavaNextConfig(
-        text_config=text, vision_config=tower, image_grid_pinpoints=pins,
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=tower,
+        image_grid_pinpoints=pins,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlavaNextForConditionalGeneration(config).save_pretrained(path)
     LlavaNextProcessor(
-        image_processor=images, tokenizer=tokenizer, patch_size=8, image_token="<image>",
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-    ).save_pretrained(path)  # fmt: skip
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=8,
+        image_token="<image>",
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    ).save_pretrained(path)
 
 
 @pytest.mark.unit
@@ -266,8 +310,10 @@ def test_llava_next_by_path_takes_pictures_of_any_size_in_tiles(tmp_path):
     cfg = ModelConfig(path=str(tmp_path))
     model, fmt = load_model(cfg).eval(), vision_format(cfg)
     sides = [(32, 32), (32, 64), (64, 32)]
-    prompts = [Prompt("Red?", "1", images=[np.full((h, w, 3), 50 * i, np.uint8)])
-               for i, (h, w) in enumerate(sides)]  # fmt: skip
+    prompts = [
+        Prompt("Red?", "1", images=[np.full((h, w, 3), 50 * i, np.uint8)])
+        for i, (h, w) in enumerate(sides)
+    ]
     tokens, logprobs, mask, images = _sampled_and_trained(model, fmt, prompts, [4, 5, 6])
     assert images.shape[2] == 1 + 3  # (the size, then up to 3 tiles)
     for row, prompt in enumerate(prompts):  # the processor's own output for the row
@@ -359,8 +405,18 @@ def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
     # Images for a text-only model: one line naming the keys that pick the model.
     cfg = load_config(GRPOConfig, VISION_CONFIG, ["model.arch=llama"])
     task = make_task(cfg.task)
-    collector = Collector(cfg, LoopState(), None, None, load_tokenizer(cfg.model), task, 256,
-                          None, None, vision=vision_format(cfg.model))  # fmt: skip
+    collector = Collector(
+        cfg,
+        LoopState(),
+        None,
+        None,
+        load_tokenizer(cfg.model),
+        task,
+        256,
+        None,
+        None,
+        vision=vision_format(cfg.model),
+    )
     with pytest.raises(ImageError, match="model.arch' to llava or 'model.path'"):
         collector.sample_prompts(2)
     # A processor of another model: the tiny VLM saved beside a 64px processor.
@@ -382,13 +438,17 @@ def test_bad_images_and_mismatched_models_get_one_line(tmp_path):
     from transformers.models.llava_next import image_processing_pil_llava_next as next_images
 
     tiles = next_images.LlavaNextImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
         image_grid_pinpoints=[[32, 32], [32, 64]],
-    )  # fmt: skip
+    )
     anyres = LlavaNextProcessor(
-        image_processor=tiles, tokenizer=load_tokenizer(LLAVA), patch_size=8,
-        vision_feature_select_strategy="full", image_token="<image>",
-    )  # fmt: skip
+        image_processor=tiles,
+        tokenizer=load_tokenizer(LLAVA),
+        patch_size=8,
+        vision_feature_select_strategy="full",
+        image_token="<image>",
+    )
     with pytest.raises(ImageError, match=r"'model.path'.*also gives image_sizes, which meshrl"):
         vision.check_pair(anyres, load_model(LLAVA).config, "model.path")
     # An M-RoPE model not supported yet.
@@ -409,10 +469,18 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
     """Two policy replicas (the pixels split and concatenated with the rows), the
     trainer's own old log-probs measured against the sampler's every step."""
     cfg = configure(
-        tmp_path, "vision", "steps=3", "warm_start.steps=2", "prompts_per_step=4",
-        "placement.policy=2", "trainer.recompute_old_logprobs=true", "eval.every=2",
-        "eval.sets.heldout.prompts=4", "eval.sets.heldout.k=2", path=VISION_CONFIG,
-    )  # fmt: skip
+        tmp_path,
+        "vision",
+        "steps=3",
+        "warm_start.steps=2",
+        "prompts_per_step=4",
+        "placement.policy=2",
+        "trainer.recompute_old_logprobs=true",
+        "eval.every=2",
+        "eval.sets.heldout.prompts=4",
+        "eval.sets.heldout.k=2",
+        path=VISION_CONFIG,
+    )
     algo = GRPO(cfg)
     try:
         history = algo.run(3)
@@ -452,10 +520,16 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
     assert fmt.prompts(prompts)[0][1] == ids[0]  # shard 1: the second prompt's group
     prompt_ids, prompt_mask = _left_padded(ids, 0)
     tokens, _, _ = sample(
-        exported, prompt_ids, prompt_mask, max_new_tokens=cfg.generation.max_new_tokens,
-        eos_token_id=2, pad_token_id=0, seeds=torch.tensor(seeds), images=images[0],
+        exported,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=cfg.generation.max_new_tokens,
+        eos_token_id=2,
+        pad_token_id=0,
+        seeds=torch.tensor(seeds),
+        images=images[0],
         image_counts=images[1],
-    )  # fmt: skip
+    )
     assert torch.equal(tokens, out.completion_ids[:, : tokens.size(1)])
 
 
@@ -470,9 +544,15 @@ def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_s
     """The vision tower trains (its FSDP shards; its LoRA adapters, merged) and
     reaches the replicas bit for bit."""
     cfg = configure(
-        tmp_path, "vision", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
-        "trainer.recompute_old_logprobs=true", *overrides, path=VISION_CONFIG,
-    )  # fmt: skip
+        tmp_path,
+        "vision",
+        "steps=2",
+        "warm_start.steps=0",
+        "prompts_per_step=4",
+        "trainer.recompute_old_logprobs=true",
+        *overrides,
+        path=VISION_CONFIG,
+    )
     algo = GRPO(cfg)
     try:
         history = algo.run(2)
@@ -506,10 +586,16 @@ def test_a_tool_returns_a_picture_mid_episode(model, tmp_path, caplog, no_stray_
         processor.save_pretrained(tmp_path / "qwen")
         source = f"model.path={tmp_path / 'qwen'}"
     cfg = configure(
-        tmp_path, "zoom", "steps=2", "warm_start.steps=0", "prompts_per_step=4",
-        "task.name=tests.envs_for_tests:BrokenZoom", "trainer.recompute_old_logprobs=true",
-        source, path=VISION_CONFIG,
-    )  # fmt: skip
+        tmp_path,
+        "zoom",
+        "steps=2",
+        "warm_start.steps=0",
+        "prompts_per_step=4",
+        "task.name=tests.envs_for_tests:BrokenZoom",
+        "trainer.recompute_old_logprobs=true",
+        source,
+        path=VISION_CONFIG,
+    )
     algo = GRPO(cfg)
     try:
         history = algo.run(2)
@@ -531,10 +617,16 @@ def test_pictures_go_by_pull(tmp_path, no_stray_procs):
     """Work by pull: each group's pixels travel with it to whichever replica
     takes it, two groups a call, and come back with its completions."""
     pull = (
-        "rollout.dispatch=pull", "rollout.groups_per_call=2", "placement.policy=2",
-        "trainer.recompute_old_logprobs=true", "warm_start.steps=2", "prompts_per_step=4",
-        "steps=4", "checkpoint.every=2", "checkpoint.keep=1",
-    )  # fmt: skip
+        "rollout.dispatch=pull",
+        "rollout.groups_per_call=2",
+        "placement.policy=2",
+        "trainer.recompute_old_logprobs=true",
+        "warm_start.steps=2",
+        "prompts_per_step=4",
+        "steps=4",
+        "checkpoint.every=2",
+        "checkpoint.keep=1",
+    )
     history = GRPO(configure(tmp_path, "pull", *pull, path=VISION_CONFIG)).run()
     assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
     assert history[-1]["samples/trained_total"] == 4 * 4 * 8

@@ -195,10 +195,17 @@ def test_local_cores_follow_the_affinity_and_meshrl_cores(monkeypatch):
     assert local_cores() == len(os.sched_getaffinity(0))
     one = min(os.sched_getaffinity(0))
     pinned = subprocess.run(
-        [sys.executable, "-c", "from meshrl.procs.proc_pool import local_cores; print(local_cores())"],
+        [
+            sys.executable,
+            "-c",
+            "from meshrl.procs.proc_pool import local_cores; print(local_cores())",
+        ],
         preexec_fn=lambda: os.sched_setaffinity(0, {one}),
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert pinned.stdout.strip() == "1"
     monkeypatch.setenv(CORES_ENV, "3")
     assert local_cores() == 3

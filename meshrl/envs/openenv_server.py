@@ -146,10 +146,18 @@ class Server:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         log, self.log_path = tempfile.mkstemp(prefix="meshrl-openenv-", suffix=".log")
         command = [
-            sys.executable, "-c", RUN, os.path.abspath(__file__), self.target,
-            "--fd", str(sock.fileno()), "--sessions", str(self.sessions),
-            "--parent", str(os.getpid()),
-        ]  # fmt: skip
+            sys.executable,
+            "-c",
+            RUN,
+            os.path.abspath(__file__),
+            self.target,
+            "--fd",
+            str(sock.fileno()),
+            "--sessions",
+            str(self.sessions),
+            "--parent",
+            str(os.getpid()),
+        ]
         # What this process imports (the environment's module), the server imports.
         path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
         env = dict(os.environ, PYTHONPATH=path)
@@ -160,9 +168,13 @@ class Server:
             # this one, which lives as long as the server does.
             try:
                 self.proc = subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    pass_fds=(sock.fileno(),), env=env,
-                )  # fmt: skip
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(sock.fileno(),),
+                    env=env,
+                )
             except OSError as error:
                 self.error = error
             finally:

@@ -100,11 +100,13 @@ def _files(directory: str) -> list[str]:
 def write_manifest(directory: str) -> None:
     """`MANIFEST.json`: the size and SHA-256 of every file under `directory`."""
     files = {
-        name: {"bytes": os.path.getsize(os.path.join(directory, name)), "sha256": _sha256(
-            os.path.join(directory, name))}
+        name: {
+            "bytes": os.path.getsize(os.path.join(directory, name)),
+            "sha256": _sha256(os.path.join(directory, name)),
+        }
         for name in _files(directory)
         if name not in (MANIFEST, COMPLETE)
-    }  # fmt: skip
+    }
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"files": files}, f, indent=1)
         f.flush()
@@ -340,9 +342,12 @@ class Checkpointer:
             for attempt in range(2):  # again once, after recovering a lost proc
                 try:
                     call_all(
-                        role, endpoint, target.rstrip(os.sep),
-                        what=f"{role.name}.{endpoint}", timeout_s=self.run.timeout_s,
-                    )  # fmt: skip
+                        role,
+                        endpoint,
+                        target.rstrip(os.sep),
+                        what=f"{role.name}.{endpoint}",
+                        timeout_s=self.run.timeout_s,
+                    )
                     break
                 except RemoteCallError as error:
                     if attempt or not error.proc_lost or self.recover is None:

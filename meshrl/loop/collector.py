@@ -64,8 +64,20 @@ class Collector:
     max_refills = 3
     """Times in a row failed episodes' groups are sampled again before the run stops."""
 
-    def __init__(self, cfg, state, sup, sync, tokenizer, task, context, policy, environment,
-                 reward_model=None, vision=None):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        state,
+        sup,
+        sync,
+        tokenizer,
+        task,
+        context,
+        policy,
+        environment,
+        reward_model=None,
+        vision=None,
+    ):
         self.cfg, self.state, self.sup, self.sync = cfg, state, sup, sync
         self.tokenizer, self.task, self.context = tokenizer, task, context
         self.format = ChatFormat(tokenizer)  # the chat template, when it has one
@@ -99,9 +111,10 @@ class Collector:
             # drawn at every step would cost each step its tokenizing), nor one
             # whose characters alone cannot fit.
             fresh = {
-                p.key: p for p in drawn
+                p.key: p
+                for p in drawn
                 if p.key not in self._overlong and len(p.text) <= room * self._token_chars
-            }  # fmt: skip
+            }
             encoded = self.encode(list(fresh.values()))[0] if fresh else []
             lengths = {key: len(ids) for key, ids in zip(fresh, encoded, strict=True)}
             for prompt in drawn:

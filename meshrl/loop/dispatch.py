@@ -183,8 +183,10 @@ class Dispatcher:
             elif time.monotonic() - last > self.sup.timeout_s:
                 raise RemoteCallError(
                     f"rollout: no generation or scoring answered within {self.sup.timeout_s:g}s "
-                    f"({self._under_way()} groups under way)", "policy", timed_out=True,
-                )  # fmt: skip
+                    f"({self._under_way()} groups under way)",
+                    "policy",
+                    timed_out=True,
+                )
             self._drop_stale()
             self._top_up(need)
         late = sorted((g for g in self.complete if g.late), key=lambda g: g.id)
@@ -262,8 +264,10 @@ class Dispatcher:
             if time.monotonic() - started > self.sup.timeout_s:
                 raise RemoteCallError(
                     f"rollout: {len(self.pending)} groups not taken by a replica within "
-                    f"{self.sup.timeout_s:g}s", "policy", timed_out=True,
-                )  # fmt: skip
+                    f"{self.sup.timeout_s:g}s",
+                    "policy",
+                    timed_out=True,
+                )
             time.sleep(POLL_S / 5)
         self.hand_out_s += time.monotonic() - started
 
@@ -271,16 +275,24 @@ class Dispatcher:
         """KS distances between trained and completed groups, by latency and length."""
         generated, trained = list(self.generated), list(self.trained)
         return {
-            "rollout/bias_ks_latency": ks_distance([g[0] for g in trained], [g[0] for g in generated]),
-            "rollout/bias_ks_length": ks_distance([g[1] for g in trained], [g[1] for g in generated]),
-        }  # fmt: skip
+            "rollout/bias_ks_latency": ks_distance(
+                [g[0] for g in trained], [g[0] for g in generated]
+            ),
+            "rollout/bias_ks_length": ks_distance(
+                [g[1] for g in trained], [g[1] for g in generated]
+            ),
+        }
 
     # --- the queue --------------------------------------------------------------------
 
     def _taken_not_trained(self) -> list[Group]:
         """Groups a replica took that no step has trained yet."""
-        running = [g for calls in (self.generating, self.scoring)
-                   for groups in calls.running.values() for g in groups]  # fmt: skip
+        running = [
+            g
+            for calls in (self.generating, self.scoring)
+            for groups in calls.running.values()
+            for g in groups
+        ]
         return [*self.complete, *self.to_score, *running]
 
     def _under_way(self) -> int:

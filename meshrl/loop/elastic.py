@@ -164,10 +164,13 @@ class Scaler:
         """The pools in `status.json` (what `meshrl scale` checks against)."""
         if self.run.status is not None:
             self.run.status.extra["pool"] = {
-                role: {"size": self.size(role), "limit": self.limits[role][0],
-                       "reason": self.limits[role][1]}
+                role: {
+                    "size": self.size(role),
+                    "limit": self.limits[role][0],
+                    "reason": self.limits[role][1],
+                }
                 for role in self.roles
-            }  # fmt: skip
+            }
 
     def metrics(self) -> dict[str, int]:
         """`pool/<role>_size` for each elastic role (both logged every step)."""

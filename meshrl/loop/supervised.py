@@ -99,8 +99,10 @@ def demonstration_tokens(task: Any, fmt: Any, prompt: Any) -> tuple[list[int], l
                 f"of {len(turns)} ({turn!r})"
             )
         if step.images:
-            raise ImageError(f"{type(task).__name__}.demonstration: replies with images "
-                             "are not supported in supervised batches yet")  # fmt: skip
+            raise ImageError(
+                f"{type(task).__name__}.demonstration: replies with images "
+                "are not supported in supervised batches yet"
+            )
         reply = fmt.reply(step.observation, ids)
         target += reply
         mask += [0] * len(reply)

@@ -161,10 +161,13 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
         pixels = vision.inputs(images[rows], counts[rows], model_dtype(model))
     inputs = forward_inputs(model, ids[rows], mask[rows], pixels)  # positions [3, B, P]: M-RoPE
     out = model(
-        input_ids=ids[rows], attention_mask=mask[rows], use_cache=True, **inputs,
+        input_ids=ids[rows],
+        attention_mask=mask[rows],
+        use_cache=True,
+        **inputs,
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
-    )  # fmt: skip
+    )
     logits, cache, positions = out.logits[:, -1], _cache_of(out), inputs["position_ids"]
     # Text goes on after the largest position (M-RoPE: an image's last row or column).
     after = (positions.amax(0) if positions.dim() == 3 else positions)[:, -1:] + 1

@@ -124,8 +124,13 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
         eos_token_id=text.eos_token_id,
     )
     vision = cfg.vision
-    sizes = dict(depth=vision.num_layers, num_heads=max(1, vision.hidden_size // 16),
-                 patch_size=vision.patch_size, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    sizes = dict(
+        depth=vision.num_layers,
+        num_heads=max(1, vision.hidden_size // 16),
+        patch_size=vision.patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     if cfg.arch == "qwen2_vl":
         tower = Vision(
             embed_dim=vision.hidden_size, hidden_size=text.hidden_size, mlp_ratio=4, **sizes

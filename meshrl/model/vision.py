@@ -190,8 +190,11 @@ def check_pair(processor: Any, config: Any, key: str) -> None:
         )
     if config.model_type in GRIDS:
         tower, images = config.vision_config, processor.image_processor
-        for name, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
-                             ("temporal_patch_size", "temporal_patch_size")):  # fmt: skip
+        for name, theirs in (
+            ("patch_size", "patch_size"),
+            ("merge_size", "spatial_merge_size"),
+            ("temporal_patch_size", "temporal_patch_size"),
+        ):
             if getattr(images, name, None) != getattr(tower, theirs):
                 raise ImageError(
                     f"config key '{key}': the processor's {name} is {getattr(images, name, None)}, "
@@ -258,14 +261,17 @@ def load_image(image: Any, max_pixels: int, where: str) -> Any:
             raise ImageError(f"{where}: cannot read image {image}: {error}") from None
     elif isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise ImageError(f"{where}: an image array must be [H, W, 3] uint8, got "
-                             f"{list(image.shape)} {image.dtype}")  # fmt: skip
+            raise ImageError(
+                f"{where}: an image array must be [H, W, 3] uint8, got "
+                f"{list(image.shape)} {image.dtype}"
+            )
         picture = Image.fromarray(image)
     elif isinstance(image, Image.Image):
         picture = image.convert("RGB")
     else:
-        raise ImageError(f"{where}: an image must be a path, a PIL image or an array, "
-                         f"not {type(image).__name__}")  # fmt: skip
+        raise ImageError(
+            f"{where}: an image must be a path, a PIL image or an array, not {type(image).__name__}"
+        )
     width, height = picture.size
     if width * height > max_pixels:
         name = f"{image} " if isinstance(image, (str, os.PathLike)) else ""

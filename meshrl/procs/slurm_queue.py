@@ -121,10 +121,13 @@ def unhealthy(nodes: list[str]) -> list[str]:
         return []
     out = slurm("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False)
     bad = ("down", "drain", "fail", "not_responding", "*")
-    return sorted({
-        line.split()[0] for line in out.splitlines()
-        if len(line.split()) == 2 and any(b in line.split()[1] for b in bad)
-    })  # fmt: skip
+    return sorted(
+        {
+            line.split()[0]
+            for line in out.splitlines()
+            if len(line.split()) == 2 and any(b in line.split()[1] for b in bad)
+        }
+    )
 
 
 def reason_key(reason: str, name: str) -> str:
