@@ -29,6 +29,7 @@ from meshrl.loop.evaluation import Evaluator
 from meshrl.loop.export import start_from
 from meshrl.loop.state import LoopState
 from meshrl.loop.steplog import StepLog, run_faults, weight_paths
+from meshrl.loop.steps import Steps
 from meshrl.loop.supervised import demonstrations, supervised_steps
 from meshrl.loop.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - NonFiniteLoss: re-export
 from meshrl.loop.weight_sync import WeightSync
@@ -403,10 +404,18 @@ class Algorithm:
             ),
         )
 
+    def steps(self, num_steps: int | None) -> Steps:
+        """The steps of this call of `run()`, `num_steps` of them (None: to
+        `cfg.steps`), with what every loop does around a step (`Steps`)."""
+        return Steps(
+            self.meshes, self.state, self.log, self.ckpt, self.steps_to(num_steps), self.before_step
+        )
+
     def before_step(self, step: int) -> None:
         """As `step` begins: the `faults:` drills due, then the pool sizes due."""
         self.sup.drill(step)
-        self.scaler.apply(step)
+        if self.scaler is not None:
+            self.scaler.apply(step)
 
     def settle(self) -> None:
         """Collect the work in flight (batches generated ahead, the rollout queue's

@@ -171,13 +171,12 @@ class Coevolve(Algorithm):
             if self.meshes is None:
                 self.spawn()
             self.ready = True  # the meshes are up and set (see `failed`)
-            run, sup, log = self.meshes, self.sup, self.log
+            log = self.log
             pairings = [("a", "a")] if cfg.shared_policy else [("a", "b"), ("b", "a")]
-            end = self.steps_to(num_steps)
-            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < end:
-                    step = state.step
-                    sup.drill(step)  # drills from the `faults:` config, if any
+            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
+            # due before each step; its count and the checkpoints due after it (`Steps`).
+            with self.steps(num_steps) as steps:
+                for step in steps:
                     with log.timer("step"):
                         # Both players' replicas play every game, a round at a time.
                         games = deal(cfg.games_per_step, pairings, state.rng)
@@ -196,8 +195,6 @@ class Coevolve(Algorithm):
                     with log.timer("eval"):
                         add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
-                    state.step += 1
-                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:
             self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise

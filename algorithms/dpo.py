@@ -183,11 +183,10 @@ class DPO(Algorithm):
                 print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
             self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
-            end = self.steps_to(num_steps)
-            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < end:
-                    step = state.step
-                    sup.drill(step)  # drills from the `faults:` config, if any
+            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
+            # due before each step; its count and the checkpoints due after it (`Steps`).
+            with self.steps(num_steps) as steps:
+                for step in steps:
                     with log.timer("step"):
                         batch = self.pair_batch(self.next_pairs())
                         # Both responses' log-probs under the reference, rows split over its
@@ -201,8 +200,6 @@ class DPO(Algorithm):
                     record = {"step": step, **metrics, **sup.metrics()}
                     add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
-                    state.step += 1
-                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:
             self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise

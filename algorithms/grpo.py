@@ -123,11 +123,10 @@ class GRPO(Algorithm):
             self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
             policy, trainer, reference = self.policy, self.trainer, self.reference
-            end = self.steps_to(num_steps)
-            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < end:
-                    step = state.step
-                    self.before_step(step)  # `faults:` drills, pool sizes (`pool.schedule`)
+            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
+            # due before each step; its count and the checkpoints due after it (`Steps`).
+            with self.steps(num_steps) as steps:
+                for step in steps:
                     with log.timer("step"):
                         # Generate this step's batch (and `max_staleness` batches ahead):
                         # group_size copies of each prompt, split over the policy replicas.
@@ -184,8 +183,6 @@ class GRPO(Algorithm):
                             **self.accounting(trained=len(batch)),
                         },
                     )
-                    state.step += 1
-                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:
             self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise

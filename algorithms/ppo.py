@@ -151,11 +151,10 @@ class PPO(Algorithm):
             self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
-            end = self.steps_to(num_steps)
-            with run.stop_request.catching():  # Ctrl-C, SIGTERM: stop after this step
-                while state.step < end:
-                    step = state.step
-                    self.before_step(step)  # `faults:` drills, pool sizes (`pool.schedule`)
+            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
+            # due before each step; its count and the checkpoints due after it (`Steps`).
+            with self.steps(num_steps) as steps:
+                for step in steps:
                     with log.timer("step"):
                         # Generate this step's batch (and `max_staleness` batches ahead), split
                         # over the policy replicas (or by pull: `rollout.dispatch`); score it.
@@ -213,8 +212,6 @@ class PPO(Algorithm):
                             **self.accounting(trained=len(batch)),
                         },
                     )
-                    state.step += 1
-                    self.ckpt.maybe_save()  # every checkpoint.every steps; stops on Ctrl-C
         except BaseException as error:
             self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
             raise

@@ -41,6 +41,7 @@ _EXPORTS = {
     "Dispatcher": "meshrl.loop.dispatch",
     "Evaluator": "meshrl.loop.evaluation",
     "StepLog": "meshrl.loop.steplog",
+    "Steps": "meshrl.loop.steps",
     "rollout_metrics": "meshrl.loop.steplog",
     "supervised_steps": "meshrl.loop.supervised",
     "demonstrations": "meshrl.loop.supervised",

@@ -360,14 +360,14 @@ class Checkpointer:
         trainer was lost)."""
         self._each_role("load_state", path, roles)
 
-    def maybe_save(self) -> None:
-        """After each step: a checkpoint every `checkpoint.every` steps; when Ctrl-C
-        or SIGTERM asked to stop, a checkpoint if checkpoints are on and this step
-        has none yet, then KeyboardInterrupt. When the scheduler gave notice that
-        procs of the run will be killed (SLURM: a preemption, a requeue, the time
-        limit near), a checkpoint now, whatever `checkpoint.every` says; a job
-        warned of its time limit is then requeued (the run goes on when SLURM
-        starts it again: `meshrl.procs.slurm`)."""
+    def after_step(self) -> None:
+        """After each step (`meshrl.loop.steps.Steps` calls it): a checkpoint every
+        `checkpoint.every` steps, and one when Ctrl-C or SIGTERM asked to stop, if
+        checkpoints are on and this step has none yet (`Steps` then stops). When the
+        scheduler gave notice that procs of the run will be killed (SLURM: a
+        preemption, a requeue, the time limit near), a checkpoint now, whatever
+        `checkpoint.every` says; a job warned of its time limit is then requeued
+        (the run goes on when SLURM starts it again: `meshrl.procs.slurm`)."""
         notices = self.run.scheduler_notices() if hasattr(self.run, "scheduler_notices") else []
         if notices and self.saved_at != self.state.step:
             from meshrl.procs.mesh import log_fault
@@ -383,9 +383,6 @@ class Checkpointer:
         due = self.cfg.every and (done % self.cfg.every == 0 or stop)
         if due and self.saved_at != done:
             self.save()
-        if stop:
-            saved = f"; checkpoint {self.latest()}" if self.cfg.every else ""
-            raise KeyboardInterrupt(f"stopped after {done} steps{saved}")
 
     def save(self) -> str:
         """Write the checkpoint after `state.step` steps. A part that cannot be

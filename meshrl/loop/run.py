@@ -332,7 +332,7 @@ class Run:
         return self.notices.take() if self.notices is not None else []
 
     def step_begins(self, step: int) -> None:
-        """The loop opens `step` (`StepLog.timer("step")`): start profiling if due."""
+        """`step` opens (`StepLog.begin_step`, which `Steps` calls): start profiling if due."""
         if self.profiler is None or not self.profiler.on:
             steps = take_request(self.dir, step)  # `meshrl profile RUN_DIR`
             if steps is not None:

@@ -48,22 +48,24 @@ class StepLog:
             sinks=tuple(cfg.sinks),
         )
         self.times: dict[str, float] = {}
-        self.next_step = first_step  # the step `timer("step")` opens
+        self.next_step = first_step  # the step after the last one logged
         self.step_started = time.time()
 
     @property
     def history(self) -> list[dict]:
         return self.logger.history
 
+    def begin_step(self, step: int) -> None:
+        """Open `step` (`meshrl.loop.steps.Steps` does, before the loop's body): its
+        timers start over, so what a step that was not logged (undone by a rewind)
+        timed is dropped; and the profiler starts if one is due (`Run.step_begins`)."""
+        self.times = {}
+        self.run.step_begins(step)
+        self.step_started = time.time()
+
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
-        """Time the block into this step's `time/<name>_s` (summed if repeated).
-        `timer("step")` opens a step: what a step that was not logged (undone by
-        a rewind) timed is dropped."""
-        if name == "step":
-            self.times = {}
-            self.run.step_begins(self.next_step)
-            self.step_started = time.time()
+        """Time the block into this step's `time/<name>_s` (summed if repeated)."""
         started = time.perf_counter()
         try:
             yield
