@@ -155,6 +155,25 @@ class Algorithm:
             rendezvous=True,
         )
 
+    def spawn_policy(
+        self, run: Any, role: str = "policy", seed: int | None = None, shm_prefix: str = ""
+    ) -> Any:
+        """The policy replicas, spawned from `model` and `policy` the same way by
+        every algorithm that samples; each reads its weights from `shm_prefix`'s
+        slots (the trainer's of the same prefix) on this host."""
+        from actors.policy import Policy
+
+        cfg = self.cfg
+        return run.spawn(
+            role,
+            Policy,
+            cfg.model,
+            cfg.run.seed if seed is None else seed,
+            cfg.policy,
+            self.context,
+            shm_prefix or run.shm_prefix,
+        )
+
     def trainers(self) -> list:
         """The trainer meshes `set_lr` and `set_temperature` reach (co-evolution:
         one per player)."""

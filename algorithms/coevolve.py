@@ -207,7 +207,6 @@ class Coevolve(Algorithm):
     def spawn(self) -> None:
         """Per player a policy and a trainer mesh; their syncs, the supervisor,
         the checkpointer; version 0 on every replica (or a checkpoint's state)."""
-        from actors.policy import Policy
 
         cfg = self.cfg
         names = ["a"] if cfg.shared_policy else ["a", "b"]
@@ -227,15 +226,7 @@ class Coevolve(Algorithm):
             trainer = self.spawn_trainer(
                 run, f"trainer_{name}", seed=seed, shm_prefix=f"{run.shm_prefix}-{name}"
             )
-            policy = run.spawn(
-                f"policy_{name}",
-                Policy,
-                cfg.model,
-                seed,
-                cfg.policy,
-                self.context,
-                f"{run.shm_prefix}-{name}",
-            )
+            policy = self.spawn_policy(run, f"policy_{name}", seed, f"{run.shm_prefix}-{name}")
             sync = WeightSync.from_config(sup, cfg.weights)
             self.players[name] = player = Player(name, policy, trainer, sync)
             sup.on_respawn(f"policy_{name}", lambda p=player: p.sync.catch_up(p.policy))

@@ -95,7 +95,6 @@ class GRPO(Algorithm):
         """Spawn the meshes (first call), train `num_steps` more steps (None: to
         `cfg.steps`, then save the model and stop every proc)."""
         from actors.environment import Environment
-        from actors.policy import Policy
         from actors.reward_model import RewardModel
 
         cfg, state = self.cfg, self.state
@@ -103,15 +102,7 @@ class GRPO(Algorithm):
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = self.spawn_trainer(run)
-                self.policy = run.spawn(
-                    "policy",
-                    Policy,
-                    cfg.model,
-                    cfg.run.seed,
-                    cfg.policy,
-                    self.context,
-                    run.shm_prefix,
-                )
+                self.policy = self.spawn_policy(run)
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.spawn_reference(run)
                 self.reward_model = None

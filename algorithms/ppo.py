@@ -105,7 +105,6 @@ class PPO(Algorithm):
         """As `GRPO.run`, with a critic mesh and GAE advantages."""
         from actors.critic import Critic
         from actors.environment import Environment
-        from actors.policy import Policy
         from actors.reference import Reference
         from actors.reward_model import RewardModel
 
@@ -126,15 +125,7 @@ class PPO(Algorithm):
                     micro_batches=cfg.trainer.micro_batches,
                     rendezvous=True,
                 )
-                self.policy = run.spawn(
-                    "policy",
-                    Policy,
-                    cfg.model,
-                    cfg.run.seed,
-                    cfg.policy,
-                    self.context,
-                    run.shm_prefix,
-                )
+                self.policy = self.spawn_policy(run)
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
