@@ -47,6 +47,7 @@ from meshrl.config import (
     PolicyConfig,
     RunConfig,
     WarmStartConfig,
+    validate_sections,
 )
 from meshrl.config.trainer import TrainerConfig
 from meshrl.envs import kuhn
@@ -113,21 +114,7 @@ class CoevolveConfig:
         return self.steps
 
     def validate(self) -> None:
-        for section in (
-            self.model,
-            self.generation,
-            self.policy,
-            self.optim,
-            self.trainer,
-            self.warm_start,
-            self.placement,
-            self.weights,
-            self.run,
-            self.job,
-            self.checkpoint,
-            self.faults,
-        ):
-            section.validate()
+        validate_sections(self)  # each section its own keys
         if self.game not in GAMES:
             raise ConfigError(f"config key 'game': '{self.game}' is not one of {', '.join(GAMES)}")
         for key in ("steps", "games_per_step", "eval_every", "eval_games"):

@@ -33,7 +33,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,6 +52,7 @@ from meshrl.types import Completions, TrainBatch
 
 @dataclass
 class DistillConfig(GRPOConfig):
+    CHECKED_APART: ClassVar[tuple[str, ...]] = ("teacher",)  # by `validate`, by its name
     teacher: ModelConfig = field(default_factory=ModelConfig)
     """The frozen teacher: a local HF directory (`teacher.path`) or a model built
     from these keys. Its tokenizer must be the student's (`model`)."""

@@ -35,6 +35,7 @@ from meshrl.config import (
     PlacementConfig,
     RunConfig,
     check_lora_placement,
+    validate_sections,
 )
 from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
@@ -118,23 +119,11 @@ class DPOConfig:
         return self.steps
 
     def validate(self) -> None:
-        for section in (
-            self.data,
-            self.sft,
-            self.model,
-            self.optim,
-            self.placement,
-            self.run,
-            self.job,
-            self.checkpoint,
-            self.faults,
-        ):
-            section.validate()
+        validate_sections(self)  # each section its own keys
         check_lora_placement(self.model, self.placement)
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
-        self.trainer.validate()
         self.trainer.check_offline("DPO", micro_batches=False)
         if self.beta <= 0:
             raise ConfigError("config key 'beta': must be > 0")

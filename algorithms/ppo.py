@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +45,7 @@ from meshrl.types import TrainBatch
 
 @dataclass
 class PPOConfig(RLConfig):
+    CHECKED_APART: ClassVar[tuple[str, ...]] = ("critic_optim",)  # by `validate`, by its name
     group_size: int = 1
     """Completions per prompt (PPO needs no group: the critic is the baseline)."""
     epochs: int = 2

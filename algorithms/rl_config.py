@@ -18,6 +18,7 @@ from meshrl.config import (
     TrainerConfig,
     WarmStartConfig,
     check_lora_placement,
+    validate_sections,
 )
 from meshrl.envs import make_task
 from meshrl.envs.sandbox import SandboxConfig
@@ -75,27 +76,7 @@ class RLConfig:
     min_group_size = 1
 
     def validate(self) -> None:
-        for section in (
-            self.model,
-            self.generation,
-            self.policy,
-            self.reward_model,
-            self.optim,
-            self.trainer,
-            self.placement,
-            self.weights,
-            self.task,
-            self.warm_start,
-            self.run,
-            self.job,
-            self.checkpoint,
-            self.faults,
-            self.sandbox,
-            self.eval,
-            self.pool,
-            self.rollout,
-        ):
-            section.validate()
+        validate_sections(self)  # each section its own keys
         if self.rollout.dispatch == "pull" and (
             make_task(self.task).multi_turn or self.reward_model.path
         ):

@@ -37,6 +37,7 @@ from meshrl.config import (
     PlacementConfig,
     RunConfig,
     check_lora_placement,
+    validate_sections,
 )
 from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError
@@ -100,22 +101,11 @@ class SFTConfig:
         return self.steps
 
     def validate(self) -> None:
-        for section in (
-            self.data,
-            self.model,
-            self.optim,
-            self.placement,
-            self.run,
-            self.job,
-            self.checkpoint,
-            self.faults,
-        ):
-            section.validate()
+        validate_sections(self)  # each section its own keys
         check_lora_placement(self.model, self.placement)
         for key in ("steps", "batch_size", "eval_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
-        self.trainer.validate()
         self.trainer.check_offline("SFT")
 
 

@@ -14,7 +14,14 @@ import os
 from dataclasses import dataclass, field
 
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
-from meshrl.config.files import ConfigError, first_paragraph, load_config, parse_cli, save_config  # noqa: F401
+from meshrl.config.files import (  # noqa: F401
+    ConfigError,
+    first_paragraph,
+    load_config,
+    parse_cli,
+    save_config,
+    validate_sections,
+)
 from meshrl.config.files import check as _check
 from meshrl.config.policy import PolicyConfig  # noqa: F401
 from meshrl.config.trainer import TrainerConfig  # noqa: F401

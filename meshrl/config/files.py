@@ -5,6 +5,7 @@ then `key=value` overrides, merged with omegaconf (`load_config`); the CLI's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, TypeVar
@@ -18,6 +19,20 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message is one line."""
+
+
+def validate_sections(cfg: Any) -> None:
+    """Every section of `cfg` (a field that is a dataclass with `validate`) checks
+    its own keys, in the order the config declares them; but those the config
+    checks itself (`CHECKED_APART`: a section of a type used under another name,
+    whose own check would name the other key)."""
+    apart = getattr(cfg, "CHECKED_APART", ())
+    for item in dataclasses.fields(cfg):
+        if item.name in apart:
+            continue
+        section = getattr(cfg, item.name)
+        if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
+            section.validate()
 
 
 def check(ok: bool, key: str, message: str) -> None:
