@@ -28,26 +28,18 @@ from typing import ClassVar
 import torch
 
 from algorithms.base import Algorithm, main
+from algorithms.rl_config import OfflineConfig
 from meshrl.config import (
     ConfigError,
-    ModelConfig,
-    OptimConfig,
-    PlacementConfig,
-    RunConfig,
-    check_lora_placement,
-    validate_sections,
 )
-from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
-from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.run import Run
 from meshrl.loop.steplog import StepLog, add_evaluation
 from meshrl.loop.supervised import supervised_batch, supervised_steps
 from meshrl.loop.supervisor import RoleLost, Supervisor, mean_metrics
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import dpo_loss, scale_of, sequence_logprobs
-from meshrl.procs.faults import FaultsConfig
-from meshrl.procs.job import JobConfig
 from meshrl.types import TrainBatch
 
 SHIPPED_PREFERENCES = os.path.join(
@@ -88,42 +80,22 @@ class DPOSFTConfig:
 
 
 @dataclass
-class DPOConfig:
-    steps: int = 200
-    """Optimizer steps."""
+class DPOConfig(OfflineConfig):
     batch_size: int = 32
     """Preference pairs per step."""
     beta: float = 0.1
     """Strength of the implicit KL to the reference (higher keeps closer)."""
     label_smoothing: float = 0.0
     """cDPO: assumed probability that a preference label is flipped."""
-    eval_every: int = 25
-    """Steps between held-out evaluations (and after the last step)."""
-    MOVED: ClassVar[dict[str, str]] = {"layout": "trainer.layout"}
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """`trainer.layout` also lays out the reference's batches (tree: a pair's two
-    responses share one forward of its prompt)."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     sft: DPOSFTConfig = field(default_factory=DPOSFTConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    job: JobConfig = field(default_factory=JobConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
-    @property
-    def total_updates(self) -> int:
-        """Optimizer steps over the run (the LR schedule's length)."""
-        return self.steps
+    ALGORITHM: ClassVar[str] = "DPO"
+    # `trainer.layout` also lays out the reference's batches (tree: a pair's two
+    # responses share one forward of its prompt).
 
     def validate(self) -> None:
-        validate_sections(self)  # each section its own keys
-        check_lora_placement(self.model, self.placement)
-        for key in ("steps", "batch_size", "eval_every"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}': must be >= 1")
+        super().validate()
         self.trainer.check_offline("DPO", micro_batches=False)
         if self.beta <= 0:
             raise ConfigError("config key 'beta': must be > 0")

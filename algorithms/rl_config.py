@@ -1,9 +1,11 @@
-"""The on-policy algorithms' shared config (`RLConfig`): GRPO and its variants,
-PPO. Each algorithm's config adds its own keys to it (`GRPOConfig`, ...)."""
+"""The algorithms' shared configs: `RLConfig` for the on-policy ones (GRPO and
+its variants, PPO), `OfflineConfig` for those that train on a fixed dataset (DPO,
+SFT). Each algorithm's config adds its own keys to one (`GRPOConfig`, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from meshrl.config import (
     ConfigError,
@@ -161,3 +163,40 @@ class RLConfig:
     def total_updates(self) -> int:
         """Optimizer steps over the whole run (for the learning-rate schedule)."""
         return self.steps * self.epochs * self.minibatches
+
+
+@dataclass
+class OfflineConfig:
+    """Keys shared by the algorithms that train on a fixed dataset (DPO, SFT)."""
+
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Rows per step."""
+    eval_every: int = 25
+    """Steps between held-out evaluations (and after the last step)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    ALGORITHM: ClassVar[str] = ""
+    """The algorithm's name in its errors."""
+    MOVED: ClassVar[dict[str, str]] = {"layout": "trainer.layout"}
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps over the run (the LR schedule's length)."""
+        return self.steps
+
+    def validate(self) -> None:
+        validate_sections(self)  # each section its own keys
+        check_lora_placement(self.model, self.placement)
+        for key in ("steps", "batch_size", "eval_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}': must be >= 1")
+        self.trainer.check_offline(self.ALGORITHM)

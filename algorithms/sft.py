@@ -30,27 +30,19 @@ import torch
 
 from algorithms.base import Algorithm, main
 from algorithms.dpo import SHIPPED_PREFERENCES
+from algorithms.rl_config import OfflineConfig
 from meshrl.config import (
     ConfigError,
-    ModelConfig,
-    OptimConfig,
-    PlacementConfig,
-    RunConfig,
-    check_lora_placement,
-    validate_sections,
 )
-from meshrl.config.trainer import TrainerConfig
 from meshrl.envs.dataset import DatasetError
 from meshrl.envs.sft_data import Example, load_examples
-from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
+from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.run import Run
 from meshrl.loop.steplog import StepLog, add_evaluation
 from meshrl.loop.supervised import supervised_batch
 from meshrl.loop.supervisor import RoleLost, Supervisor
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import nll_loss
-from meshrl.procs.faults import FaultsConfig
-from meshrl.procs.job import JobConfig
 from meshrl.types import TrainBatch
 
 
@@ -74,39 +66,14 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTConfig:
-    steps: int = 200
-    """Optimizer steps."""
-    batch_size: int = 32
-    """Rows per step."""
-    eval_every: int = 25
-    """Steps between held-out evaluations (and after the last step)."""
+class SFTConfig(OfflineConfig):
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+
+    ALGORITHM: ClassVar[str] = "SFT"
     MOVED: ClassVar[dict[str, str]] = {
         "layout": "trainer.layout",
         "micro_batches": "trainer.micro_batches",
     }
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    job: JobConfig = field(default_factory=JobConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    faults: FaultsConfig = field(default_factory=FaultsConfig)
-
-    @property
-    def total_updates(self) -> int:
-        """Optimizer steps over the run (the LR schedule's length)."""
-        return self.steps
-
-    def validate(self) -> None:
-        validate_sections(self)  # each section its own keys
-        check_lora_placement(self.model, self.placement)
-        for key in ("steps", "batch_size", "eval_every"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}': must be >= 1")
-        self.trainer.check_offline("SFT")
 
 
 class SFT(Algorithm):
