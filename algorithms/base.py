@@ -13,6 +13,7 @@ request), `Supervisor` (deadlines, retries, respawns, drills), `Checkpointer`,
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class Algorithm:
         start_from(cfg.model, "model.path")
         self.state = LoopState(seed=cfg.run.seed)
         self.meshes: Any = None  # the `Run`, once spawned
-        self.ready = False  # the meshes spawned and set up (each `run()` says so)
+        self.ready = False  # the meshes spawned and set up (`steps` says so)
         self.log: Any = None
         # The pieces a loop composes once its meshes are up; None where an algorithm
         # has no such piece (DPO and SFT have no collector, no pools to scale, ...).
@@ -242,7 +243,7 @@ class Algorithm:
         kept = (
             num_steps is not None
             and isinstance(error, Exception)
-            and self.ready  # the meshes were all up and set (the loop says so)
+            and self.ready  # the meshes were all up and set (`steps` says so)
             and not (
                 isinstance(error, RemoteCallError)
                 and (error.proc_lost or error.timed_out or error.stray)
@@ -423,9 +424,25 @@ class Algorithm:
             ),
         )
 
+    @contextlib.contextmanager
+    def running(self, num_steps: int | None) -> Iterator[None]:
+        """Around a call of `run()`: an error leaves what `failed` says (in a
+        notebook, a hook's error keeps the meshes); a whole run (`num_steps`
+        None) ends with `stop()`: the final model saved, every proc stopped."""
+        try:
+            yield
+        except BaseException as error:
+            self.failed(error, num_steps)
+            raise
+        if num_steps is None:
+            self.stop()
+
     def steps(self, num_steps: int | None) -> Steps:
         """The steps of this call of `run()`, `num_steps` of them (None: to
-        `cfg.steps`), with what every loop does around a step (`Steps`)."""
+        `cfg.steps`), with what every loop does around a step (`Steps`). A loop
+        asks for them once its meshes are up and set: from here on an error in a
+        notebook keeps them (`failed`)."""
+        self.ready = True
         return Steps(
             self.meshes, self.state, self.log, self.ckpt, self.steps_to(num_steps), self.before_step
         )

@@ -154,10 +154,9 @@ class Coevolve(Algorithm):
         """Spawn both players' meshes (first call), train `num_steps` more steps
         (None: to `cfg.steps`, then save both models and stop every proc)."""
         cfg, state = self.cfg, self.state
-        try:
+        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:
                 self.spawn()
-            self.ready = True  # the meshes are up and set (see `failed`)
             log = self.log
             pairings = [("a", "a")] if cfg.shared_policy else [("a", "b"), ("b", "a")]
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
@@ -182,12 +181,7 @@ class Coevolve(Algorithm):
                     with log.timer("eval"):
                         add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
-        except BaseException as error:
-            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
-            raise
-        if num_steps is None:
-            self.stop()
-        return log.history
+        return self.log.history
 
     # --- the meshes ---------------------------------------------------------------------
 

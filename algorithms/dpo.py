@@ -120,7 +120,7 @@ class DPO(Algorithm):
         from actors.reference import Reference
 
         cfg, state = self.cfg, self.state
-        try:
+        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
                 self.load_pairs()
                 procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
@@ -142,7 +142,6 @@ class DPO(Algorithm):
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)
                 self.before = self.evaluate()
                 print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
-            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
@@ -161,12 +160,7 @@ class DPO(Algorithm):
                     record = {"step": step, **metrics, **sup.metrics()}
                     add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
-        except BaseException as error:
-            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
-            raise
-        if num_steps is None:
-            self.stop()
-        return log.history
+        return self.log.history
 
     # --- hooks ------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ class GRPO(Algorithm):
         from actors.reward_model import RewardModel
 
         cfg, state = self.cfg, self.state
-        try:
+        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = self.spawn_trainer(run)
@@ -111,7 +111,6 @@ class GRPO(Algorithm):
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
                 self.compose(run, [self.trainer, self.frozen_copy, self.policy])
-            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
             policy, trainer, reference = self.policy, self.trainer, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
@@ -174,12 +173,7 @@ class GRPO(Algorithm):
                             **self.accounting(trained=len(batch)),
                         },
                     )
-        except BaseException as error:
-            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
-            raise
-        if num_steps is None:
-            self.stop()
-        return log.history
+        return self.log.history
 
     # --- hooks: override one of these for a variant ---------------------------------
 

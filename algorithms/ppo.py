@@ -111,7 +111,7 @@ class PPO(Algorithm):
         from actors.reward_model import RewardModel
 
         cfg, state = self.cfg, self.state
-        try:
+        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
                 self.trainer = self.spawn_trainer(run)
@@ -141,7 +141,6 @@ class PPO(Algorithm):
                 self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
                 if run.resume_from is None:  # the critic's backbone starts as the policy
                     self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
-            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
@@ -205,12 +204,7 @@ class PPO(Algorithm):
                             **self.accounting(trained=len(batch)),
                         },
                     )
-        except BaseException as error:
-            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
-            raise
-        if num_steps is None:
-            self.stop()
-        return log.history
+        return self.log.history
 
     # --- hooks ------------------------------------------------------------------------
 

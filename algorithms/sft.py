@@ -86,7 +86,7 @@ class SFT(Algorithm):
         to `cfg.steps`, then save the model and stop every proc)."""
 
         cfg, state = self.cfg, self.state
-        try:
+        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- one mesh: the trainer ---
                 self.load_data()
                 run = self.meshes = Run(cfg, self.name, {"trainer": cfg.placement.trainer})
@@ -97,7 +97,6 @@ class SFT(Algorithm):
                 self.ckpt.resume()
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)
                 self.before = self.evaluate()
-            self.ready = True  # the meshes are up and set (see `failed`)
             run, sup, log = self.meshes, self.sup, self.log
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
@@ -119,12 +118,7 @@ class SFT(Algorithm):
                     }
                     add_evaluation(record, step, cfg, self.before, self.evaluate)
                     self.after_step(step, record)
-        except BaseException as error:
-            self.failed(error, num_steps)  # in a notebook, a hook's error keeps the meshes
-            raise
-        if num_steps is None:
-            self.stop()
-        return log.history
+        return self.log.history
 
     def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
         """Runs on every trainer proc: the mean NLL of the step's assistant tokens."""
