@@ -13,7 +13,7 @@ this step, over their std. Both trainers then take one clipped
 policy-gradient step at once, and each player's replicas pull their own new
 weights.
 
-Every `eval_every` steps each player plays `eval_games` held-out games against
+Every `eval.every` steps each player plays `eval_games` held-out games against
 each fixed opponent (uniform random, a card-strength heuristic), in both
 seats. Its exact exploitability is also computed, from its trainer's
 probability of each action at each of Kuhn poker's 12 decisions.
@@ -34,10 +34,12 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from algorithms.base import Algorithm, main
+from algorithms.rl_config import HeldOutConfig
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -77,6 +79,7 @@ GAMES = ("kuhn_poker",)
 
 @dataclass
 class CoevolveConfig:
+    MOVED: ClassVar[dict[str, str]] = {"eval_every": "eval.every"}
     steps: int = 200
     """Steps: one batch of games and one optimizer step per player each."""
     game: str = "kuhn_poker"
@@ -87,8 +90,9 @@ class CoevolveConfig:
     """Self-play: one policy (A) in both seats, one trainer."""
     clip: float = 0.2
     """PPO clip range of the policy-gradient step."""
-    eval_every: int = 20
-    """Steps between evaluations against the fixed opponents (and after the last)."""
+    eval: HeldOutConfig = field(default_factory=lambda: HeldOutConfig(every=20))
+    """`eval.every`: steps between evaluations against the fixed opponents (and after
+    the last)."""
     eval_games: int = 300
     """Held-out games per player and fixed opponent (half in each seat)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -117,7 +121,7 @@ class CoevolveConfig:
         validate_sections(self)  # each section its own keys
         if self.game not in GAMES:
             raise ConfigError(f"config key 'game': '{self.game}' is not one of {', '.join(GAMES)}")
-        for key in ("steps", "games_per_step", "eval_every", "eval_games"):
+        for key in ("steps", "games_per_step", "eval_games"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
         if self.games_per_step % 2 or self.eval_games % 2:
@@ -179,7 +183,9 @@ class Coevolve(Algorithm):
                         with log.timer("train"):
                             record.update(self.train_players(batches))
                     with log.timer("eval"):
-                        add_evaluation(record, step, cfg, self.before, self.evaluate)
+                        add_evaluation(
+                            record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
+                        )
                     self.after_step(step, record)
         return self.log.history
 

@@ -181,7 +181,9 @@ class Distill(GRPO):
         return loss, metrics
 
     def after_step(self, step: int, metrics: dict) -> None:
-        add_evaluation(metrics, step, self.cfg, self.before, self.evaluate)
+        add_evaluation(
+            metrics, step, self.cfg.eval_every, self.cfg.steps, self.before, self.evaluate
+        )
         super().after_step(step, metrics)
 
     # --- held-out evaluation ----------------------------------------------------------

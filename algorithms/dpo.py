@@ -6,7 +6,7 @@ prompts. An optional supervised warm-start on the chosen responses of the
 train split gives the SFT model; the reference mesh takes a copy of it over
 RDMA and keeps it frozen. Each step takes `batch_size` pairs, the reference
 mesh scores both responses, and the trainer mesh takes one step of the DPO
-loss (data-parallel: each rank gets whole pairs). Every `eval_every` steps the
+loss (data-parallel: each rank gets whole pairs). Every `eval.every` steps the
 held-out pairs are scored without a gradient step and their preference
 accuracy is logged.
 
@@ -158,7 +158,9 @@ class DPO(Algorithm):
                             self.ckpt.rewind(lost, sup, log, 0)
                             continue
                     record = {"step": step, **metrics, **sup.metrics()}
-                    add_evaluation(record, step, cfg, self.before, self.evaluate)
+                    add_evaluation(
+                        record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
+                    )
                     self.after_step(step, record)
         return self.log.history
 

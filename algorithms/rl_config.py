@@ -166,6 +166,20 @@ class RLConfig:
 
 
 @dataclass
+class HeldOutConfig:
+    """The `eval:` section of the algorithms that evaluate on held-out data of their
+    own (DPO's and SFT's held-out split, co-evolution's games): when. (The on-policy
+    algorithms' `eval:` also says on what: `meshrl.loop.evaluation.EvalConfig`.)"""
+
+    every: int = 25
+    """Steps between held-out evaluations (and after the last step)."""
+
+    def validate(self) -> None:
+        if self.every < 1:
+            raise ConfigError("config key 'eval.every': must be >= 1")
+
+
+@dataclass
 class OfflineConfig:
     """Keys shared by the algorithms that train on a fixed dataset (DPO, SFT)."""
 
@@ -173,8 +187,7 @@ class OfflineConfig:
     """Optimizer steps."""
     batch_size: int = 32
     """Rows per step."""
-    eval_every: int = 25
-    """Steps between held-out evaluations (and after the last step)."""
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -186,7 +199,7 @@ class OfflineConfig:
 
     ALGORITHM: ClassVar[str] = ""
     """The algorithm's name in its errors."""
-    MOVED: ClassVar[dict[str, str]] = {"layout": "trainer.layout"}
+    MOVED: ClassVar[dict[str, str]] = {"layout": "trainer.layout", "eval_every": "eval.every"}
 
     @property
     def total_updates(self) -> int:
@@ -196,7 +209,7 @@ class OfflineConfig:
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
         check_lora_placement(self.model, self.placement)
-        for key in ("steps", "batch_size", "eval_every"):
+        for key in ("steps", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
         self.trainer.check_offline(self.ALGORITHM)

@@ -5,7 +5,7 @@ the chat template, the loss on the assistant's tokens only) is tokenized once
 on the controller and split into train and held-out rows. Each step takes
 `batch_size` train rows and the trainer mesh takes one optimizer step of their
 token-mean NLL (data-parallel, DDP or FSDP2; the mean is over the step's
-assistant tokens at any placement). Every `eval_every` steps the held-out rows
+assistant tokens at any placement). Every `eval.every` steps the held-out rows
 give `eval/nll`. A run has the same trainer, checkpoints, exact resume,
 metrics and HF export (`final/`) as the RL algorithms.
 
@@ -73,6 +73,7 @@ class SFTConfig(OfflineConfig):
     MOVED: ClassVar[dict[str, str]] = {
         "layout": "trainer.layout",
         "micro_batches": "trainer.micro_batches",
+        "eval_every": "eval.every",
     }
 
 
@@ -116,7 +117,9 @@ class SFT(Algorithm):
                         "tokens/trained": int(batch.completion_mask.sum()),
                         **sup.metrics(),
                     }
-                    add_evaluation(record, step, cfg, self.before, self.evaluate)
+                    add_evaluation(
+                        record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
+                    )
                     self.after_step(step, record)
         return self.log.history
 

@@ -27,7 +27,7 @@ def config(tmp_path, name, *overrides):
         [
             "steps=8",
             "games_per_step=16",
-            "eval_every=100",
+            "eval.every=100",
             "eval_games=20",
             "checkpoint.every=4",
             "warm_start.steps=10",  # the format first, so that the first steps train

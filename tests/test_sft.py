@@ -167,7 +167,7 @@ def test_sft_on_conversations_then_grpo_and_sft_from_its_output(tmp_path, no_str
             f"model.path={model}",
             f"data.path={reversal_conversations(tmp_path / 'chats.jsonl')}",
             "steps=40",
-            "eval_every=20",
+            "eval.every=20",
             "placement.trainer=2",
             "checkpoint.every=20",
             f"run.dir={tmp_path}",

@@ -162,11 +162,13 @@ def run_faults(state: LoopState) -> str:
     return "".join(f" | {part}" for part in parts)
 
 
-def add_evaluation(record: dict, step: int, cfg: Any, before: dict | None, evaluate: Any) -> None:
+def add_evaluation(
+    record: dict, step: int, every: int, steps: int, before: dict | None, evaluate: Any
+) -> None:
     """The held-out figures a step's `record` carries: those measured before the
     first update (`before`, as `<key>_before`) in step 0's, and `evaluate()`'s
-    every `cfg.eval_every` steps and after the last (`cfg.steps`)."""
+    every `every` steps and after the last of `steps`."""
     if step == 0 and before:
         record.update({f"{key}_before": value for key, value in before.items()})
-    if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+    if (step + 1) % every == 0 or step == steps - 1:
         record.update(evaluate())
