@@ -43,7 +43,7 @@ test: lint
 	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
 
 check: lint
-	$(BIN)/python -m pytest -m "unit or actors" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) -m "unit or actors" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
