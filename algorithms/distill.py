@@ -62,8 +62,9 @@ class DistillConfig(GRPOConfig):
     """Weight of the task's group-normalized reward, added to every token's
     advantage; 0 trains on the teacher's log-probs alone."""
     baseline: bool = True
-    """Subtract the batch's mean token advantage from every token's: the same
-    expected gradient (a constant baseline), with much less variance."""
+    """Subtract from each token's advantage the mean over the batch's other tokens
+    (leave-one-out: the baseline does not depend on the token's own sample, so the
+    expected gradient stays the same), with much less variance."""
     eval_every: int = 10
     """Steps between held-out evaluations (and after the last step)."""
     eval_prompts: int = 64
@@ -162,8 +163,9 @@ class Distill(GRPO):
         reward advantage."""
         mask = batch.completion_mask
         advantages = batch.ref_logprobs - batch.old_logprobs
-        if self.cfg.baseline:  # the batch's mean over its tokens: unbiased, far less variance
-            advantages = advantages - masked_mean(advantages, mask)
+        if self.cfg.baseline:  # leave-one-out: the mean of the batch's *other* tokens
+            count, total = mask.sum(), (advantages * mask).sum()
+            advantages = advantages - (total - advantages * mask) / (count - 1).clamp(min=1)
         advantages = advantages * mask
         if self.cfg.reward_weight:
             cfg = self.cfg

@@ -101,8 +101,12 @@ def test_token_advantages_are_the_teachers_log_ratio_with_a_baseline():
     log_ratio = torch.tensor([[0.0, 1, 2], [-2, 0, 0]])
     cfg.baseline = False
     torch.testing.assert_close(distill.compute_advantages(torch.zeros(2), batch), log_ratio)
-    cfg.baseline = True  # minus the mean over the 5 real tokens (0.2); padding stays 0
-    expected = (log_ratio - 0.2) * batch.completion_mask
+    # Minus the mean over the 4 other real tokens (leave-one-out: a token's own value
+    # is not in its baseline); padding stays 0.
+    cfg.baseline = True
+    others = (log_ratio.sum() - log_ratio) / 4
+    expected = (log_ratio - others) * batch.completion_mask
+    assert expected[0, 0] == -0.25  # 0 - (1 + 2 - 2 + 0) / 4
     torch.testing.assert_close(distill.compute_advantages(torch.zeros(2), batch), expected)
     cfg.reward_weight = 0.5  # + half the group-normalized reward: +-0.5 / std
     rewarded = distill.compute_advantages(torch.tensor([1.0, 0.0]), batch)
