@@ -31,6 +31,7 @@ from algorithms.base import Algorithm, main
 from algorithms.rl_config import OfflineConfig
 from meshrl.config import (
     ConfigError,
+    WarmStartConfig,
 )
 from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
 from meshrl.loop.checkpoint import Checkpointer
@@ -66,20 +67,6 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class DPOSFTConfig:
-    steps: int = 0
-    """Supervised steps on the train split's chosen responses before DPO; 0 skips."""
-    batch_size: int = 64
-    """Chosen responses per supervised step."""
-    lr: float = 3e-3
-    """Learning rate of the supervised steps (their own AdamW)."""
-
-    def validate(self) -> None:
-        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
-            raise ConfigError("config keys 'sft.*': steps >= 0, batch_size >= 1, lr > 0")
-
-
-@dataclass
 class DPOConfig(OfflineConfig):
     batch_size: int = 32
     """Preference pairs per step."""
@@ -88,9 +75,12 @@ class DPOConfig(OfflineConfig):
     label_smoothing: float = 0.0
     """cDPO: assumed probability that a preference label is flipped."""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    sft: DPOSFTConfig = field(default_factory=DPOSFTConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised steps on the train split's chosen responses before DPO (the
+    on-policy algorithms' `warm_start:` keys, on the chosen responses); 0 skips."""
 
     ALGORITHM: ClassVar[str] = "DPO"
+    MOVED: ClassVar[dict[str, str]] = {**OfflineConfig.MOVED, "sft": "warm_start"}
     # `trainer.layout` also lays out the reference's batches (tree: a pair's two
     # responses share one forward of its prompt).
 
@@ -134,8 +124,8 @@ class DPO(Algorithm):
                 self.ckpt = Checkpointer(run, state, [self.trainer, self.reference], cfg.checkpoint)
                 sup.on_respawn("reference", self.reload_reference)
                 if self.ckpt.resume() is None:
-                    if cfg.sft.steps:
-                        self.sft()
+                    if cfg.warm_start.steps:
+                        self.warm_start()
                     # The starting (SFT) weights, published by the trainer: the reference
                     # pulls them (shared memory on this host, RDMA across) and keeps them.
                     sup.call_all(self.reference, "load_weights", self.sync.publish(self.trainer))
@@ -245,16 +235,17 @@ class DPO(Algorithm):
             "eval/margin": metrics["rewards/margin"],
         }
 
-    def sft(self) -> None:
-        """Supervised steps on the chosen responses of the train split (sft.jsonl)."""
-        cfg, rng = self.cfg.sft, random.Random(self.cfg.run.seed)
+    def warm_start(self) -> None:
+        """Supervised steps on the chosen responses of the train split
+        (warm_start.jsonl), before DPO: `warm_start.steps`."""
+        cfg, rng = self.cfg.warm_start, random.Random(self.cfg.run.seed)
 
         def chosen(step: int) -> TrainBatch:
             pairs = rng.sample(self.train_pairs, min(cfg.batch_size, len(self.train_pairs)))
             return self.pair_batch(pairs).rows(slice(0, len(pairs)))  # the chosen rows
 
-        path = f"{self.meshes.dir}/sft.jsonl"
-        supervised_steps(self.sup, self.trainer, chosen, cfg.steps, cfg.lr, path, "sft")
+        path = f"{self.meshes.dir}/warm_start.jsonl"
+        supervised_steps(self.sup, self.trainer, chosen, cfg.steps, cfg.lr, path, "warm-start")
 
 
 if __name__ == "__main__":

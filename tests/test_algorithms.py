@@ -182,7 +182,7 @@ PYTHON_RUNS = [
         DPO,
         DPOConfig,
         "dpo",
-        ["placement.trainer=2", "placement.reference=3", "eval.every=2", "sft.steps=1"],
+        ["placement.trainer=2", "placement.reference=3", "eval.every=2", "warm_start.steps=1"],
     ),
 ]
 

@@ -236,6 +236,7 @@ def test_dpo_and_sft_take_the_trainer_section_and_name_a_moved_key(tmp_path):
         (SFTConfig, ["micro_batches=2"], "'micro_batches' is now 'trainer.micro_batches'"),
         (DPOConfig, ["layout=padded"], "'layout' is now 'trainer.layout' (in override"),
         (DPOConfig, ["eval_every=5"], "'eval_every' is now 'eval.every'"),
+        (DPOConfig, ["sft.steps=3"], "'sft' is now 'warm_start'"),
         (DPOConfig, ["trainer.correction=tis"], "trainer.correction': DPO samples nothing"),
         (DPOConfig, ["trainer.micro_batches=2"], "trainer.micro_batches': DPO steps on whole"),
         (SFTConfig, ["trainer.routing_replay=true"], "trainer.routing_replay': SFT samples no"),

@@ -293,7 +293,7 @@ def test_dpo_resumes_exactly_and_a_second_run_is_not_stopped_by_the_first(tmp_pa
     path = os.path.join(REPO, "algorithms", "configs", "dpo.yaml")
     # A retried error at step 0: the resumed run must go on counting it (a counter
     # that is not in the checkpoint would start again from 0 and the records differ).
-    keys = ["steps=5", "eval.every=2", "sft.steps=2", "checkpoint.every=4"]
+    keys = ["steps=5", "eval.every=2", "warm_start.steps=2", "checkpoint.every=4"]
     keys += ["faults.retry_errors=1", "faults.raise_in=[trainer.train_step@0]"]
     DPO(configure(tmp_path, "straight", *keys, schema=DPOConfig, path=path)).run()
 
