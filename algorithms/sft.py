@@ -71,9 +71,8 @@ class SFTConfig(OfflineConfig):
 
     ALGORITHM: ClassVar[str] = "SFT"
     MOVED: ClassVar[dict[str, str]] = {
-        "layout": "trainer.layout",
+        **OfflineConfig.MOVED,
         "micro_batches": "trainer.micro_batches",
-        "eval_every": "eval.every",
     }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from meshrl.procs import zygote
 from meshrl.procs.mesh import monarch_pids
-from meshrl.procs.proc_pool import CORES_ENV, pooled_pids, reuse_procs
+from meshrl.procs.proc_pool import CORES_ENV, local_cores, pooled_pids, reuse_procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
@@ -167,7 +167,7 @@ def pytest_configure(config):
     # oversubscribe the cores with twice the threads.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and CORES_ENV not in os.environ:
-        os.environ[CORES_ENV] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ[CORES_ENV] = str(max(1, local_cores() // workers))
 
 
 def pytest_collection_modifyitems(config, items):
