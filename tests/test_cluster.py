@@ -257,12 +257,27 @@ SAME = ["steps=120", "checkpoint.every=100", "run.seed=3"]
 
 
 @pytest.fixture(scope="module")
-def straight(slurm_cluster, tmp_path_factory):
-    """The uninterrupted run the requeued ones must equal, bit for bit."""
+def straight(tmp_path_factory):
+    """The uninterrupted run the requeued one must equal, bit for bit: a `local` run
+    on this machine, one thread per proc as on the nodes (the same math at any
+    placement: RDMA between nodes or shared memory on one host)."""
     root = tmp_path_factory.mktemp("straight")
-    proc = start(slurm_cluster, root, "straight", *SAME)
-    out = finish(proc)
-    assert proc.returncode == 0, out[-3000:]
+    overrides = [*SAME, "eval.every=0", "placement.threads_per_proc=1", "run.progress=false"]
+    done = subprocess.run(
+        zygote.python_m(
+            "algorithms.grpo",
+            "--config",
+            DEFAULT_CONFIG,
+            *overrides,
+            f"run.dir={root}",
+            "run.name=straight",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     return load_file(str(root / "straight" / "final" / "model.safetensors"))
 
 
@@ -285,7 +300,7 @@ def test_a_timed_out_then_requeued_trainer_job_checkpoints_first_and_ends_bitwis
     started again and the run stepping, `scontrol requeue` (what a preemption by
     requeue does): SLURM's SIGTERM is the notice. Each time a checkpoint is written
     before the kill and the run goes on when SLURM starts the job again; the final
-    weights equal the uninterrupted run's."""
+    weights equal those of the same run, uninterrupted, on this machine."""
     cluster = slurm_cluster
     # A slower environment (the same math) keeps the run going until SLURM, which
     # checks time limits every 30 s, has sent its warning, and past the requeue.

@@ -4,13 +4,13 @@ SLURM and Kubernetes jobs built from config (checked without a cluster)."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, load_config
+from meshrl.procs import zygote
 from meshrl.procs.mesh import call_all
 from tests.conftest import DEFAULT_CONFIG, REPO
 
@@ -20,9 +20,14 @@ class CheckedGRPO(GRPO):
     whether their parameters agree (DDP across hosts keeps them equal)."""
 
     checks: list = []
+    forked: list = []
 
     def after_step(self, step, metrics):
         super().after_step(step, metrics)
+        if step == 0:  # each proc a fork of this machine's fork server (`job.fork_server`)
+            for proc in self.mesh_status(show=False):
+                with open(f"/proc/{proc['pid']}/comm") as f:
+                    CheckedGRPO.forked.append(f.read().startswith("meshrl@"))
         if step in (0, self.cfg.steps - 1):
             params = call_all(self.trainer, "parameters", what="p", timeout_s=60)
             same = all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
@@ -57,6 +62,7 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= 0.25, (first, last)
     assert CheckedGRPO.checks == [(2, 2, True), (2, 2, True)]
+    assert len(CheckedGRPO.forked) == 6 and all(CheckedGRPO.forked)
     assert history[-1]["weights/version"] == cfg.warm_start.steps + 100
     # Over RDMA between the hosts, one copy of the model out of the trainer a step.
     model_bytes = history[-1]["weights/trainer_egress_bytes"]
@@ -82,44 +88,12 @@ def test_job_keys_are_checked():
         load_config(GRPOConfig, None, ["job.kind=process", "job.hosts.trainer=3"])
 
 
-# Built in a fresh interpreter: Monarch's SlurmJob and KubernetesJob switch the
-# process's transport to TCP when constructed.
-BUILD = """
-import json, sys
-from algorithms.grpo import GRPOConfig
-from meshrl.config import load_config
-from meshrl.procs.job import build_job
-cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
-job = build_job(cfg.job, ["policy", "trainer", "environment"])
-if hasattr(job, "allocations"):  # meshrl's SLURM job: the sbatch script it would submit
-    from meshrl.procs.slurm import Allocation
-    alloc = Allocation("trainer", job.meshes["trainer"], 20000, ["id"] * 64)
-    print(json.dumps({"_meshes": job.meshes, "script": job.allocations.script(alloc, "trainer")}))
-else:
-    print(json.dumps({k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}, default=str))
-"""
-
-
-# A host joining a running job for a policy replica past its hosts (`job.max_procs`).
-JOIN = """
-import json, sys
-from algorithms.grpo import GRPOConfig
-from meshrl.config import load_config
-from meshrl.procs.job import joining_job
-cfg = load_config(GRPOConfig, sys.argv[1], sys.argv[2:])
-job, name = joining_job(cfg.job, "policy", 3)
-if hasattr(job, "allocations"):
-    from meshrl.procs.slurm import Allocation
-    alloc = Allocation(name, 1, 20000, ["id"] * 8)
-    print(json.dumps({"mesh": name, "_meshes": job.meshes, "script": job.allocations.script(alloc, "policy")}))
-else:
-    print(json.dumps({"mesh": name, **{k: v for k, v in vars(job).items() if isinstance(v, (str, int, list, dict, type(None)))}}, default=str))
-"""
-
-
-def build(config, *overrides, script=BUILD):
+def build(config, *overrides, mode="build"):
+    """The job `config` builds (`tests/jobs_for_tests.py`), in a process of its own."""
     result = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(REPO, "docs", "examples", config), *overrides],
+        zygote.python_m(
+            "tests.jobs_for_tests", mode, os.path.join(REPO, "docs", "examples", config), *overrides
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -172,7 +146,7 @@ def test_kubernetes_job_is_built_from_config():
 @pytest.mark.unit
 def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_kind():
     """(On `process` jobs the same path runs for real: tests/test_elastic.py.)"""
-    job = build("grpo_slurm.yaml", script=JOIN)
+    job = build("grpo_slurm.yaml", mode="join")
     assert job["mesh"] == "policyjoined3" and job["_meshes"] == {"policyjoined3": 1}
     script = job["script"].splitlines()
     for line in [
@@ -183,7 +157,7 @@ def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_ki
         "#SBATCH --gpus-per-node=8",
     ]:
         assert line in script, line
-    job = build("grpo_kubernetes.yaml", script=JOIN)
+    job = build("grpo_kubernetes.yaml", mode="join")
     assert job["mesh"] == "meshrlgrpopolicyjoined3"
     assert (
         job["_namespace"] == "research"

@@ -46,11 +46,12 @@ class JobConfig:
     each a one-host job of the same kind (an sbatch allocation, a pod), since
     Monarch 0.7 adds no host to a running job; it is stopped with its last proc."""
     fork_server: bool = True
-    """`local` jobs: every proc is a fork of one server process that imported torch,
-    transformers and meshrl's modelling code once (`meshrl.procs.zygote`), so a
-    proc starts in a fraction of a second instead of about 7 s of CPU, a lost
-    proc is replaced as fast, and several procs do not import at once on shared
-    cores. false: every proc starts as a fresh Python."""
+    """`local` and `process` jobs (every host on this machine): every proc is a fork
+    of one server process that imported torch, transformers and meshrl's modelling
+    code once (`meshrl.procs.zygote`), so a proc starts in a fraction of a second
+    instead of about 7 s of CPU, a lost proc is replaced as fast, and several procs
+    do not import at once on shared cores. false: every proc starts as a fresh
+    Python (as on `slurm` and `kubernetes`, whose hosts are other machines)."""
     name: str = "meshrl"
     """Job name: the SLURM job name; on Kubernetes the prefix of each role's mesh
     name (`meshrltrainer`), so lowercase letters and digits only there."""

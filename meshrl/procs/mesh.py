@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -341,8 +342,9 @@ class RoleMeshes:
 
     def _bootstrap_command(self) -> Any:
         """How Monarch starts a proc: a fork of this process's fork server on a
-        `local` job (`job.fork_server`), else Monarch's default."""
-        if self.job_cfg.kind != "local" or not self.job_cfg.fork_server:
+        job whose hosts are this machine (`local`, `process`; `job.fork_server`),
+        else Monarch's default."""
+        if self.job_cfg.kind not in ("local", "process") or not self.job_cfg.fork_server:
             return None
         from meshrl.procs import zygote
 
@@ -403,14 +405,26 @@ class RoleMeshes:
             group.replace(group.dead())
             return
         old = self.meshes.pop(role)
+        # Its node (or its whole job: a requeue) is gone: a new allocation. SLURM ended
+        # the old one's processes, so no answer to a stop can come; Monarch gives up on
+        # it after 30 s, and nothing waits for that (twice per requeue before).
+        gone = self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role)
+        stopping = threading.Thread(
+            target=self._stop_failed, args=(role, old, timeout_s), daemon=True
+        )
+        stopping.start()
+        if gone:
+            self._hosts[role] = self.job.reallocate(role)
+        else:  # its live procs (on the same hosts) go before new ones start
+            stopping.join()
+        self._spawn_procs(role)
+
+    @staticmethod
+    def _stop_failed(role: str, mesh: Any, timeout_s: float) -> None:
         try:
-            old.stop().get(timeout=timeout_s)
+            mesh.stop().get(timeout=timeout_s)
         except BaseException as error:  # noqa: BLE001 - a mesh with a dead proc may not stop cleanly
             logger.warning("stopping the failed %s mesh: %s", role, error)
-        if self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role):
-            # Its node (or its whole job: a requeue) is gone: a new allocation.
-            self._hosts[role] = self.job.reallocate(role)
-        self._spawn_procs(role)
 
     def __getitem__(self, role: str) -> Any:
         return self.meshes[self._own(role)]

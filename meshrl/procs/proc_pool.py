@@ -175,6 +175,18 @@ def local_cores() -> int:
     return int(given)
 
 
+def host_process() -> int:
+    """The pid of the process that spawned this proc (its host): its parent, or
+    for a fork of the fork server (named `meshrl@STAND_IN`) its stand-in's parent.
+    (Not `MESHRL_PROC_STAND_IN`: a fresh proc may inherit that from a forked run.)"""
+    with open("/proc/self/comm") as f:
+        comm = f.read().strip()
+    if comm.startswith(PROC_COMM) and comm[len(PROC_COMM) :].isdigit():
+        with open(f"/proc/{comm[len(PROC_COMM) :]}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    return os.getppid()
+
+
 def setup_proc(
     num_threads: int | None, procs_per_host: int, device_offset: int, host_tag: bool = False
 ) -> None:
@@ -187,7 +199,7 @@ def setup_proc(
     between such hosts as between machines: over RDMA, not through this
     machine's shared memory (`meshrl.weights.publisher.host_id`)."""
     if host_tag:
-        os.environ[HOST_TAG_ENV] = f"process-host-{os.getppid()}"
+        os.environ[HOST_TAG_ENV] = f"process-host-{host_process()}"
     # RDMA registration of CUDA memory wants expandable segments; the allocator
     # reads this at its first CUDA allocation, which comes later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
