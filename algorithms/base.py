@@ -26,7 +26,7 @@ from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.collector import Batch, Collector, decode
 from meshrl.loop.dispatch import Dispatcher
 from meshrl.loop.elastic import Scaler
-from meshrl.loop.evaluation import Evaluator
+from meshrl.loop.evaluation import Evaluator, Judge
 from meshrl.loop.export import start_from
 from meshrl.loop.state import LoopState
 from meshrl.loop.steplog import StepLog, run_faults, weight_paths
@@ -75,6 +75,9 @@ class Algorithm:
     headline = "reward/mean"
     elastic: tuple[str, ...] = ("policy", "environment")
     """Roles whose pools can grow and shrink while the run goes (`scale`)."""
+    judge: Judge | None = None
+    """A method `(completions, temperature) -> {figure: value}` to add figures of the
+    algorithm's own to each held-out set (`eval:`): distillation's teacher KL."""
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -92,6 +95,7 @@ class Algorithm:
         self.evaluator: Any = None
         self.scaler: Any = None
         self.dispatcher: Any = None
+        self.reference: Any = None  # a frozen mesh (a reference, a teacher), where one runs
         self.tokenizer = load_tokenizer(cfg.model)
         self.vision = vision_format(cfg.model)  # None: a text model
         self.context = context_length(cfg.model)
@@ -341,12 +345,16 @@ class Algorithm:
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")
         sup.on_respawn("reference", self.reload_reference)
+        if self.reference is not None and self.frozen_copy is None:
+            sup.on_respawn(self.reference.name)  # a model of its own: it loads it itself
         if self.ckpt.resume() is None:
             sync.pull(policy, sync.publish(trainer))  # version 0: the trainer's weights
             if cfg.warm_start.steps:
                 self.warm_start()
             if self.frozen_copy is not None:
                 sup.call_all(self.reference, "load_weights", sync.handle)
+            if self.evaluator is not None:  # `eval.before`: the held-out sets, untrained
+                self.evaluator.evaluate_before()
         self.log = StepLog(run, cfg.steps, state.step, self.headline)
 
     @property
@@ -354,7 +362,7 @@ class Algorithm:
         """The reference mesh when it holds a frozen copy of the starting policy
         (pulled from the trainer once, saved in checkpoints); None when there is
         none, or when it is a model of its own (distillation's teacher)."""
-        reference = getattr(self, "reference", None)
+        reference = self.reference
         return reference if reference is not None and reference.name == "reference" else None
 
     def spawn_evaluator(self, run: Any) -> Evaluator | None:
@@ -365,7 +373,7 @@ class Algorithm:
         if not cfg.eval.every:
             return None
         if not cfg.eval.mesh:
-            return Evaluator(cfg.eval, self.collector, cfg.run.seed)
+            return Evaluator(cfg.eval, self.collector, cfg.run.seed, judge=self.judge)
         from actors.policy import Policy
 
         mesh = run.spawn(
@@ -373,7 +381,7 @@ class Algorithm:
         )
         sync = WeightSync.from_config(self.sup, cfg.weights)
         self.sup.on_respawn("eval", lambda: sync.catch_up(mesh))
-        return Evaluator(cfg.eval, self.collector, cfg.run.seed, mesh, sync)
+        return Evaluator(cfg.eval, self.collector, cfg.run.seed, mesh, sync, self.judge)
 
     def reload_reference(self) -> None:
         """A replaced reference takes its frozen weights from the newest checkpoint."""

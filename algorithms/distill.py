@@ -15,12 +15,10 @@ then the policy gradient of the per-token reverse KL. `reward_weight` adds the
 task's group-normalized reward to every token's advantage. 0 (the default)
 trains on the teacher alone.
 
-A held-out set of `eval_prompts` prompts is drawn once, from a seed of its own,
-before any other (training never draws them). Every `eval_every` steps the
-student samples one completion per prompt of it,
-the teacher scores it, and the environment rewards it. These give
-`eval/reverse_kl` (per token) and `eval/reward`. Step 0 also logs both before
-any update (`_before`).
+Held-out evaluation is the run's `eval:` sets (drawn once, skipped by training):
+the student samples them, the environment rewards the samples and the teacher
+scores them, giving `eval/<set>/reward` and `eval/<set>/reverse_kl` (per token);
+`eval.before` also logs both before any update (`_before`).
 
 Run it (the teacher is the final model of a GRPO run):
     make run ARGS="run.name=teacher"
@@ -30,10 +28,9 @@ Run it (the teacher is the final model of a GRPO run):
 from __future__ import annotations
 
 import os
-import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -43,16 +40,18 @@ from meshrl.config import ConfigError, ModelConfig
 from meshrl.envs import make_task
 from meshrl.loop.export import start_from
 from meshrl.loop.run import Role, Run
-from meshrl.loop.steplog import add_evaluation
 from meshrl.model.losses import group_advantages, masked_mean, scale_of
 from meshrl.model.tokenizer import context_length, load_tokenizer
-from meshrl.procs.mesh import split
 from meshrl.types import Completions, TrainBatch
 
 
 @dataclass
 class DistillConfig(GRPOConfig):
     CHECKED_APART: ClassVar[tuple[str, ...]] = ("teacher",)  # by `validate`, by its name
+    MOVED: ClassVar[dict[str, str]] = {
+        "eval_every": "eval.every",
+        "eval_prompts": "eval.sets.<name>.prompts",
+    }
     teacher: ModelConfig = field(default_factory=ModelConfig)
     """The frozen teacher: a local HF directory (`teacher.path`) or a model built
     from these keys. Its tokenizer must be the student's (`model`)."""
@@ -65,10 +64,6 @@ class DistillConfig(GRPOConfig):
     """Subtract from each token's advantage the mean over the batch's other tokens
     (leave-one-out: the baseline does not depend on the token's own sample, so the
     expected gradient stays the same), with much less variance."""
-    eval_every: int = 10
-    """Steps between held-out evaluations (and after the last step)."""
-    eval_prompts: int = 64
-    """Prompts in the held-out set: drawn once, from a seed of their own."""
     loss_aggregation: str = "token-mean"
     """How per-token losses become a scalar; see meshrl.model.losses.aggregate."""
 
@@ -93,9 +88,6 @@ class DistillConfig(GRPOConfig):
                 "config key 'group_size': must be >= 2 with reward_weight > 0 "
                 "(reward advantages compare completions of one prompt)"
             )
-        for key in ("eval_every", "eval_prompts"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}': must be >= 1")
         if make_task(self.task).multi_turn:
             raise ConfigError(
                 f"config key 'task.name': distillation runs single-turn tasks ({self.task.name} "
@@ -121,8 +113,6 @@ class Distill(GRPO):
                 f"config key 'teacher': its context ({context_length(cfg.teacher)} tokens) is "
                 f"shorter than the student's ({self.context}), whose samples it scores"
             )
-        self.eval_set: list = []  # drawn when the meshes are up (`spawn_evaluator`)
-        self.before: dict[str, float] | None = None
 
     # --- the meshes: GRPO's, with a teacher where the reference would be ----------
 
@@ -137,26 +127,6 @@ class Distill(GRPO):
 
         cfg = self.cfg
         return run.spawn("teacher", Reference, cfg.teacher, cfg.teacher_seed, cfg.trainer.layout)
-
-    def spawn_evaluator(self, run: Any) -> Any:
-        """Also the held-out prompts, drawn before the warm-start's and training's,
-        which then skip them."""
-        cfg = self.cfg
-        rng = random.Random(f"eval-{cfg.run.seed}")
-        self.eval_set = self.collector.sample_prompts(cfg.eval_prompts, rng)
-        self.collector.held_out |= {p.key for p in self.eval_set}
-        return super().spawn_evaluator(run)
-
-    def compose(self, run: Any, stateful: list) -> None:
-        super().compose(run, stateful)
-        self.sup.on_respawn("teacher")  # a new teacher proc loads its weights itself
-
-    # --- hooks ------------------------------------------------------------------------
-
-    def rollout(self, batch: Any) -> tuple[Completions, torch.Tensor, dict]:
-        if self.before is None and self.state.step == 0:  # before the first update
-            self.before = self.evaluate()
-        return super().rollout(batch)
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B, T]: minus each token's reverse-KL estimate, plus the weighted
@@ -182,33 +152,14 @@ class Distill(GRPO):
         )
         return loss, metrics
 
-    def after_step(self, step: int, metrics: dict) -> None:
-        add_evaluation(
-            metrics, step, self.cfg.eval_every, self.cfg.steps, self.before, self.evaluate
-        )
-        super().after_step(step, metrics)
+    # --- held-out evaluation (`eval:`) ------------------------------------------------
 
-    # --- held-out evaluation ----------------------------------------------------------
-
-    def evaluate(self) -> dict[str, float]:
-        """One completion per held-out prompt from the student now: the teacher's
-        per-token reverse KL to it and the task's reward. Not in the ledger."""
-        cfg, sup = self.cfg, self.sup
-        prompts = self.eval_set
-        ids = self.collector.format.prompts([p.text for p in prompts])
-        shards = split(ids, self.policy.size)
-        parts, _ = sup.call(self.policy, "generate", [(s, cfg.generation) for s in shards])
-        completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+    def judge(self, completions: Completions, temperature: float) -> dict[str, float]:
+        """The teacher's per-token reverse KL to the student's held-out samples."""
         batch = TrainBatch.from_completions(completions)
-        teacher = sup.call_rows(self.reference, "logprobs", batch, cfg.generation.temperature)
-        n = self.environment.size
-        work = zip(split(prompts, n), split(completions.completion_lists(), n), strict=True)
-        scores, _ = sup.call(self.environment, "score", list(work))
-        rewards = [reward for part, _ in scores for reward in part]
-        mask = batch.completion_mask
+        teacher = self.sup.call_rows(self.reference, "logprobs", batch, temperature)
         return {
-            "eval/reverse_kl": masked_mean(batch.old_logprobs - teacher, mask).item(),
-            "eval/reward": sum(rewards) / len(rewards),
+            "reverse_kl": masked_mean(batch.old_logprobs - teacher, batch.completion_mask).item()
         }
 
 

@@ -44,7 +44,7 @@ ROWS = [  # (algorithm, module, config)
 ]
 HELD_OUT = {  # module: (key, headline) of an evaluation before the first step and after
     "dpo": ("eval/accuracy", "held-out accuracy"),
-    "distill": ("eval/reverse_kl", "held-out reverse KL"),
+    "distill": ("eval/heldout/reverse_kl", "held-out reverse KL"),
     "sft": ("eval/nll", "held-out NLL"),
     "coevolve": ("eval/a/win_rate_vs_random", "win rate vs random"),
 }

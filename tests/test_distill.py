@@ -57,8 +57,8 @@ def distill_config(tmp_path, teacher: str, *overrides: str) -> DistillConfig:
             f"teacher.path={teacher}",
             "steps=60",
             "warm_start.steps=20",  # the answer format first: the test is short
-            "eval_every=30",
-            "eval_prompts=32",
+            "eval.every=30",
+            "eval.sets.heldout.prompts=32",
             "placement.teacher=2",
             f"run.dir={tmp_path}",
             "run.name=distill",
@@ -73,9 +73,10 @@ def test_student_reverse_kl_to_a_teacher_falls(tmp_path, no_stray_procs):
     records = Distill(distill_config(tmp_path, teacher)).run()
     assert [r["step"] for r in records] == list(range(60))
     assert not undocumented_metrics(records, "algorithms/distill.md")
-    before = records[0]["eval/reverse_kl_before"]
-    evals = [r["eval/reverse_kl"] for r in records if "eval/reverse_kl" in r]
+    before = records[0]["eval/heldout/reverse_kl_before"]
+    evals = [r["eval/heldout/reverse_kl"] for r in records if "eval/heldout/reverse_kl" in r]
     assert len(evals) == 2 and before > 1.0, (before, evals)
+    assert "eval/heldout/reward_before" in records[0] and "eval/heldout/reward" in records[-1]
     assert evals[-1] < 0.6 * before, (before, evals)  # measured: 6.49 -> 2.47
     # The training figure is the same quantity, on the batch's own samples.
     assert records[-1]["distill/reverse_kl"] < 0.6 * records[0]["distill/reverse_kl"]
@@ -85,6 +86,9 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
     teacher = save_teacher(tmp_path / "teacher", steps=0, extra_token="<tool>")
     with pytest.raises(ConfigError, match="distillation needs a shared vocabulary"):
         Distill(distill_config(tmp_path, teacher))
+    # Its held-out set is the run's `eval:` set now (one evaluation system).
+    with pytest.raises(ConfigError, match="'eval_prompts' is now 'eval.sets.<name>.prompts'"):
+        distill_config(tmp_path, teacher, "eval_prompts=8")
 
 
 def test_token_advantages_are_the_teachers_log_ratio_with_a_baseline():

@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,6 +75,9 @@ class EvalConfig:
 
     every: int = 0
     """Steps between evaluations (and after the last step); 0: none."""
+    before: bool = False
+    """Also evaluate once before the first update (after any warm-start), logged with
+    step 0's record as `eval/<set>/<figure>_before`; not on a resumed run."""
     mesh: bool = False
     """Sample on an `eval` policy mesh of its own (`procs` procs), which pulls the
     step's weights and samples while the next step trains; its figures are logged
@@ -98,19 +102,33 @@ class EvalConfig:
             spec.validate(f"eval.sets.{name}")
 
 
+Judge = Callable[[Completions, float], dict[str, float]]
+"""Figures of an algorithm's own about a set's samples (distillation: the teacher's
+reverse KL), from the completions and their sampling temperature."""
+
+
 class Evaluator:
     """A run's held-out sets (drawn once) and their evaluation. `collector` (a
     `Collector`) lays out the prompts, skips them in training, and reaches the
     policy and environment meshes through its supervisor. `mesh`: an `eval`
     policy mesh of its own (then `sync`, a `WeightSync` for it, gets each
-    version's handle from the run's)."""
+    version's handle from the run's). `judge`: more figures per single-turn set,
+    logged beside its reward as `eval/<set>/<figure>`."""
 
     def __init__(
-        self, cfg: EvalConfig, collector: Any, seed: int, mesh: Any = None, sync: Any = None
+        self,
+        cfg: EvalConfig,
+        collector: Any,
+        seed: int,
+        mesh: Any = None,
+        sync: Any = None,
+        judge: Judge | None = None,
     ):
         self.cfg, self.collector, self.mesh, self.sync = cfg, collector, mesh, sync
+        self.judge = judge
         self.sets: dict[str, list[Prompt]] = {}
         self.pending: tuple[int, dict] | None = None  # (step, per set: the calls in flight)
+        self.before: dict[str, float] = {}  # `cfg.before`'s figures, until step 0 logs them
         task = collector.task
         for name, spec in cfg.sets.items():
             if spec.dataset:
@@ -140,6 +158,8 @@ class Evaluator:
         last step, collected too."""
         started, due = time.perf_counter(), self.due(step, last)
         figures = self.finish() if self.pending is not None else {}
+        figures.update({f"{key}_before": value for key, value in self.before.items()})
+        self.before = {}
         if due:
             if self.mesh is None:
                 figures.update(self.evaluate())
@@ -156,6 +176,12 @@ class Evaluator:
         self.pending = (-1, {name: self._send(name, self.collector.policy) for name in self.sets})
         return self.finish()
 
+    def evaluate_before(self) -> None:
+        """`cfg.before`: every set now, before the first update; the figures go with
+        step 0's record."""
+        if self.cfg.before and self.sets:
+            self.before = self.evaluate()
+
     def start(self, step: int, handle: Any) -> None:
         """The eval mesh takes `handle`'s weights, then samples every set; nothing
         waits for the samples."""
@@ -169,7 +195,8 @@ class Evaluator:
         figures = {"eval/step": step} if step >= 0 else {}
         for name, prompts in self.sets.items():
             spec = self.cfg.sets[name]
-            rewards = self._score(name, *calls[name])
+            rewards, judged = self._score(name, *calls[name])
+            figures.update({f"eval/{name}/{key}": value for key, value in judged.items()})
             passed = [sum(r >= spec.threshold for r in per) for per in rewards]
             figures[f"eval/{name}/reward"] = sum(map(sum, rewards)) / (len(prompts) * spec.k)
             figures[f"eval/{name}/pass@1"] = _mean(pass_at_k(spec.k, c, 1) for c in passed)
@@ -197,12 +224,13 @@ class Evaluator:
 
     def _score(
         self, name: str, role: Any, args: list, futures: list, respawns: int
-    ) -> list[list[float]]:
+    ) -> tuple[list[list[float]], dict[str, float]]:
         """[prompt][sample] rewards of a set's samples from the environment mesh
-        (not entered in the sample ledger)."""
+        (not entered in the sample ledger), and the judge's figures."""
         spec, collector = self.cfg.sets[name], self.collector
         sup, environment = collector.sup, collector.environment
         group = [p for p in self.sets[name] for _ in range(spec.k)]
+        judged: dict[str, float] = {}
         if collector.task.multi_turn:
             flat = self._episodes(name, group, role)
         else:
@@ -212,7 +240,10 @@ class Evaluator:
             work = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
             scores, _ = sup.call(environment, "score", list(work))
             flat = [reward for part, _ in scores for reward in part]
-        return [flat[i * spec.k : (i + 1) * spec.k] for i in range(len(self.sets[name]))]
+            if self.judge is not None:
+                judged = self.judge(completions, spec.temperature)
+        rewards = [flat[i * spec.k : (i + 1) * spec.k] for i in range(len(self.sets[name]))]
+        return rewards, judged
 
     def _episodes(self, name: str, group: list[Prompt], role: Any) -> list[float]:
         """A multi-turn task's episodes of `group` on `role`'s replicas and the
