@@ -94,11 +94,15 @@ class RLConfig:
                 "config key 'trainer.recompute_old_logprobs': false, but trainer.correction "
                 f"'{self.trainer.correction}' needs the trainer's old log-probs"
             )
-        if not recompute and self.policy.engine == "vllm" and self.generation.top_p < 1:
+        if not recompute and self.generation.top_p < 1:
+            # Either engine's behaviour log-probs are those of the distribution sampled
+            # from (the nucleus, renormalized); the trainer scores the whole one. (The
+            # `min_new_tokens` ban is allowed: it moves only the first tokens' log-probs,
+            # by their stop ids' mass, and benchmarks use it for equal work.)
             raise ConfigError(
-                "config key 'trainer.recompute_old_logprobs': false with policy.engine=vllm "
-                "and generation.top_p < 1: vLLM's log-probs are those of the truncated "
-                "distribution, so every ratio would be biased (set it to auto or true)"
+                "config key 'trainer.recompute_old_logprobs': false with generation.top_p < 1: "
+                "the sampler's log-probs are those of the truncated distribution it drew from, "
+                "so every ratio would be biased (set it to auto or true)"
             )
         for key in ("steps", "prompts_per_step", "epochs", "minibatches"):
             if getattr(self, key) < 1:

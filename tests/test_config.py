@@ -82,6 +82,7 @@ def test_saved_config_loads_back_identically(tmp_path):
             ["policy.engine=vllm", "generation.top_p=0.9", "trainer.recompute_old_logprobs=false"],
             "trainer.recompute_old_logprobs",
         ),
+        (["generation.top_p=0.9", "trainer.recompute_old_logprobs=false"], "generation.top_p"),
         (["trainer.micro_batches=0"], "trainer.micro_batches"),
         (["trainer.micro_batches=200"], "trainer.micro_batches"),
         (["generation.min_new_tokens=9"], "generation.min_new_tokens"),

@@ -88,6 +88,40 @@ def test_sampling_logprobs_match_full_forward_and_stop_at_eos():
     assert torch.allclose(recomputed * mask, logprobs * mask, atol=1e-5)
 
 
+def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from():
+    """After temperature, the min_new_tokens ban and top-p (renormalized over the
+    nucleus): vLLM's `processed_logprobs` mean the same, so both engines agree."""
+    model = load_model(ModelConfig(), seed=0).eval()
+    tok = build_char_tokenizer()
+    enc = tok(["471>", "12>", "5>"] * 4, padding=True, return_tensors="pt")
+    temperature, top_p, min_new = 0.8, 0.6, 3
+    ids, logprobs, mask = sample(
+        model,
+        enc.input_ids,
+        enc.attention_mask.float(),
+        max_new_tokens=6,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        temperature=temperature,
+        top_p=top_p,
+        min_new_tokens=min_new,
+        generator=torch.Generator().manual_seed(0),
+    )
+    full_ids = torch.cat([enc.input_ids, ids], 1)
+    full_mask = torch.cat([enc.attention_mask, mask.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask).logits.float()
+    width = enc.input_ids.shape[1]
+    for t in range(ids.shape[1]):
+        step = logits[:, width + t - 1] / temperature
+        if t < min_new:
+            step[:, tok.eos_token_id] = -float("inf")
+        processed = top_p_filter(torch.softmax(step, -1), top_p)
+        want = processed.gather(-1, ids[:, t : t + 1])[:, 0].log()
+        live = mask[:, t].bool()
+        torch.testing.assert_close(logprobs[live, t], want[live], atol=1e-5, rtol=1e-5)
+
+
 def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
     """A chat model ends a turn on its own EOS (generation_config) as well as the
     tokenizer's: the stop set holds both, and sampling stops on either."""

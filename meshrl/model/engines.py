@@ -6,10 +6,10 @@ in-process vLLM engine. Either way the replica pulls each weight version into
 its HF model through `meshrl.weights.publisher`, so the versioned sync is the same; the
 vLLM engine then loads that model's tensors into its own (fused) layers.
 
-Both return what the trainer needs: completion ids, the sampling log-prob of
-each token under softmax(logits / temperature) (vLLM's `processed_logprobs`;
-vLLM applies top-p before taking them, `hf` after, so they differ when
-top_p < 1), and the mask (generated tokens up to and including EOS).
+Both return what the trainer needs: completion ids, the behaviour log-prob of
+each token under the distribution it was drawn from (after temperature, the
+`min_new_tokens` ban and top-p: vLLM's `processed_logprobs`, and the same on
+`hf`), and the mask (generated tokens up to and including EOS).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class VLLMEngine:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs",  # after temperature, as the trainer scores
+            logprobs_mode="processed_logprobs",  # after temperature, min_tokens and top-p
         )
         self.weights_changed()
 

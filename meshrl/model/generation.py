@@ -185,14 +185,23 @@ def _next_tokens(
     top_p: float,
     seeds: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The token each decode row draws at `step` [R], with the log-probs and probs
-    [R, V] of softmax(logits / temperature) without the `banned` ids."""
+    """The token each decode row draws at `step` [R] and its behaviour log-prob [R]:
+    under the distribution it was drawn from, softmax(logits / temperature) without
+    the `banned` ids and, with `top_p` < 1, renormalized over the nucleus (vLLM's
+    `processed_logprobs` mean the same); then the log-probs and probs [R, V] before
+    top-p (for the entropy)."""
     logits = logits.float() / temperature
     if banned is not None:
         logits[:, banned] = -float("inf")
     logp = torch.log_softmax(logits, dim=-1)
     probs = logp.exp()
-    return draw(top_p_filter(probs, top_p), row_uniforms(seeds, step)), logp, probs
+    sampled = top_p_filter(probs, top_p)
+    token = draw(sampled, row_uniforms(seeds, step))
+    if top_p >= 1.0:
+        behaviour = logp.gather(-1, token[:, None])[:, 0]
+    else:
+        behaviour = sampled.gather(-1, token[:, None])[:, 0].log()
+    return token, behaviour, logp, probs
 
 
 def _banned(model, stop: torch.Tensor, min_new_tokens: int, images: bool):
@@ -240,8 +249,10 @@ def sample(
     generated tokens up to and including EOS (any of `eos_token_id`'s ids). A `stats` dict receives
     `entropy_sum`: the entropy of softmax(logits / temperature) summed over
     the generated tokens (divide by completion_mask.sum() for the mean).
-    The first `min_new_tokens` tokens cannot be a stop id (their log-probs are
-    those of the distribution without them, as in HF and vLLM).
+    `logprobs` are the behaviour log-probs: each token's under the distribution it
+    was drawn from (after temperature, the `min_new_tokens` ban and top-p, as vLLM's
+    `processed_logprobs`): the first `min_new_tokens` tokens cannot be a stop id, and
+    with `top_p` < 1 the nucleus is renormalized.
 
     Row b's randomness is `seeds[b]` alone (drawn from `generator` when None),
     so a row's tokens do not depend on the rows beside it. `share_prefix`:
@@ -275,7 +286,7 @@ def sample(
         steps = 0
         for step in range(max_new_tokens):
             steps = step + 1
-            token, logp, probs = _next_tokens(
+            token, behaviour, logp, probs = _next_tokens(
                 logits, step, temperature, banned_at(step), top_p, seeds[live]
             )
             if stats is not None:
@@ -283,7 +294,7 @@ def sample(
                 entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
             running = ~finished[live]
             tokens[live, step] = torch.where(running, token, pad_token_id)
-            logprobs[live, step] = torch.where(running, logp.gather(-1, token[:, None])[:, 0], 0.0)
+            logprobs[live, step] = torch.where(running, behaviour, 0.0)
             masks[live, step] = running.float()
             finished[live] |= torch.isin(token, stop)
             if step == max_new_tokens - 1 or bool(finished.all()):
