@@ -535,8 +535,7 @@ class Algorithm:
             batch.sampler_logprobs,
             batch.completion_mask,
             cfg.trainer.correction,
-            cfg.trainer.correction_low,
-            cfg.trainer.correction_high,
+            *cfg.trainer.correction_band(),
         )
         return mismatch_metrics(
             batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights

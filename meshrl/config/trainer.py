@@ -8,6 +8,18 @@ from meshrl.config.files import check
 
 LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.model.packing)."""
+CORRECTION_HIGH = {
+    "tis": 2.0,
+    "mis-token": 2.0,
+    "mis-sequence": 2.0,
+    "icepop": 5.0,
+    "geo-mask": 2.0,
+}
+"""Each correction's upper bound where `trainer.correction_high` is not set, from its
+source: TIS and MIS truncate at 2 (Yao et al. 2025, "Your efficient RL framework
+secretly brings you off-policy RL training"); IcePop masks outside [0.5, 5] (Ling Team
+2025, "Every Step Evolves", arXiv 2510.18855); the geometric sequence mask has no
+published default and takes TIS's."""
 
 
 @dataclass
@@ -31,9 +43,13 @@ class TrainerConfig:
     icepop (token mask outside [low, high]), geo-mask (sequence mask on the
     geometric mean ratio). See meshrl.model.losses."""
     correction_low: float = 0.5
-    """Lower bound of the ratio band (icepop, geo-mask)."""
-    correction_high: float = 2.0
-    """Upper bound: the truncation (tis) or the band's top (the others)."""
+    """Lower bound of the ratio band (icepop, geo-mask): IcePop's 0.5 (Ling Team
+    2025, Ring-1T)."""
+    correction_high: float | None = None
+    """Upper bound: the truncation (tis) or the band's top (the others). None: the
+    method's own (`CORRECTION_HIGH`): 2.0 for tis and mis (the truncation of Yao et
+    al. 2025), 5.0 for icepop (Ring-1T's band is [0.5, 5]; [0.5, 2] trained
+    unstably there), 2.0 for geo-mask (no published default: TIS's)."""
     layout: str = "tree"
     """How the trainer, reference and critic lay a batch out for their forward
     pass (meshrl.model.packing): tree (no padding, and the completions of one prompt
@@ -68,11 +84,20 @@ class TrainerConfig:
             f"'{self.layout}' is not one of {', '.join(LAYOUTS)}",
         )
         check(self.correction_low >= 0, "trainer.correction_low", "must be >= 0")
+        low, high = self.correction_band()
         check(
-            self.correction_low < self.correction_high,
+            low < high,
             "trainer.correction_low",
-            f"{self.correction_low} must be below trainer.correction_high ({self.correction_high})",
+            f"{low} must be below trainer.correction_high ({high})",
         )
+
+    def correction_band(self) -> tuple[float, float]:
+        """(low, high) of the ratio band, `correction_high` None resolved to the
+        method's own bound."""
+        high = self.correction_high
+        return self.correction_low, CORRECTION_HIGH.get(
+            self.correction, 2.0
+        ) if high is None else high
 
     def check_offline(self, algorithm: str, micro_batches: bool = True) -> None:
         """For an algorithm that trains on fixed data, no sampler in the loop (DPO,
