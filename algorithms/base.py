@@ -39,7 +39,8 @@ from meshrl.model.tokenizer import context_length, load_tokenizer, vision_format
 from meshrl.procs.mesh import RemoteCallError
 from meshrl.types import Completions, TrainBatch
 
-DROP_REASONS = ("policy_lost", "stale", "trainer_rewind")
+DROP_REASONS = ("stale", "trainer_rewind")
+REDO_REASONS = ("policy_lost",)
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
 
 
@@ -544,7 +545,7 @@ class Algorithm:
     def accounting(self, trained: int) -> dict:
         """The step's sample ledger and the run's fault counters."""
         return {
-            **self.state.ledger.step_metrics(trained, DROP_REASONS),
+            **self.state.ledger.step_metrics(trained, DROP_REASONS, REDO_REASONS),
             **self.sup.metrics(),
             **self.scaler.metrics(),
             "samples/skipped_overlong_prompts": self.state.counters["skipped_prompts"],

@@ -10,7 +10,7 @@ Each fault is a drill from the `faults:` config, at a random step after the
 first checkpoint: a proc of a random role killed (`faults.kill`), or a random
 drillable endpoint made to raise on every proc of its role (`faults.raise_in`,
 retried once). Prints the faults injected and recovered, the samples
-generated, trained and dropped (by reason), and any sample unaccounted for
+generated, trained, dropped and redone (by reason), and any sample unaccounted for
 ("lost"), then one JSON object of the figures as its last line.
 
 `--standby` runs it twice with the same schedule of kills, of policy and
@@ -173,6 +173,7 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
         "samples_generated": last["samples/generated_total"],
         "samples_trained": last["samples/trained_total"],
         "samples_dropped": dict(dropped),
+        "samples_redone": dict(sorted(algo.state.ledger.redone.items())),
         "samples_lost": lost,
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
         "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),

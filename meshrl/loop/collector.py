@@ -6,7 +6,7 @@ The loop sends generation itself (`policy.slice(procs=i).generate.call_one`)
 into a `Batch` laid out here (`Collector.layout`); `finish(batch)` collects
 it and scores it. A lost proc is replaced and the call made again (the
 `Supervisor`); what a failed generation produced is counted as dropped
-(`policy_lost`), a batch more than `max_staleness` versions old is generated
+again (`policy_lost`, counted as redone), a batch more than `max_staleness` versions old is generated
 again (`stale`), and a group with a failed episode is replaced by new prompts
 (`env_failed`). Multi-turn episodes (`meshrl.envs.rollout`) are played in `finish`.
 """
@@ -188,8 +188,9 @@ class Collector:
 
     def collect(self, batch: Batch) -> Completions:
         """A batch's completions. A policy proc that dies is replaced and a call that
-        raised may be retried: the generation is done again, and what the failed
-        call generated on every replica is counted as dropped (`policy_lost`)."""
+        raised may be retried: the same generation (the same prompts and per-row
+        seeds) is done again, and what the failed call generated on every replica
+        is counted as redone (`policy_lost`), not as dropped."""
         if batch.completions is None:
             args = self.generate_args(batch)
             started = (batch.calls, batch.respawns) if batch.calls is not None else None
@@ -198,8 +199,8 @@ class Collector:
             batch.lost = repeats * len(batch)
         if not batch.counted:
             batch.counted = True
-            self.state.ledger.generated += len(batch) + batch.lost
-            self.state.ledger.drop("policy_lost", batch.lost)
+            self.state.ledger.generated += len(batch)
+            self.state.ledger.redo("policy_lost", batch.lost)
         return batch.completions
 
     def finish(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:

@@ -419,7 +419,8 @@ class Dispatcher:
 
     def _failed(self, role: str, rank: int, groups: list[Group], error: RemoteCallError) -> None:
         """A call failed: its groups go back to the queue. A lost proc is replaced
-        (what its generation made is counted as `policy_lost`); an error raised
+        (its groups are generated again with the same seeds: counted as redone,
+        `policy_lost`); an error raised
         in the actor is retried per `faults.retry_errors`."""
         if role == "policy":
             self.pending.extendleft(reversed(groups))
@@ -429,8 +430,7 @@ class Dispatcher:
             self.sup.stray(self.policy if role == "policy" else self.environment, error)
         elif error.proc_lost:
             if role == "policy":
-                self.state.ledger.generated += len(groups) * self.k
-                self.state.ledger.drop("policy_lost", len(groups) * self.k)
+                self.state.ledger.redo("policy_lost", len(groups) * self.k)
             self.sup.recover(self.policy if role == "policy" else self.environment, error)
         else:
             self.sup.retry(error, self.errors)

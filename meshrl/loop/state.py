@@ -23,30 +23,49 @@ class Ledger:
 
     `dropped` holds the run's totals by reason; `this_step` what was dropped
     since the last `step_metrics()`, which a step logs (a drop counted between
-    two steps, such as a rewind's, is logged by the step after it)."""
+    two steps, such as a rewind's, is logged by the step after it).
+
+    Work lost with a proc is not a drop: the same samples (same prompts, same
+    per-row seeds) are generated again, and the batch that trains is the one that
+    would have trained. `redone` counts those repeats by reason (`policy_lost`);
+    they are not in `generated`."""
 
     generated: int = 0
     trained: int = 0
     dropped: Counter = field(default_factory=Counter)
     this_step: Counter = field(default_factory=Counter)
+    redone: Counter = field(default_factory=Counter)
+    redone_this_step: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, count: int) -> None:
         self.dropped[reason] += count
         self.this_step[reason] += count
 
-    def step_metrics(self, trained: int, reasons: tuple[str, ...] = ()) -> dict[str, int]:
-        """Count `trained` samples of this step; the step's drops by reason (every
-        reason in `reasons` logged, 0 if none) and the run's totals."""
+    def redo(self, reason: str, count: int) -> None:
+        """`count` samples generated again, the same ones, after `reason`."""
+        self.redone[reason] += count
+        self.redone_this_step[reason] += count
+
+    def step_metrics(
+        self, trained: int, reasons: tuple[str, ...] = (), redo_reasons: tuple[str, ...] = ()
+    ) -> dict[str, int]:
+        """Count `trained` samples of this step; the step's drops and repeats by
+        reason (every reason in `reasons` and `redo_reasons` logged, 0 if none) and
+        the run's totals."""
         self.trained += trained
         step, self.this_step = self.this_step, Counter()
+        again, self.redone_this_step = self.redone_this_step, Counter()
         metrics = {f"samples/dropped_{r}": step[r] for r in sorted({*reasons, *step})}
+        redone = {f"samples/redone_{r}": again[r] for r in sorted({*redo_reasons, *again})}
         return {
             "samples/trained": trained,
             **metrics,
+            **redone,
             "samples/dropped": sum(step.values()),
             "samples/generated_total": self.generated,
             "samples/trained_total": self.trained,
             "samples/dropped_total": sum(self.dropped.values()),
+            "samples/redone_total": sum(self.redone.values()),
         }
 
     def state_dict(self) -> dict:
@@ -55,11 +74,16 @@ class Ledger:
             "trained": self.trained,
             "dropped": dict(self.dropped),
             "this_step": dict(self.this_step),
+            "redone": dict(self.redone),
+            "redone_this_step": dict(self.redone_this_step),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.generated, self.trained = state["generated"], state["trained"]
         self.dropped, self.this_step = Counter(state["dropped"]), Counter(state["this_step"])
+        # (Checkpoints written before `redone` was kept have none.)
+        self.redone = Counter(state.get("redone", {}))
+        self.redone_this_step = Counter(state.get("redone_this_step", {}))
 
 
 @dataclass

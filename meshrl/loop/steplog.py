@@ -147,18 +147,19 @@ def weight_paths(paths: list[str]) -> str:
 
 def run_faults(state: LoopState) -> str:
     """What the summary line says of faults: the procs replaced and the samples
-    dropped, by reason (nothing when there were none)."""
+    dropped and redone, by reason (nothing when there were none)."""
     parts = []
     if state.recoveries:
         roles = Counter(entry.split(":")[0] for entry in state.recoveries)
         parts.append("recoveries: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items())))
-    dropped = {reason: n for reason, n in sorted(state.ledger.dropped.items()) if n}
-    if dropped:
-        parts.append(
-            f"samples dropped: {sum(dropped.values())} ("
-            + ", ".join(f"{n} {reason}" for reason, n in dropped.items())
-            + ")"
-        )
+    for word, counts in (("dropped", state.ledger.dropped), ("redone", state.ledger.redone)):
+        counted = {reason: n for reason, n in sorted(counts.items()) if n}
+        if counted:
+            parts.append(
+                f"samples {word}: {sum(counted.values())} ("
+                + ", ".join(f"{n} {reason}" for reason, n in counted.items())
+                + ")"
+            )
     return "".join(f" | {part}" for part in parts)
 
 
