@@ -1,6 +1,6 @@
 # `make run`  : create .venv, install, run GRPO on the embedded default (ARGS="key=value ...")
 # `make test` : create/update .venv, install, lint, run every test (WORKERS=2 pytest workers)
-# `make check`: the fast tiers for the edit loop (lint, then the `unit` and `actors` tests)
+# `make check`: the fast tiers for the edit loop (lint, then tests/unit and tests/actors)
 # `make bench` : the speed benchmarks (weight sync, the sampler's shared prompts, prefix-shared
 #                training, GRPO vs TRL in four cells, step breakdown, rollout latency, sandbox,
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
@@ -43,7 +43,7 @@ test: lint
 	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
 
 check: lint
-	$(BIN)/python -m pytest -n $(WORKERS) -m "unit or actors" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) tests/unit tests/actors $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
@@ -65,10 +65,10 @@ bench: $(STAMP)
 		--controller-json runs/bench/controller_scale.json
 
 cluster: $(STAMP)
-	$(BIN)/python -m tests.slurm_cluster start --dir runs/slurm
+	$(BIN)/python -m tests.support.slurm_cluster start --dir runs/slurm
 
 cluster-stop: $(STAMP)
-	$(BIN)/python -m tests.slurm_cluster stop --dir runs/slurm
+	$(BIN)/python -m tests.support.slurm_cluster stop --dir runs/slurm
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)

@@ -1,4 +1,4 @@
-"""SLURM against `local`, on a private SLURM cluster started here (tests/slurm_cluster.py):
+"""SLURM against `local`, on a private SLURM cluster started here (tests/support/slurm_cluster.py):
 
 - seconds from the command to the first step, GRPO on SLURM (trainer, 2 policy nodes,
   environment: 4 allocations) beside the same config on `local`, as a ratio;
@@ -28,7 +28,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.slurm_cluster import Cluster  # noqa: E402
+from tests.support.slurm_cluster import Cluster  # noqa: E402
 
 CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
 PINNED = [

@@ -57,7 +57,7 @@ def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
             "placement.threads_per_proc=1",
             "rollout.groups_per_call=2",
             # Generation that costs more with more rows (the default model's calls
-            # are mostly overhead on a CPU), as in tests/test_elastic.py.
+            # are mostly overhead on a CPU), as in tests/e2e/test_elastic.py.
             "model.hidden_size=256",
             "model.intermediate_size=1024",
             "generation.max_new_tokens=16",

@@ -126,25 +126,48 @@ def no_stray_procs():
     assert not left, f"Monarch procs outlived the test: {sorted(left)}"
 
 
-TIERS = ("unit", "actors", "e2e", "notebook", "cluster")
+TIERS = ("unit", "actors", "e2e", "learning", "notebook", "cluster")
 """Every test names its tier (pyproject's markers): `make check` runs unit and actors."""
+
+FOLDERS = {
+    "unit": "unit",
+    "actors": "actors",
+    "e2e": "e2e",
+    "learning": "learning",
+    "notebooks": "notebook",
+    "cluster": "cluster",
+}
+"""Each tier's tests live in a folder of their own under tests/ (the folder, its marker);
+tests/support/ holds the helpers they share and the modules runs load by name."""
 
 
 FIRST = (
-    "test_cluster.py",
-    "test_algorithms.py",
-    "test_environments.py",
-    "test_notebooks.py",
-    "test_e2e.py",
-    "test_job.py",
-    "test_elastic.py",
-    "test_recovery.py",
+    "cluster/test_cluster.py",
+    "learning/test_algorithms.py",
+    "learning/test_environments.py",
+    "learning/test_default_run.py",
+    "notebooks/test_notebooks.py",
+    "e2e/test_e2e.py",
+    "e2e/test_job.py",
+    "e2e/test_elastic.py",
+    "e2e/test_recovery.py",
 )
-"""The longest files, longest first (about 480, 220, 200, 200, 100, 100, 80 and 70 s
-alone, measured on 2 cores): `make test`'s two pytest workers (`-n 2`) each take
-the next whole file when theirs ends (`pytest_xdist_make_scheduler`), so the
-long ones go first and the short ones fill in at the end. The SLURM tier, which
-mostly waits on the scheduler, then runs beside the rest."""
+"""The longest files, longest first, by their path under tests/: `make test`'s two pytest
+workers (`-n 2`) each take the next whole file when theirs ends
+(`pytest_xdist_make_scheduler`), so the long ones go first and the short ones fill in
+at the end. (Measured on 2 cores before the tiers had folders of their own, whole
+files: test_cluster.py about 480 s, test_algorithms.py 220, test_environments.py 200,
+test_notebooks.py 200, test_e2e.py 100, test_job.py 100, test_elastic.py 80 and
+test_recovery.py 70.) The SLURM tier, which mostly waits on the scheduler, then runs
+beside the rest."""
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def relative(item) -> str:
+    """`item`'s file by its path under tests/ ("unit/test_job.py"): two folders may hold
+    files of the same name."""
+    return os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -171,12 +194,25 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: in file order
-    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    rank = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(relative(item), len(FIRST)))  # stable: in file order
+    untiered, misplaced = [], []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        folder = FOLDERS.get(relative(item).split("/")[0])
+        if not tiers:
+            untiered.append(item.nodeid)
+        elif tiers != [folder]:
+            misplaced.append(f"{item.nodeid} ({', '.join(tiers)})")
     if untiered:
         raise pytest.UsageError(
             f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered)}"
+        )
+    if misplaced:
+        raise pytest.UsageError(
+            "tests whose tier marker is not their folder's (tests/<folder>/ holds the tier "
+            + ", ".join(f"{t} in {f}/" for f, t in FOLDERS.items())
+            + f"): {', '.join(misplaced)}"
         )
 
 
@@ -192,10 +228,10 @@ def local_master() -> tuple[str, int]:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real SLURM cluster on this machine for the `cluster` tests: slurmctld and
-    12 slurmd (`tests/slurm_cluster.py`), installed from Debian's packages when
+    12 slurmd (`tests/support/slurm_cluster.py`), installed from Debian's packages when
     missing and possible; skipped with the reason where it is not. After the
     session: no daemon, no job."""
-    from tests.slurm_cluster import Cluster
+    from tests.support.slurm_cluster import Cluster
 
     why = Cluster.unavailable()
     if why:
@@ -204,7 +240,7 @@ def slurm_cluster(tmp_path_factory):
     # A pytest process killed hard (SIGKILL, or an xdist worker on Ctrl-C) runs no
     # teardown: this process, in a session of its own, stops the cluster once it is gone.
     reaper = subprocess.Popen(
-        [sys.executable, "-m", "tests.slurm_cluster", "stop", "--dir", cluster.root]
+        [sys.executable, "-m", "tests.support.slurm_cluster", "stop", "--dir", cluster.root]
         + ["--after", str(os.getpid())],
         cwd=REPO,
         start_new_session=True,
@@ -219,3 +255,21 @@ def slurm_cluster(tmp_path_factory):
         reaper.wait()
     assert not cluster.pids(), "a SLURM daemon outlived the suite"
     assert not cluster.processes(), f"processes of the cluster outlived it: {cluster.processes()}"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MB tmpfs at tmp_path/disk, unmounted after the test."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -261,7 +261,7 @@ def sample(
     row's distribution as it is: the same seeds give the same tokens (unless a draw
     falls within rounding of a boundary between two tokens' probability mass) and
     log-probs equal up to float rounding (other batch shapes, other matmul
-    blockings): tests/test_packing.py. `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
+    blockings): tests/unit/test_packing.py. `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
     position's experts (`meshrl.model.routing`); -1 on padding and the unfed last token."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:

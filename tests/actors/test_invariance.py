@@ -1,0 +1,162 @@
+"""Same math at any placement and layout: one fixed batch, the gradient of one
+optimizer step under trainer 1 / 2 procs, DDP / FSDP2, micro-batches 1 / 2,
+critic 1 / 2 procs, and batch layouts padded / tree / packed
+(`trainer.layout`: padded against tree), on real trainer and critic meshes (gloo). Each must equal
+the single-proc padded gradient within 1e-5 relative (float sums in another
+order), for every loss aggregation, the KL term, the value loss and the DPO loss. The end-to-end variant (placement
+through the whole loop) is in tests/e2e/test_e2e.py."""
+
+import tempfile
+
+import pytest
+import torch
+
+from actors.critic import Critic
+from actors.trainer import Trainer
+from algorithms.base import HookLoss
+from algorithms.dpo import DPO, DPOConfig
+from algorithms.grpo import GRPO, GRPOConfig
+from meshrl.config import ModelConfig, OptimConfig
+from meshrl.model.losses import AGGREGATIONS
+from meshrl.procs.mesh import RoleMeshes, call_all, call_each
+from meshrl.types import TrainBatch
+from tests.conftest import local_master
+
+pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
+
+TIMEOUT = 120
+MODEL = ModelConfig()
+TOLERANCE = 1e-5
+
+
+def grpo_loss(aggregation: str) -> HookLoss:
+    """GRPO's loss hook with `aggregation`, clip-higher and a KL term."""
+    cfg = GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1, clip_high=0.28)
+    return HookLoss(GRPO(cfg))
+
+
+def dpo_loss_hook() -> HookLoss:
+    algorithm = DPO.__new__(DPO)  # only the class and the config travel
+    algorithm.cfg = DPOConfig(beta=0.5)
+    return HookLoss(algorithm)
+
+
+def fixed_batch(rows: int = 8, prompt: int = 3, completion: int = 6) -> TrainBatch:
+    """Two groups of 4 rows, each sharing a prompt (3 and 2 tokens: left
+    padding), completions of very different lengths (1 to 6 counted tokens), a
+    ratio away from 1 (old log-probs perturbed), per-row advantages and
+    reference log-probs."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 6, 2, 5, 6, 1, 3, 4])[:rows]
+    mask = (torch.arange(completion) < lengths.unsqueeze(1)).float()
+    ids = torch.randint(3, 30, (rows, prompt + completion), generator=g)
+    ids[:, :prompt] = ids[torch.arange(rows) // 4 * 4, :prompt]  # groups of 4
+    prompt_mask = torch.ones(rows, prompt)
+    prompt_mask[4:, 0] = 0  # the second group's prompt is a token shorter
+    ids[4:, 0] = 0
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.cat([prompt_mask, mask], 1),
+        completion_mask=mask,
+        old_logprobs=-3.5 + 0.3 * torch.randn(rows, completion, generator=g),
+        advantages=torch.randn(rows, generator=g),
+        ref_logprobs=-3.5 + 0.3 * torch.randn(rows, completion, generator=g),
+        old_values=0.1 * torch.randn(rows, completion, generator=g),
+        returns=torch.randn(rows, completion, generator=g),
+    )
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    """Trainers: 1 proc, padded; 2 procs DDP with 2 micro-batches, tree; 2 procs
+    FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py). Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
+    with 2 micro-batches, tree."""
+    meshes = RoleMeshes({"one": 1, "ddp": 2, "fsdp": 2, "critic": 2})
+    optim = OptimConfig(lr=1e-2)
+    try:
+
+        def trainer(mesh, **kw):
+            return meshes[mesh].spawn(
+                f"trainer_{mesh}",
+                Trainer,
+                MODEL,
+                optim,
+                grpo_loss("token-mean"),
+                10,
+                master=local_master(),
+                **kw,
+            )
+
+        def critic(mesh, **kw):
+            return meshes[mesh].spawn(
+                f"critic_{mesh}", Critic, MODEL, optim, 10, 0.2, 0, local_master(), **kw
+            )
+
+        yield {
+            "one": trainer("one", layout="padded"),
+            "ddp": trainer("ddp", micro_batches=2, layout="tree"),
+            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
+            "critic_one": critic("one", layout="padded"),
+            "critic_two": critic("critic", micro_batches=2, layout="tree"),
+        }
+    finally:
+        meshes.stop()
+
+
+def gradient(actors, procs: int, batch: TrainBatch, rows=None) -> torch.Tensor:
+    """The gradient the mesh would step with, every rank given its shard, flattened."""
+    shards = [(batch.shard(i, procs, None if rows is None else rows(i)),) for i in range(procs)]
+    grads = call_each(actors, "gradients", shards, "gradients", TIMEOUT)
+    assert all(g.keys() == grads[0].keys() for g in grads)
+    for g in grads[1:]:  # every rank holds the same, reduced gradient
+        assert all(torch.equal(g[k], grads[0][k]) for k in g)
+    return torch.cat([grads[0][k].flatten() for k in sorted(grads[0])])
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert want.norm() > 0
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_policy_gradient_is_the_same_at_any_placement(meshes, aggregation):
+    for name in ("one", "ddp", "fsdp"):
+        call_all(
+            meshes[name], "set_loss", grpo_loss(aggregation), what="set_loss", timeout_s=TIMEOUT
+        )
+    batch = fixed_batch()
+    want = gradient(meshes["one"], 1, batch)
+    for name in ("ddp", "fsdp"):
+        error = relative_error(gradient(meshes[name], 2, batch), want)
+        assert error < TOLERANCE, f"{aggregation} on {name}: relative error {error:.2e}"
+
+
+def test_dpo_gradient_is_the_same_at_any_placement(meshes):
+    for name in ("one", "ddp", "fsdp"):
+        call_all(meshes[name], "set_loss", dpo_loss_hook(), what="set_loss", timeout_s=TIMEOUT)
+    batch = fixed_batch()  # rows [chosen; rejected] of the same 4 pairs
+    batch.paired = True  # (so the 2 micro-batches of DDP keep pairs whole)
+    half = len(batch) // 2
+    ranks_pairs = [[0, 1, 3], [2]]  # whole pairs per rank, unevenly: 3 and 1
+
+    def uneven(i: int) -> torch.Tensor:
+        return torch.tensor(ranks_pairs[i] + [p + half for p in ranks_pairs[i]])
+
+    want = gradient(meshes["one"], 1, batch)
+    for name in ("ddp", "fsdp"):
+        error = relative_error(gradient(meshes[name], 2, batch, uneven), want)
+        assert error < TOLERANCE, f"dpo on {name}: relative error {error:.2e}"
+
+
+def test_value_gradient_is_the_same_with_one_or_two_critic_procs(meshes):
+    batch = fixed_batch()
+    # The value head starts at 0 (no gradient reaches the backbone): one step on
+    # one proc first, then the 2-proc critic loads the same weights.
+    call_each(meshes["critic_one"], "train_step", [(batch,)], "train", TIMEOUT)
+    with tempfile.TemporaryDirectory() as directory:
+        call_all(meshes["critic_one"], "save_state", directory, what="save", timeout_s=TIMEOUT)
+        call_all(meshes["critic_two"], "load_state", directory, what="load", timeout_s=TIMEOUT)
+    batch.returns = batch.returns.flip(0)  # another target than the step above
+    want = gradient(meshes["critic_one"], 1, batch)
+    error = relative_error(gradient(meshes["critic_two"], 2, batch), want)
+    assert error < TOLERANCE, f"value loss on 2 critic procs: relative error {error:.2e}"

@@ -1,0 +1,353 @@
+"""Elastic pools: policy and environment replicas join and leave a running run
+(by the config's schedule, by `meshrl scale` from another shell, by the
+notebook's `algo.scale`), with an exact ledger, every new replica at the
+current version, and the same weights as a fixed pool."""
+
+import glob
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algorithms.grpo import GRPO
+from algorithms.ppo import PPO, PPOConfig
+from meshrl.loop import checkpoint
+from meshrl.loop.elastic import REQUEST
+from meshrl.procs.pool import ScaleError
+from tests.conftest import REPO
+from tests.support.runs import configure
+
+
+def _meshrl(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "meshrl.cli", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _final(run_dir) -> dict:
+    (path,) = glob.glob(f"{run_dir}/final/*.safetensors")
+    return load_file(path)
+
+
+def _sizes(history: list[dict]) -> list[tuple[int, int]]:
+    return [(r["pool/policy_size"], r["pool/environment_size"]) for r in history]
+
+
+def _exact(history: list[dict], batch: int) -> None:
+    """Every sample generated was trained, once; each step generated with the
+    version published last (new replicas pulled it before they got work)."""
+    last = history[-1]
+    assert last["samples/generated_total"] == last["samples/trained_total"] == batch * len(history)
+    assert all(r["samples/dropped"] == 0 for r in history)
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+# The trainer's old log-probs: the sampler's are those of a batch of another shape
+# at another pool size, equal up to float rounding only.
+ELASTIC = (
+    "warm_start.steps=2",
+    "job.max_procs.policy=3",
+    "job.max_procs.environment=2",
+    "trainer.recompute_old_logprobs=true",
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pools_grow_and_shrink_by_schedule_meshrl_scale_and_api(tmp_path, no_stray_procs):
+    cfg = configure(
+        tmp_path, "elastic", "steps=8", *ELASTIC, "pool.schedule=[policy=2@1,policy=1@6]"
+    )
+    algo = GRPO(cfg)
+    try:
+        history = _grow_and_shrink(algo, tmp_path)
+    finally:
+        algo.close()
+    assert _sizes(history) == [(1, 1), (2, 1), (2, 1), (3, 2), (3, 2), (3, 1), (1, 1), (1, 1)]
+    _exact(history, cfg.prompts_per_step * cfg.group_size)
+    finished = _meshrl("scale", algo.run_dir, "policy=2")
+    assert finished.returncode == 1 and "has finished" in finished.stderr
+    # Same math at any pool size: each sample's seed is the controller's, so a
+    # fixed pool of one replica ends with the same weights, bit for bit.
+    fixed = GRPO(configure(tmp_path, "fixed", "steps=8", *ELASTIC))
+    fixed.run()
+    elastic_weights, fixed_weights = _final(algo.run_dir), _final(fixed.run_dir)
+    assert elastic_weights.keys() == fixed_weights.keys()
+    assert all(elastic_weights[k].equal(fixed_weights[k]) for k in fixed_weights)
+
+
+def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
+    algo.run(3)  # steps 0-2: the schedule grows the policy pool at step 1
+    run_dir = algo.run_dir
+    # Bad input from another shell: one line naming the role and the limit.
+    for sizes, line in [
+        ("policy=0", "scale: policy=0: a pool keeps at least 1 proc"),
+        ("trainer=2", "scale: trainer cannot be scaled (its state lives in its procs)"),
+        ("policy=4", "scale: policy=4: past this job's limit of 3 (job.max_procs.policy=3)"),
+        ("policy", "scale: 'policy' is not role=size"),
+    ]:
+        bad = _meshrl("scale", run_dir, sizes)
+        assert bad.returncode == 1 and line in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    asked = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.cli", "scale", run_dir, "policy=3", "environment=2"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "elastic" / REQUEST).exists():
+        assert asked.poll() is None and time.monotonic() < deadline, asked.communicate()
+        time.sleep(0.2)
+    algo.run(2)  # steps 3-4: the request is taken as step 3 begins
+    out, err = asked.communicate(timeout=60)
+    assert asked.returncode == 0 and "scaled: policy=3 environment=2" in out, err
+    algo.scale(environment=1)  # the notebook's call, between steps
+    with pytest.raises(ScaleError, match="reference cannot be scaled"):
+        algo.scale(reference=2)
+    return algo.run()  # steps 5-7; the schedule shrinks the policy pool at step 6
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
+    """The trainer dies as step 3 begins, when the schedule and a request resize
+    the policy pool: the run goes back to its checkpoint and on, the pool keeps
+    the size asked for, and the ledger counts the rewound samples."""
+    cfg = configure(
+        tmp_path,
+        "rewind",
+        "steps=5",
+        *ELASTIC,
+        "checkpoint.every=2",
+        "faults.kill=[trainer:0@3]",
+        "pool.schedule=[policy=2@3]",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    try:
+        algo.run(3)
+        (tmp_path / "rewind" / REQUEST).write_text(json.dumps({"policy": 3}))
+        history = algo.run()
+    finally:
+        algo.close()
+    # Back to the step-2 checkpoint (the records since are dropped) and on.
+    assert [r["step"] for r in history] == [0, 1, 2, 3, 4]
+    assert [r["pool/policy_size"] for r in history] == [1, 1, 3, 3, 3]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
+    last, batch = history[-1], cfg.prompts_per_step * cfg.group_size
+    assert last["samples/trained_total"] == 5 * batch
+    assert last["samples/dropped_total"] == 2 * batch  # steps 2 and 3, rewound
+    assert last["samples/generated_total"] == 5 * batch + last["samples/dropped_total"]
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stray_procs):
+    """A `process` job's policy host is full: the replica asked for joins on a
+    host of its own (a Monarch ProcessJob), pulls the version over RDMA, serves,
+    and its host is stopped when it leaves."""
+    cfg = configure(
+        tmp_path,
+        "joined",
+        "steps=4",
+        "warm_start.steps=0",
+        "job.kind=process",
+        "job.max_procs.policy=2",
+        "pool.schedule=[policy=2@1,policy=1@3]",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    try:
+        algo.run(2)
+        group = algo.meshes.meshes.meshes["policy"]
+        assert len(group) == 2 and len(group.hosts) == 2 and group.hosts[1].job is not None
+        policy = [p for p in algo.mesh_status(show=False) if p["role"] == "policy"]
+        assert [p["rank"] for p in policy] == [0, 1] and policy[0]["pid"] != policy[1]["pid"]
+        history = algo.run()
+    finally:
+        algo.close()
+    assert len(group.hosts) == 1  # the joined host left with its replica
+    assert [r["pool/policy_size"] for r in history] == [1, 2, 2, 1]
+    _exact(history, cfg.prompts_per_step * cfg.group_size)
+
+
+# --- work by pull ----------------------------------------------------------------------
+
+PULL = ("rollout.dispatch=pull", "rollout.groups_per_call=2", "placement.policy=2")
+# A model whose generation costs more with more rows (the default's hardly does on a
+# CPU: its calls are mostly overhead), one replica 8x slower, nothing overlapped.
+SLOWED = (
+    "placement.threads_per_proc=1",
+    "faults.slow=[policy:1x8@0]",
+    "warm_start.steps=0",
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "generation.max_new_tokens=16",
+    "generation.min_new_tokens=16",
+    "max_staleness=0",
+    "steps=4",
+)
+
+
+class _StopAfter(GRPO):
+    """A run killed after step `stop_at` (its checkpoint written)."""
+
+    stop_at = 2  # in the step after the checkpoint of steps 0-1
+
+    def after_step(self, step, metrics):
+        if step == self.stop_at:
+            raise KeyboardInterrupt
+        super().after_step(step, metrics)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_pull_gives_the_fast_replica_more_groups(tmp_path, no_stray_procs):
+    """One replica of two is 8x slower: a static split would give each half the
+    groups every step and wait for the slow one; by pull the fast one takes more.
+    (What that saves in step time is measured by benchmarks/stragglers.py, not here.)"""
+    algo = GRPO(configure(tmp_path, "pull", *SLOWED, *PULL))
+    history = algo.run()
+    by_replica = algo.dispatcher.trained_by_replica
+    assert sorted(by_replica) == [0, 1] and sum(by_replica.values()) == 4 * 16, by_replica
+    assert by_replica[0] >= 2 * by_replica[1], by_replica
+    assert history[-1]["samples/trained_total"] == 4 * 16 * 8
+    assert all(r["samples/dropped"] == 0 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stray_procs):
+    """With `max_staleness=1` the next step's groups are under way while a step
+    trains: a checkpoint waits for them and holds them, and a run stopped there
+    and resumed trains them first and ends bit for bit as the run never stopped
+    (each group is generated with the version current when it was drawn:
+    `Dispatcher.hand_out`)."""
+    ahead = (
+        *PULL,
+        "max_staleness=1",
+        "steps=4",
+        "checkpoint.every=2",
+        "checkpoint.keep=1",
+        "warm_start.steps=0",
+    )
+    straight = GRPO(configure(tmp_path, "straight", *ahead))
+    history = straight.run()
+    assert history[-1]["samples/trained_total"] == 4 * 16 * 8
+    saved = torch.load(f"{checkpoint.latest(straight.run_dir)}/loop.pt", weights_only=False)
+    queue = saved["loop"]["data"]["rollout_queue"]
+    # The next step's groups: those taken by a replica generated and scored, the rest drawn.
+    assert len(queue["complete"]) + len(queue["pending"]) == 16 and queue["complete"]
+    with pytest.raises(KeyboardInterrupt):
+        _StopAfter(configure(tmp_path, "cut", *ahead)).run()
+    resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
+    after = resumed.run()[2:]  # (its history starts with the records of steps 0-1)
+    assert [r["step"] for r in after] == [2, 3]
+    assert all(r["weights/staleness"] == 1 for r in history[1:] + after)
+    keys = ("reward/mean", "train/loss", "samples/trained_total", "samples/generated_total")
+    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
+    final, again = _final(straight.run_dir), _final(resumed.run_dir)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_pull_resumes_with_late_groups_pending(tmp_path, no_stray_procs):
+    """Over-provisioned: the groups that completed after a step had its batch are
+    late; the checkpoint holds them, and the resumed run trains them first."""
+    late = (
+        *PULL,
+        "max_staleness=2",
+        "rollout.overprovision=0.5",
+        "steps=3",
+        "checkpoint.every=2",
+        "warm_start.steps=0",
+        "run.save_final=false",
+    )
+    cut = _StopAfter(configure(tmp_path, "late", *late))
+    with pytest.raises(KeyboardInterrupt):
+        cut.run()
+    saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
+    queue = saved["loop"]["data"]["rollout_queue"]
+    pending = sum(entry[-1] for entry in queue["complete"])  # each group's `late`
+    assert pending > 0, queue
+    resumed = GRPO(configure(tmp_path, "late", *late, "checkpoint.resume=auto"))
+    step = resumed.run()[-1]
+    assert step["step"] == 2 and step["rollout/late_groups"] >= min(pending, 16)
+    assert step["samples/trained_total"] == 3 * 16 * 8
+    ledger = step["samples/trained_total"] + step["samples/dropped_total"]
+    assert step["samples/generated_total"] == ledger
+
+
+# --- recovery in seconds ----------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_stray_procs):
+    """A policy proc killed at step 2 is seen gone by its pid (not after Monarch's
+    ~10 s), a standby that was spawned and loaded takes its rank, pulls the
+    version and serves, and a new standby is spawned; the run goes on."""
+    cfg = configure(
+        tmp_path,
+        "standby",
+        "steps=5",
+        "warm_start.steps=0",
+        "placement.policy=2",
+        "faults.standby.policy=1",
+        "faults.kill=[policy:0@2]",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    try:
+        algo.run(2)
+        group = algo.meshes.meshes.meshes["policy"]
+        spare = group.standbys[0]
+        # It takes each published version as the replicas do (unwaited: let it land).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            proc = spare.actors[0].status.call_one().get(timeout=30)
+            versions = [a["version"] for a in proc["actors"] if a["actor"] == "policy"]
+            if versions == [algo.sync.version]:
+                break
+            time.sleep(0.2)
+        assert versions == [algo.sync.version], proc
+        history = algo.run(3)
+        assert group.members[0] is spare and len(group.standbys) == 1  # refilled
+    finally:
+        algo.close()
+    assert [r["faults/recoveries"] for r in history] == [0, 0, 1, 1, 1]
+    times = algo.sup.recovery_times
+    assert len(times) == 1 and times[0]["detect_s"] < 2.0 and times[0]["serve_s"] < 5.0, times
+    assert history[2]["faults/time_to_serve_s"] == times[0]["serve_s"]
+    batch = cfg.prompts_per_step * cfg.group_size
+    assert history[-1]["samples/trained_total"] == 5 * batch
+    assert history[2]["samples/dropped_policy_lost"] == batch  # the step's generation, redone
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ppo_trains_by_pull(tmp_path, no_stray_procs):
+    """PPO's loop takes its rollouts from the same queue (its critic values the
+    trained rows after)."""
+    cfg = configure(
+        tmp_path,
+        "ppo",
+        "steps=2",
+        "rollout.dispatch=pull",
+        "rollout.groups_per_call=4",
+        "placement.policy=2",
+        "prompts_per_step=16",
+        schema=PPOConfig,
+        path=f"{REPO}/algorithms/configs/ppo.yaml",
+    )
+    history = PPO(cfg).run()
+    assert [r["samples/trained"] for r in history] == [16 * cfg.group_size] * 2
+    assert all(r["samples/dropped"] == 0 and "value/mean" in r for r in history), history[-1]

@@ -1,0 +1,290 @@
+"""In-job recovery: procs killed by the `faults:` drill are replaced and the run
+finishes every step."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algorithms.base import NonFiniteLoss
+from algorithms.grpo import GRPO
+from algorithms.ppo import PPO, PPOConfig
+from meshrl.loop import checkpoint
+from meshrl.loop.checkpoint import CheckpointError
+from meshrl.procs.mesh import RemoteCallError, call_all
+from tests.conftest import REPO
+from tests.support.runs import configure, run_grpo
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplog, no_stray_procs):
+    cfg = configure(
+        tmp_path,
+        "drill",
+        "steps=6",
+        "warm_start.steps=2",
+        "placement.policy=2",
+        "placement.environment=2",
+        "faults.kill=[environment:1@2,policy:0@4]",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(6))  # every step completed
+    assert [r["faults/recoveries"] for r in history] == [0, 0, 1, 1, 2, 2]
+    batch = cfg.prompts_per_step * cfg.group_size
+    # A lost scoring is redone on the same completions; a lost generation is redone
+    # and its samples counted as dropped.
+    assert [r["samples/dropped"] for r in history] == [0, 0, 0, 0, batch, 0]
+    assert [r["samples/dropped_policy_lost"] for r in history] == [0, 0, 0, 0, batch, 0]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["environment", "policy"]
+    # The replaced replicas serve the trainer's current version.
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+    # The console: one line per recovery, and the summary counts them; Monarch's
+    # failure events are in the run's faults.log, not on the console.
+    out = capfd.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("recovered ")] == [
+        "recovered environment",
+        "recovered policy",
+    ]
+    summary = next(line for line in out.splitlines() if line.startswith("grpo: 6 steps"))
+    assert (
+        f"recoveries: 1 environment, 1 policy | samples dropped: {batch} ({batch} policy_lost)"
+        in summary
+    )
+    assert not [r for r in caplog.records if "mesh failure" in r.getMessage()]
+    # Each failure in full: the call that found the proc gone (the pid check is
+    # first, in well under Monarch's ~10 s; its supervision event, when it still
+    # comes, is written here too as a `mesh failure:` line), then the recovery.
+    log = (tmp_path / "drill" / "faults.log").read_text()
+    for role in ("environment", "policy"):
+        assert f"recovering {role}: " in log and f"recovered {role} in" in log, log
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_killed_trainer_goes_back_to_the_checkpoint_and_ends_as_if_unharmed(
+    tmp_path, no_stray_procs
+):
+    def config(name, *extra):
+        return configure(
+            tmp_path,
+            name,
+            "steps=6",
+            "warm_start.steps=2",
+            "checkpoint.every=2",
+            "placement.trainer=2",
+            *extra,
+        )
+
+    GRPO(config("straight")).run()
+    # Rank 1 of 2: rank 0 fails first, on its gloo connection; the lost proc decides.
+    algo = GRPO(config("drill", "faults.kill=[trainer:1@5]"))
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(6))
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
+    # Back to the checkpoint after 4 steps: step 4's training and step 5's samples were lost.
+    batch = 16 * 8
+    assert (
+        history[4]["samples/dropped"] == history[4]["samples/dropped_trainer_rewind"] == 2 * batch
+    )
+    assert history[5]["faults/recoveries"] == 1
+
+    straight = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    drill = load_file(str(tmp_path / "drill" / "final" / "model.safetensors"))
+    assert all((straight[k] == drill[k]).all() for k in straight), "parameters differ"
+    with open(tmp_path / "straight" / "metrics.jsonl") as f:
+        expected = [json.loads(line) for line in f]
+    plain = ("time/", "samples/", "faults/")
+    for got, want in zip(history, expected, strict=True):
+        assert {k: v for k, v in got.items() if not k.startswith(plain)} == {
+            k: v for k, v in want.items() if not k.startswith(plain)
+        }
+
+
+# --- raised errors, reference and critic recovery, accounting -------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
+    cfg = configure(
+        tmp_path,
+        "drill",
+        "steps=6",
+        "prompts_per_step=16",
+        "warm_start.steps=2",
+        "kl_coef=0.01",
+        "checkpoint.every=2",
+        "faults.retry_errors=1",
+        "faults.kill=[reference:0@2,critic:0@3]",
+        "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
+        "reference.logprobs@4,critic.values@5,critic.train_step@5]",
+        "run.save_final=false",
+        schema=PPOConfig,
+        path=os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
+    )
+    algo = PPO(cfg)
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(6))  # every step completed
+    # The reference reloads from the checkpoint; a lost critic sends the run back
+    # to the checkpoint after 2 steps, so step 2 runs twice and 16 samples of
+    # step 2 (trained, undone) and 16 of step 3 (never trained) are dropped.
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["reference", "critic"]
+    assert history[2]["samples/dropped_trainer_rewind"] == 2 * 16
+    # Every raise was retried once and the step went on; a failed generation
+    # drops what that call generated.
+    assert history[-1]["faults/errors_retried"] == 6
+    assert history[1]["samples/dropped_policy_lost"] == 16
+    for record in history:  # every sample is trained on once or dropped with its reason
+        assert record["samples/generated_total"] == (
+            record["samples/trained_total"] + record["samples/dropped_total"]
+        )
+    assert history[-1]["samples/trained_total"] == 6 * 16
+    assert history[-1]["samples/dropped_total"] == 16 + 2 * 16
+
+
+@pytest.mark.e2e
+def test_a_raising_reward_function_ends_the_run_with_one_line(tmp_path, no_stray_procs):
+    run = run_grpo(
+        tmp_path, "raises", "steps=3", "warm_start.steps=0", "faults.raise_in=[environment.score@0]"
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [
+        "error: environment.score[0] failed: "
+        "meshrl.procs.faults.InjectedError: faults.raise_in: injected error in score"
+    ], run.stderr[-2000:]
+    assert "--debug" in run.stderr
+
+
+@pytest.mark.e2e
+def test_debug_flag_shows_the_traceback_of_a_prompt_too_long(tmp_path, no_stray_procs):
+    run = run_grpo(
+        tmp_path,
+        "long",
+        "warm_start.steps=0",
+        "model.max_positions=8",
+        "generation.overlong_prompt=error",
+        "--debug",
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Traceback" in run.stderr and "PromptTooLong" in run.stderr
+    assert "error: PromptTooLong: a prompt of 5 tokens does not fit the model's context of 8" in (
+        run.stderr
+    )
+
+
+# --- NaN losses --------------------------------------------------------------------------
+
+
+class NaNOnRankOne(GRPO):
+    """Trainer rank 1 only sees a NaN loss at the steps in `nan_at` (counted per
+    trainer proc): the ranks must still agree to skip."""
+
+    nan_at = (2, 4, 5, 6)
+    calls = 0
+    params: list = []
+
+    def loss(self, logprobs, batch):
+        loss, metrics = super().loss(logprobs, batch)
+        step, type(self).calls = type(self).calls, type(self).calls + 1
+        if step in self.nan_at and torch.distributed.get_rank() == 1:
+            loss = loss * float("nan")
+        return loss, metrics
+
+    def after_step(self, step, metrics):
+        if step in (1, 2, 3):
+            per_rank = call_all(self.trainer, "parameters", what="parameters", timeout_s=60)
+            type(self).params.append(per_rank)
+        super().after_step(step, metrics)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_nan_loss_steps_are_skipped_on_every_rank_and_too_many_stop(tmp_path, no_stray_procs):
+    cfg = configure(
+        tmp_path,
+        "nan",
+        "steps=10",
+        "warm_start.steps=0",
+        "placement.trainer=2",
+        "checkpoint.every=2",
+        "faults.max_nonfinite_steps=3",
+    )
+    algo = NaNOnRankOne(cfg)
+    with pytest.raises(NonFiniteLoss, match=r"steps 4\.\.6: 3 steps in a row .*step_00000006"):
+        algo.run()
+    history = algo.log.history
+    assert [r["train/nonfinite_skipped"] for r in history] == [0, 0, 1, 0, 1, 1]
+    assert [r["faults/nonfinite_steps"] for r in history] == [0, 0, 1, 1, 2, 3]
+    after_1, after_2, after_3 = NaNOnRankOne.params
+    for per_rank in (after_1, after_2, after_3):  # the ranks stay equal
+        assert all((per_rank[0][k] == per_rank[1][k]).all() for k in per_rank[0])
+    # The skipped step 2 left the weights as they were; step 3 changed them.
+    assert all((after_2[0][k] == after_1[0][k]).all() for k in after_1[0])
+    assert any((after_3[0][k] != after_2[0][k]).any() for k in after_2[0])
+    assert checkpoint.latest(str(tmp_path / "nan")).endswith("step_00000006")
+
+
+# --- a full disk at checkpoint time --------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_checkpoint_time_stops_with_the_previous_checkpoint_intact(
+    tmp_path, no_stray_procs, monkeypatch
+):
+    def full_disk_at_step_4(run_dir, step):
+        """The trainer's checkpoint part after step 4 goes to /dev/full."""
+        directory = begin(run_dir, step)
+        if step == 4:
+            os.symlink("/dev/full", f"{directory}/trainer.pt.tmp")
+        return directory
+
+    begin = checkpoint.begin
+    monkeypatch.setattr(checkpoint, "begin", full_disk_at_step_4)
+    cfg = configure(tmp_path, "full", "steps=6", "warm_start.steps=0", "checkpoint.every=2")
+    with pytest.raises(CheckpointError, match="checkpoint after step 4 could not be written"):
+        GRPO(cfg).run()
+    assert checkpoint.latest(str(tmp_path / "full")).endswith("step_00000002")
+    assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "drill, differ",
+    [
+        ("corrupt@1", "1 parameter(s)"),
+        ("skip_pull:0@1", "21 parameter(s)"),
+        ("unmerged@1", "14 parameter(s)"),  # LoRA on the 7 projections of 2 layers
+    ],
+    ids=["a_byte_flipped_in_the_trainers_slot", "a_pull_that_moved_nothing", "lora_not_merged"],
+)
+def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_version(
+    drill, differ, tmp_path
+):
+    lora = ["model.lora.rank=4"] if drill.startswith("unmerged") else []
+    cfg = configure(
+        tmp_path,
+        "drill",
+        "steps=3",
+        "warm_start.steps=0",
+        "eval.every=0",
+        f"faults.weights=[{drill}]",
+        *lora,
+    )
+    with pytest.raises(RemoteCallError) as info:
+        GRPO(cfg).run()
+    message = str(info.value)
+    assert "\n" not in message
+    # Version 2 is the one published after step 1; the replica is never served it.
+    assert f"policy[0], version 2: {differ} differ from the trainer's checksums" in message
+    rows = (tmp_path / "drill" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in rows]
+    assert [r["weights/verified_replicas"] for r in rows] == [1]  # step 0's sync verified

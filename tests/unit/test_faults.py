@@ -1,0 +1,77 @@
+"""Monarch's failure reports read without procs: a report about a stopped mesh or a
+SLURM worker still starting is not the loss of the caller's procs."""
+
+import time
+
+import pytest
+
+from meshrl.procs.mesh import call_error
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(180)
+def test_a_report_about_a_stopped_mesh_is_not_the_loss_of_the_callers_procs():
+    """Monarch's report that stopping a replaced mesh failed can reach a call on its
+    replacement (seen on SLURM under load): it is marked stray, the call's procs are
+    asked before anything is replaced (`Supervisor.stray`)."""
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    stopped = SupervisionError(
+        "actor proc_mesh_controller_policy-5n3<q>.local<8p>@tcp://127.0.0.1:1 failed:\n"
+        "  error stopping proc mesh: statuses: Timeout(30.0s)=0..1)"
+    )
+    error = call_error(stopped, "policy.generate[1]")
+    assert error.proc_lost and error.stray and error.role == "policy"
+    assert "error stopping proc mesh" in str(error) and "\n" not in str(error)
+    died = call_error(SupervisionError("actor policy[1] failed: process exited"), "policy.x[1]")
+    assert died.proc_lost and not died.stray
+    raised = call_error(ValueError("bad"), "policy.x[0]")
+    assert not raised.proc_lost and not raised.stray
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(180)
+def test_a_slurm_worker_still_starting_is_not_a_lost_one():
+    """`WorkerWatch` dials real sockets: a worker that has not answered yet (a new
+    allocation's, starting slowly on a busy node) is left alone; one that answered
+    and then stops answering has its procs entered as lost."""
+    import socket
+
+    from meshrl.procs import proc_pool
+    from meshrl.procs.slurm import Allocation
+    from meshrl.procs.slurm_faults import WorkerWatch
+
+    def listener(port: int) -> socket.socket | None:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            return None
+        s.listen()
+        return s
+
+    for port in range(42000, 43000, 2):  # two free ports in a row, as a job lays them out
+        first, second = listener(port), listener(port + 1)
+        if first and second:
+            second.close()  # worker 1 still starting
+            break
+        for s in (first, second):
+            if s:
+                s.close()
+    alloc = Allocation("policy", count=2, port=port, addresses=["127.0.0.1"] * 2)
+    watch = WorkerWatch(lambda: [(alloc, lambda down: [f"policy[{i}]" for i in down])], 0.05)
+    try:
+        time.sleep(0.6)  # a dozen rounds
+        assert not proc_pool.lost
+        second = listener(port + 1)  # worker 1 up; then worker 0's node is lost
+        time.sleep(0.3)
+        first.close()
+        deadline = time.monotonic() + 5
+        while "policy[0]" not in proc_pool.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(proc_pool.lost) == {"policy[0]"}
+    finally:
+        watch.close()
+        second.close()
+        proc_pool.lost.clear()

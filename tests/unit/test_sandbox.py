@@ -1,0 +1,219 @@
+"""The code sandbox against hostile programs: each test asserts the containment
+itself (the file is absent, the variable unseen, the connection never made)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrl.envs import sandbox
+from meshrl.envs.sandbox import Isolation, SandboxUnavailable, probe, run_python
+from tests.support import sandbox_escapes as escapes
+from tests.support.sandbox_escapes import ESCAPES, MODES, cross_run, run_escapes
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+
+def sandbox_procs() -> set[int]:
+    """Live processes running the sandbox's interpreter (its guard is on the command line)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"addaudithook" in cmdline and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def test_a_program_gets_stdin_and_reports_output_and_status():
+    result = run_python(
+        "import os, sys\nprint(sys.stdin.read()[::-1])\nprint(os.getcwd())\nsys.exit(3)",
+        stdin="abc",
+    )
+    out, cwd = result.stdout.splitlines()
+    assert out == "cba" and result.exit_code == 3 and not result.timed_out
+    assert result.error == "exit status 3"
+    assert not os.path.exists(cwd)  # the scratch directory is gone
+    ok = run_python(
+        "open('note.txt', 'w').write('kept in scratch'); print(open('note.txt').read())"
+    )
+    assert ok.ok and ok.stdout == "kept in scratch\n" and ok.exit_code == 0
+
+
+def test_an_infinite_loop_is_stopped_at_the_wall_limit():
+    started = time.monotonic()
+    result = run_python("while True:\n    pass", timeout_s=1.0)
+    assert result.timed_out and result.error == "wall time limit (1s)"
+    assert time.monotonic() - started < 5
+    assert not sandbox_procs()
+
+
+def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_run():
+    before = sandbox_procs()
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    started = time.monotonic()
+    result = run_python(bomb, timeout_s=2.0, max_procs=8)
+    assert result.timed_out and time.monotonic() - started < 10
+    assert sandbox_procs() - before == set()
+
+
+def test_a_huge_allocation_fails_inside_the_sandbox():
+    result = run_python("x = bytearray(4 * 1024**3)\nprint('allocated')", memory_mb=256)
+    assert result.error == "memory limit (256 MB)" and "allocated" not in result.stdout
+    assert "MemoryError" in result.stderr
+
+
+def test_huge_output_is_cut_at_the_bound():
+    result = run_python("while True:\n    print('x' * 1000)", max_output_bytes=10_000)
+    assert len(result.stdout) <= 10_000 and result.stdout.startswith("xxx")
+    assert result.error == "output limit (10000 bytes)"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_escape_gets_out(mode, monkeypatch):
+    """Each of tests/support/sandbox_escapes.py's programs (the audit hook switched off
+    from inside, dir_fd, symlinks, hard links, /proc/self/fd, fork/exec and
+    posix_spawn, raw syscalls through ctypes, the parent's files and environment,
+    TCP/UDP/unix connections to live listeners, signals) is contained."""
+    monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
+    breaches = run_escapes(run_python, probe(MODES[mode]))
+    assert not any(breaches.values()), breaches
+
+
+@pytest.mark.parametrize("mode", ["everything", "landlock_and_seccomp"])
+def test_concurrent_runs_cannot_touch_each_other(mode):
+    assert cross_run(run_python, isolation=probe(MODES[mode])) == []
+
+
+def test_each_result_says_what_was_in_force_and_the_hook_explains_refusals():
+    result = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9))")
+    assert {"landlock-v1", "seccomp", "rlimits"} <= {
+        name if not name.startswith("landlock") else "landlock-v1" for name in result.isolation
+    }
+    assert "sandbox: module _socket is not allowed" in result.error
+    bare = run_python("open('/etc/hostname-x', 'w')", isolation=probe(MODES["kernel_only"]))
+    assert "audit-hook" not in bare.isolation and "Permission denied" in bare.error
+    # The task's inputs are readable when named, and only then.
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as data:
+        data.write("input rows")
+        data.flush()
+        os.chmod(data.name, 0o644)
+        read = f"print(open({data.name!r}).read())"
+        assert run_python(read, read_paths=(data.name,)).stdout == "input rows\n"
+        assert "Permission denied" in run_python(read).error
+
+
+def test_a_machine_without_the_minimum_refuses_with_one_line(monkeypatch, capsys):
+    weak = Isolation(landlock_abi=0, seccomp=False, launcher=())
+    monkeypatch.setattr(sandbox, "probe", lambda without=frozenset(): weak)
+    with pytest.raises(SandboxUnavailable) as refused:
+        sandbox.require(allow_weak=False)
+    message = str(refused.value)
+    assert "\n" not in message and "files: needs Landlock" in message
+    assert "network: needs a network namespace" in message and "sandbox.allow_weak" in message
+    with pytest.raises(SandboxUnavailable):
+        run_python("print(1)")  # run_python itself refuses, not only the task
+    assert sandbox.require(allow_weak=True) is weak
+    assert "WARNING sandbox: weak isolation" in capsys.readouterr().err
+    # The config refuses a task that runs programs before anything is spawned.
+    from algorithms.grpo import GRPOConfig
+    from meshrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task 'code': sandbox: this machine cannot isolate"):
+        load_config(GRPOConfig, None, ["task.name=code"])
+    load_config(GRPOConfig, None, ["task.name=code", "sandbox.allow_weak=true"])
+    load_config(GRPOConfig, None, ["task.name=countdown"])  # runs no programs: no refusal
+
+
+UNPRIVILEGED_DRIVER = """
+import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from meshrl.envs.sandbox import probe, run_python
+from sandbox_escapes import MODES, cross_run, run_escapes
+seen = {"uid": os.getuid(), "launcher": list(probe().launcher)}
+for mode, without in MODES.items():
+    for name, found in run_escapes(run_python, probe(without)).items():
+        seen[f"{mode}/{name}"] = found
+    seen[f"{mode}/cross_run"] = cross_run(run_python, isolation=probe(without))
+seen["ok"] = [run_python("print(6 * 7)").stdout]
+seen["loop"] = [run_python("while True:\\n    pass", timeout_s=0.5).error]
+bomb = "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass"
+seen["bomb"] = [run_python(bomb, timeout_s=1.0, max_procs=8).error]
+print(json.dumps(seen))
+"""
+
+
+DROP = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+
+
+def unprivileged_python(home: str) -> str | None:
+    """An interpreter with which the user nobody can run the sandbox copied into
+    `home` (this one may sit under /root, out of nobody's reach)."""
+    if not shutil.which("setpriv"):
+        return None
+    check = "from meshrl.envs.sandbox import run_python; assert run_python('pass').ok"
+    for python in (os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(python):
+            run = subprocess.run([*DROP, python, "-c", check], cwd=home, capture_output=True)
+            if run.returncode == 0:
+                return python
+    return None
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="as a non-root user the tests above take the unprivileged path"
+)
+def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
+    """The tests above run as root here (each run gets a uid of its own); this
+    runs the whole escape suite again as the user nobody, as on a researcher's
+    machine: the caller's uid kept, user namespaces, and without them."""
+    monkeypatch.setenv("MESHRL_SANDBOX_SECRET", "hunter2")
+    home = tempfile.mkdtemp(prefix="meshrl-unpriv-")
+    try:
+        os.chmod(home, 0o755)
+        # The sandbox and the escapes are stdlib-only: copies run under an
+        # interpreter the unprivileged user can execute.
+        # The package layout with empty __init__s: nothing beyond the sandbox loads.
+        envs = Path(home, "meshrl", "envs")
+        envs.mkdir(parents=True)
+        for folder in (envs.parent, envs):
+            Path(folder, "__init__.py").touch()
+        for name in ("sandbox.py", "sandbox_child.py", "sandbox_probe.py"):
+            shutil.copy(Path(sandbox.__file__).with_name(name), envs / name)
+        shutil.copy(escapes.__file__, Path(home, "sandbox_escapes.py"))
+        subprocess.run(["chmod", "-R", "a+rX", home], check=True)
+        Path(home, "driver.py").write_text(UNPRIVILEGED_DRIVER)
+        python = unprivileged_python(home)
+        if python is None:
+            pytest.skip("no setpriv, or no interpreter the user nobody may run")
+        out = subprocess.run(
+            [*DROP, python, "driver.py"],
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen.pop("uid") == 65534 and seen.pop("launcher")[1] == "--user"
+    assert seen.pop("ok") == ["42\n"]
+    assert seen.pop("loop") == ["wall time limit (0.5s)"]
+    assert seen.pop("bomb")[0].startswith("wall time")
+    assert len(seen) == len(MODES) * (len(ESCAPES) + 1)
+    assert not any(seen.values()), {k: v for k, v in seen.items() if v}
+    assert not sandbox_procs()
