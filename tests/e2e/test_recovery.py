@@ -37,9 +37,11 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplo
     assert [r["faults/recoveries"] for r in history] == [0, 0, 1, 1, 2, 2]
     batch = cfg.prompts_per_step * cfg.group_size
     # A lost scoring is redone on the same completions; a lost generation is redone
-    # and its samples counted as dropped.
-    assert [r["samples/dropped"] for r in history] == [0, 0, 0, 0, batch, 0]
-    assert [r["samples/dropped_policy_lost"] for r in history] == [0, 0, 0, 0, batch, 0]
+    # with the same prompts and seeds: nothing is dropped, its samples count as redone.
+    assert [r["samples/dropped"] for r in history] == [0] * 6
+    assert [r["samples/redone_policy_lost"] for r in history] == [0, 0, 0, 0, batch, 0]
+    assert history[-1]["samples/generated_total"] == history[-1]["samples/trained_total"]
+    assert history[-1]["samples/redone_total"] == batch
     assert [r.split(":")[0] for r in algo.state.recoveries] == ["environment", "policy"]
     # The replaced replicas serve the trainer's current version.
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
@@ -52,7 +54,7 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplo
     ]
     summary = next(line for line in out.splitlines() if line.startswith("grpo: 6 steps"))
     assert (
-        f"recoveries: 1 environment, 1 policy | samples dropped: {batch} ({batch} policy_lost)"
+        f"recoveries: 1 environment, 1 policy | samples redone: {batch} ({batch} policy_lost)"
         in summary
     )
     assert not [r for r in caplog.records if "mesh failure" in r.getMessage()]
@@ -135,16 +137,17 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
     # step 2 (trained, undone) and 16 of step 3 (never trained) are dropped.
     assert [r.split(":")[0] for r in algo.state.recoveries] == ["reference", "critic"]
     assert history[2]["samples/dropped_trainer_rewind"] == 2 * 16
-    # Every raise was retried once and the step went on; a failed generation
-    # drops what that call generated.
+    # Every raise was retried once and the step went on; a failed generation is
+    # redone, the same samples.
     assert history[-1]["faults/errors_retried"] == 6
-    assert history[1]["samples/dropped_policy_lost"] == 16
+    assert history[1]["samples/redone_policy_lost"] == 16
     for record in history:  # every sample is trained on once or dropped with its reason
         assert record["samples/generated_total"] == (
             record["samples/trained_total"] + record["samples/dropped_total"]
         )
     assert history[-1]["samples/trained_total"] == 6 * 16
-    assert history[-1]["samples/dropped_total"] == 16 + 2 * 16
+    assert history[-1]["samples/dropped_total"] == 2 * 16  # the rewind's; the redone are not
+    assert history[-1]["samples/redone_total"] == 16
 
 
 @pytest.mark.e2e

@@ -75,7 +75,7 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["model.lora.rank=4", "placement.sharding=fsdp"], "model.lora.rank"),
         (["policy.engine=trt"], "policy.engine"),
         (["trainer.correction=magic"], "trainer.correction"),
-        (["trainer.correction=icepop", "trainer.correction_low=2"], "trainer.correction_low"),
+        (["trainer.correction=icepop", "trainer.correction_low=6"], "trainer.correction_low"),
         (["trainer.correction=tis", "trainer.recompute_old_logprobs=false"], "trainer.recompute"),
         (["trainer.recompute_old_logprobs=maybe"], "trainer.recompute_old_logprobs"),
         (
