@@ -6,6 +6,8 @@
 #                relay fan-out, controller at scale, the scale model, stragglers by pull and
 #                elastic pools, what images cost a step, the endpoint under a flood; minutes)
 # `make soak`  : the fault soak benchmark (minutes; not part of `make test`)
+# `make gpu-check`: every GPU path once, one JSON line of pass/fail and figures (docs/gpu.md;
+#                 on a host without CUDA the checks run on the CPU)
 # `make cluster`: start a private SLURM cluster on this machine (root; installs Debian's
 #                 slurmctld/slurmd/slurm-client if missing) and print how to use it;
 #                 `make cluster-stop` stops it
@@ -23,7 +25,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test check lint bench soak results clean cluster cluster-stop
+.PHONY: run test check lint bench soak gpu-check results clean cluster cluster-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +71,9 @@ cluster: $(STAMP)
 
 cluster-stop: $(STAMP)
 	$(BIN)/python -m tests.support.slurm_cluster stop --dir runs/slurm
+
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py $(ARGS)
