@@ -15,7 +15,7 @@ loads none of them. The modules, by concern:
 - `meshrl.envs`: tasks and their data, episodes, tools, the sandbox, the policy's
   endpoint;
 - `meshrl.types`: what travels between the controller and the actors;
-- `meshrl.cli`: the `meshrl` command.
+- `meshrl.commands`: the `meshrl` command.
 
 Imports run one way, `loop` on top of the rest (docs/architecture.md, "Layers"),
 and nothing in `meshrl/` imports `actors/` or `algorithms/`.

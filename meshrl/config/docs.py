@@ -3,7 +3,7 @@ and the docstring written under the field (the one place a key is described).
 
 `reference(schema)` lists (key, default, doc) for every leaf key, nested
 sections included; `markdown` renders it as a table; `--help` prints it
-(`meshrl.config.files.parse_cli`); `python -m algorithms.config_reference`
+(`meshrl.config.files.parse_cli`); `python -m algorithms.commands.config_reference`
 writes each algorithm's table to `docs/config/`, and a test checks that they
 are current and that no key lacks its docstring.
 """
@@ -75,7 +75,7 @@ def markdown(schema: type, title: str) -> str:
         f"# {title}",
         "",
         "Generated from the config dataclasses' field docstrings by",
-        "`python -m algorithms.config_reference`; do not edit by hand.",
+        "`python -m algorithms.commands.config_reference`; do not edit by hand.",
         "",
         "| key | default | meaning |",
         "|---|---|---|",

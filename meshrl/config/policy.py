@@ -29,7 +29,7 @@ class PolicyConfig:
     weights arrive through the same versioned sync."""
     serve_port: int = 0
     """Serve the policy replicas at http://127.0.0.1:PORT/v1 (OpenAI-compatible,
-    `meshrl.envs.serve`) while the run trains; 0: not served (an `agent:` task serves
+    `meshrl.envs.endpoint`) while the run trains; 0: not served (an `agent:` task serves
     them on a free port of its own)."""
     gpu_memory_utilization: float = 0.5
     """vllm: the share of its GPU a replica's engine may take."""

@@ -1,5 +1,5 @@
 """Agent tasks: your agent program drives the policy through its OpenAI-compatible
-endpoint (`meshrl.envs.serve`), and meshrl trains on what it recorded.
+endpoint (`meshrl.envs.endpoint`), and meshrl trains on what it recorded.
 
 `task.name=agent:mypkg.agents:solve` names a function
 
@@ -11,7 +11,7 @@ endpoint (`meshrl.envs.serve`), and meshrl trains on what it recorded.
 called once per episode (group_size times per prompt) in the controller's
 threads (`task.env_workers` at once). Its calls to `base_url` are one episode:
 the server keeps them as one token sequence, the model's tokens as sampled and
-the tool and user messages masked (see `meshrl.envs.serve`). The prompts come from
+the tool and user messages masked (see `meshrl.envs.endpoint`). The prompts come from
 `task.dataset` (its `prompt_field`, `answer_field` and the whole row travel in
 the `Prompt`).
 
@@ -30,8 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from meshrl.envs.base import Env, checked_reward
+from meshrl.envs.endpoint import PolicyServer
 from meshrl.envs.rollout import EpisodeState
-from meshrl.envs.serve import PolicyServer
 from meshrl.types import Prompt
 
 

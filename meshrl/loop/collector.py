@@ -324,10 +324,10 @@ class Collector:
         return completions, rewards, info
 
     def endpoint(self, port: int = 0) -> Any:
-        """The policy replicas' OpenAI-compatible endpoint on 127.0.0.1 (`meshrl.envs.serve`),
+        """The policy replicas' OpenAI-compatible endpoint on 127.0.0.1 (`meshrl.envs.endpoint`),
         started on first use; it samples at the run's generation settings."""
         if self.server is None:
-            from meshrl.envs.serve import PolicyServer, Router
+            from meshrl.envs.endpoint import PolicyServer, Router
 
             router = Router(
                 lambda: self.policy.actors,

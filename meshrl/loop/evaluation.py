@@ -254,7 +254,7 @@ class Evaluator:
         c, spec = self.collector, self.cfg.sets[name]
         generation = replace(c.cfg.generation, temperature=spec.temperature)
         if getattr(c.task, "is_agent", False):  # the agent drives an endpoint of its own
-            from meshrl.envs.serve import PolicyServer, Router
+            from meshrl.envs.endpoint import PolicyServer, Router
 
             router = Router(lambda: role.actors, role.size, generation, c.sup.timeout_s)
             server = PolicyServer(router, c.format, c.context)

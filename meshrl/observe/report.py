@@ -142,7 +142,7 @@ def show(run_dir: str, records: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshrl.command import run_dir_command
+    from meshrl.observe.run_dir import run_dir_command
 
     return run_dir_command("report", argv, read_metrics, show)
 

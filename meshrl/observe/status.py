@@ -227,7 +227,7 @@ def live_states(telemetry_url: str, timeout_s: float = 10.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshrl.command import run_dir_command
+    from meshrl.observe.run_dir import run_dir_command
 
     return run_dir_command("status", argv, read, show)
 

@@ -399,7 +399,7 @@ def test_policy_pool_grows_and_shrinks_by_allocations_and_ctrl_c_leaves_no_job(
 
     try:
         wait_for(lambda: len(history(tmp_path, "pool")) >= 2, "first steps")
-        scale = [sys.executable, "-m", "algorithms.cli", "scale", str(tmp_path / "pool")]
+        scale = [sys.executable, "-m", "algorithms.commands", "scale", str(tmp_path / "pool")]
         subprocess.run([*scale, "policy=3"], cwd=REPO, check=True, env=cluster.env, timeout=60)
         wait_for(lambda: len(joined()) == 2, "two allocations joined")
         wait_for(

@@ -1,4 +1,4 @@
-"""Agent tasks through the policy's OpenAI-compatible endpoint (`meshrl.envs.serve`): an
+"""Agent tasks through the policy's OpenAI-compatible endpoint (`meshrl.envs.endpoint`): an
 agent written against the `openai` client trains GRPO, and what meshrl trains on
 is token for token what the sampler produced, across a chat template that
 rewrites earlier turns."""
@@ -286,7 +286,7 @@ def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "algorithms.cli", "serve", str(agent_data / "model")]
+    command = [sys.executable, "-m", "algorithms.commands", "serve", str(agent_data / "model")]
     command += ["--config", DEFAULT_CONFIG, f"policy.serve_port={port}", f"run.dir={tmp_path}"]
     command += ["run.name=serve"]
     proc = subprocess.Popen(

@@ -23,7 +23,7 @@ from tests.support.runs import configure
 
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "meshrl.cli", *args]
+    command = [sys.executable, "-m", "meshrl.commands", *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -93,7 +93,7 @@ def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
         assert bad.returncode == 1 and line in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     asked = subprocess.Popen(
-        [sys.executable, "-m", "meshrl.cli", "scale", run_dir, "policy=3", "environment=2"],
+        [sys.executable, "-m", "meshrl.commands", "scale", run_dir, "policy=3", "environment=2"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -54,7 +54,7 @@ def _until(check, timeout_s: float, what: str):
 
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "meshrl.cli", *args]
+    command = [sys.executable, "-m", "meshrl.commands", *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

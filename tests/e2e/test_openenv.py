@@ -115,7 +115,7 @@ def test_bad_names_get_one_line(tmp_path, no_stray_procs, capsys):
         load_config(GRPOConfig, DEFAULT_CONFIG, ["task.name=openenv:nosuchmodule:Env"])
     with pytest.raises(ConfigError, match=r"'task.name': .*not an openenv Environment"):
         load_config(GRPOConfig, DEFAULT_CONFIG, [f"task.name={ENV}:play"])
-    from algorithms.command import main
+    from algorithms.commands.train import main
 
     url = "http://127.0.0.1:9"  # nothing listens on the discard port
     code = main(

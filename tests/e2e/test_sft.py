@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from algorithms.cli import main as cli_main
+from algorithms.commands import main as cli_main
 from algorithms.grpo import GRPO, GRPOConfig
 from algorithms.sft import SFT, SFTConfig
 from meshrl.config import ModelConfig, load_config

@@ -181,8 +181,8 @@ def test_help_lists_every_key(capsys):
 def test_every_key_has_a_docstring_and_the_config_reference_is_current():
     """The docstring under a config field is the key's one description: --help
     and docs/config/*.md are generated from it."""
-    from algorithms.config_reference import SCHEMAS
-    from algorithms.config_reference import main as reference_main
+    from algorithms.commands.config_reference import SCHEMAS
+    from algorithms.commands.config_reference import main as reference_main
     from meshrl.config.docs import reference
 
     for name, (schema, _) in SCHEMAS.items():

@@ -1,5 +1,5 @@
 """The policy endpoint refuses what it cannot serve before it costs the run
-anything (`meshrl.envs.serve`): oversized bodies, prompts too long to fit, malformed
+anything (`meshrl.envs.endpoint`): oversized bodies, prompts too long to fit, malformed
 requests, unknown models, temperatures that overflow, idle connections, clients
 that hang up. None of these requests reaches a replica, so the server here has
 none behind it."""
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from meshrl.config import GenerationConfig
+from meshrl.envs.endpoint import MAX_BODY_BYTES, PolicyServer, Router
 from meshrl.envs.rollout import ChatFormat
-from meshrl.envs.serve import MAX_BODY_BYTES, PolicyServer, Router
 from meshrl.model.tokenizer import build_char_tokenizer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -1,4 +1,4 @@
-"""The HTTP side of the policy endpoint (`meshrl.envs.serve`): what a request must
+"""The HTTP side of the policy endpoint (`meshrl.envs.endpoint`): what a request must
 look like before anything is tokenized or generated, and the handler that
 reads it within its limits and answers."""
 

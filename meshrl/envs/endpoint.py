@@ -48,8 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshrl.config import MAX_TEMPERATURE, MIN_TEMPERATURE
-from meshrl.envs.rollout import ChatFormat, share
-from meshrl.envs.serve_http import (
+from meshrl.envs.endpoint_http import (
     MAX_BODY_BYTES,  # noqa: F401 - the endpoint's limits, importable from here
     READ_TIMEOUT_S,
     WORKERS,
@@ -60,6 +59,7 @@ from meshrl.envs.serve_http import (
     number,
     text_chars,
 )
+from meshrl.envs.rollout import ChatFormat, share
 from meshrl.model.tokenizer import max_token_chars
 from meshrl.observe.front import BoundedServer
 from meshrl.procs.mesh import RemoteCallError, wait

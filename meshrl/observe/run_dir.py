@@ -1,4 +1,5 @@
-"""What the `meshrl` subcommands that read a run directory share."""
+"""What the `meshrl` subcommands that read a run directory share (`meshrl report`,
+`meshrl status`; the command itself is `meshrl.commands`)."""
 
 from __future__ import annotations
 

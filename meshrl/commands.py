@@ -1,6 +1,7 @@
-"""The `meshrl` command: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`,
+"""The core's `meshrl` subcommands: `meshrl report RUN_DIR`, `meshrl status RUN_DIR`,
 `meshrl profile RUN_DIR [--steps N]`, `meshrl scale RUN_DIR role=N ...`,
-`meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`."""
+`meshrl export CHECKPOINT_OR_RUN_DIR OUT_DIR`. The whole `meshrl` command, with
+`eval` and `serve`, which spawn actors, is the top layer's (`algorithms.commands`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ USAGE = (
     " | meshrl scale RUN_DIR role=N ... | meshrl export CHECKPOINT OUT_DIR"
 )
 COMMANDS = ("report", "status", "profile", "scale", "export")
-"""The core's commands; `meshrl eval` is the top layer's (`algorithms.cli`)."""
+"""The core's commands; `meshrl eval` and `meshrl serve` are the top layer's."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """Writes each algorithm's config reference to docs/config/ from the config
 dataclasses' field docstrings (`meshrl.config.docs`):
 
-    python -m algorithms.config_reference          # rewrite docs/config/*.md
-    python -m algorithms.config_reference --check  # exit 1 if one is stale
+    python -m algorithms.commands.config_reference          # rewrite docs/config/*.md
+    python -m algorithms.commands.config_reference --check  # exit 1 if one is stale
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ SCHEMAS = {
     "sft": (SFTConfig, "SFT config keys (`SFTConfig`)"),
     "coevolve": (CoevolveConfig, "Co-evolution and self-play config keys (`CoevolveConfig`)"),
 }
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = os.path.join(REPO, "docs", "config")
 
 
 def pages() -> dict[str, str]:
@@ -42,7 +43,9 @@ def pages() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    return write_or_check(pages(), "--check" in argv, "run python -m algorithms.config_reference")
+    return write_or_check(
+        pages(), "--check" in argv, "run python -m algorithms.commands.config_reference"
+    )
 
 
 if __name__ == "__main__":

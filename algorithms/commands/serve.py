@@ -1,5 +1,5 @@
 """`meshrl serve MODEL --config FILE [key=value ...]`: the policy's OpenAI-compatible
-endpoint (`meshrl.envs.serve`) for any saved model, with no training.
+endpoint (`meshrl.envs.endpoint`) for any saved model, with no training.
 
 MODEL is an HF directory, a run directory or a checkpoint (as for `meshrl
 eval`). FILE is any algorithm's config: its `model`, `generation`, `policy`
@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from algorithms.evaluate import EvaluateConfig, model_command
+from algorithms.commands.eval import EvaluateConfig, model_command
 from meshrl.loop.export import start_from
 
 USAGE = "usage: meshrl serve MODEL_OR_RUN_DIR --config FILE [key=value ...]"
@@ -37,8 +37,8 @@ def serve(cfg: ServeConfig) -> None:
     """Spawn the policy mesh for `cfg.model` and serve it until Ctrl-C; the procs
     are stopped on the way out."""
     from actors.policy import Policy
+    from meshrl.envs.endpoint import PolicyServer, Router
     from meshrl.envs.rollout import ChatFormat
-    from meshrl.envs.serve import PolicyServer, Router
     from meshrl.loop.run import Run
     from meshrl.loop.state import LoopState
     from meshrl.loop.supervisor import Supervisor
