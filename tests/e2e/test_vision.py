@@ -44,7 +44,8 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
         image = algo.tokenizer.convert_tokens_to_ids("<image>")
         sent = algo.evaluator._send("heldout", algo.policy)
         assert all(a[3] is not None and image in a[0][0] for a in sent[1])
-        assert len(algo.evaluator._score("heldout", *sent)) == 4
+        rewards, _ = algo.evaluator._score("heldout", *sent)
+        assert len(rewards) == 4
         # The generator hands back the ids and pixels it generated from, element by
         # element; the trainer's log-probs of them are the sampler's.
         prompts = algo.collector.sample_prompts(2)
