@@ -73,6 +73,11 @@ def run(steps: int, overrides: list[str]) -> list[dict]:
                 f"steps={steps}",
                 "kl_coef=0.01",
                 "max_staleness=0",
+                # What is not measured is pinned (a shipped config's change must not
+                # move the figure): no held-out evaluation, checkpoint or sample log.
+                "eval.every=0",
+                "checkpoint.every=0",
+                "run.samples_every=0",
                 *overrides,
                 f"run.dir={run_dir}",
                 "run.name=breakdown",
