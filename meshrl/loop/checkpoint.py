@@ -374,8 +374,9 @@ class Checkpointer:
 
             path = self.save()
             said = ", ".join(f"{mesh} job {reason}" for mesh, reason in notices)
-            log_fault(f"checkpoint {path} written on SLURM's notice ({said})")
-            print(f"SLURM: {said}: checkpoint {path} written", flush=True)
+            if path is not None:
+                log_fault(f"checkpoint {path} written on SLURM's notice ({said})")
+                print(f"SLURM: {said}: checkpoint {path} written", flush=True)
         for mesh, reason in notices:
             if reason == "warning":
                 self.run.meshes.job.allocations.requeue(mesh)
@@ -384,10 +385,11 @@ class Checkpointer:
         if due and self.saved_at != done:
             self.save()
 
-    def save(self) -> str:
-        """Write the checkpoint after `state.step` steps. A part that cannot be
-        written (full disk, unwritable directory) stops the run with one line;
-        the previous checkpoint stays the newest valid one."""
+    def save(self) -> str | None:
+        """Write the checkpoint after `state.step` steps; its path. A part that cannot
+        be written (full disk, unwritable directory) stops the run with one line; the
+        previous checkpoint stays the newest valid one. None: a stateful role was lost
+        while saving (the next step rewinds)."""
         import torch
 
         from meshrl.procs.mesh import RemoteCallError, one_line
@@ -407,6 +409,17 @@ class Checkpointer:
             torch.save({"loop": to_plain(loop), "sizes": sizes}, f"{partial}/loop.pt")
             path = commit(partial, self.cfg.keep)
         except (OSError, RemoteCallError) as error:
+            from meshrl.loop.supervisor import RoleLost
+
+            if isinstance(error, RoleLost):
+                # A role whose state lives only in its procs (trainer, critic) was lost
+                # while saving: this checkpoint cannot be written. The next step's call
+                # to it finds it gone and rewinds to the newest one (`rewind`).
+                from meshrl.procs.mesh import log_fault
+
+                shutil.rmtree(partial, ignore_errors=True)
+                log_fault(f"checkpoint after step {done} not written: {one_line(error)}")
+                return None
             if isinstance(error, RemoteCallError) and error.proc_lost:
                 raise
             raise CheckpointError(
