@@ -392,7 +392,7 @@ class Checkpointer:
         while saving (the next step rewinds)."""
         import torch
 
-        from meshrl.procs.mesh import RemoteCallError, one_line
+        from meshrl.procs.mesh import RemoteCallError, RoleLost, log_fault, one_line
 
         done, collector = self.state.step, self.collector
         # Generation under way for the next steps is part of the state: collected
@@ -409,14 +409,10 @@ class Checkpointer:
             torch.save({"loop": to_plain(loop), "sizes": sizes}, f"{partial}/loop.pt")
             path = commit(partial, self.cfg.keep)
         except (OSError, RemoteCallError) as error:
-            from meshrl.loop.supervisor import RoleLost
-
             if isinstance(error, RoleLost):
                 # A role whose state lives only in its procs (trainer, critic) was lost
                 # while saving: this checkpoint cannot be written. The next step's call
                 # to it finds it gone and rewinds to the newest one (`rewind`).
-                from meshrl.procs.mesh import log_fault
-
                 shutil.rmtree(partial, ignore_errors=True)
                 log_fault(f"checkpoint after step {done} not written: {one_line(error)}")
                 return None

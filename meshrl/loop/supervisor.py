@@ -27,21 +27,16 @@ from meshrl.loop.run import Role, Run
 from meshrl.loop.state import LoopState
 from meshrl.procs import proc_pool
 from meshrl.procs.faults import FaultsConfig
-from meshrl.procs.mesh import RemoteCallError, call_all, gather, log_fault, start_each, wait
+from meshrl.procs.mesh import (
+    RemoteCallError,
+    RoleLost,
+    call_all,
+    gather,
+    log_fault,
+    start_each,
+    wait,
+)
 from meshrl.types import TrainBatch
-
-
-class RoleLost(RemoteCallError):
-    """A proc of a role with no catch-up (`Supervisor.on_respawn`) died: its
-    state is gone with it. The loop goes back to a checkpoint or ends."""
-
-    def __init__(self, error: RemoteCallError, role: str):
-        super().__init__(str(error), error.what, proc_lost=True)
-        self.lost_role = role
-
-    @property
-    def role(self) -> str:
-        return self.lost_role
 
 
 class NonFiniteLoss(RuntimeError):

@@ -82,6 +82,19 @@ class RemoteCallError(RuntimeError):
         return self.what.split(".")[0]
 
 
+class RoleLost(RemoteCallError):
+    """A proc of a role with no catch-up (`Supervisor.on_respawn`) died: its
+    state is gone with it. The loop goes back to a checkpoint or ends."""
+
+    def __init__(self, error: RemoteCallError, role: str):
+        super().__init__(str(error), error.what, proc_lost=True)
+        self.lost_role = role
+
+    @property
+    def role(self) -> str:
+        return self.lost_role
+
+
 def one_line(error: BaseException) -> str:
     """The error as one line: its own message for meshrl's errors (which name the
     key, file or call), else its type and first line."""
