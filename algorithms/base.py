@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from algorithms.commands.train import main  # noqa: F401 - every algorithm's command line
+from algorithms.commands.train import main, run_main  # noqa: F401 - every algorithm's command line
 from algorithms.rl_config import RLConfig  # noqa: F401 - its home for the algorithms
 from meshrl.config import ConfigError
 from meshrl.envs import make_task

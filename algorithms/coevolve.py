@@ -32,13 +32,12 @@ keeps every step it took.
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, main
+from algorithms.base import Algorithm, run_main
 from algorithms.rl_config import HeldOutConfig
 from meshrl.config import (
     ConfigError,
@@ -365,4 +364,4 @@ class Coevolve(Algorithm):
 
 
 if __name__ == "__main__":
-    sys.exit(main(Coevolve, CoevolveConfig))
+    run_main(Coevolve, CoevolveConfig)

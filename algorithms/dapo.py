@@ -20,12 +20,11 @@ thousands of tokens; here `generation.max_new_tokens` caps them).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from algorithms.base import main
+from algorithms.base import run_main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError
 from meshrl.loop.collector import Batch
@@ -91,4 +90,4 @@ class DAPO(GRPO):
 
 
 if __name__ == "__main__":
-    sys.exit(main(DAPO, DAPOConfig))
+    run_main(DAPO, DAPOConfig)

@@ -28,13 +28,12 @@ Run it (the teacher is the final model of a GRPO run):
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import main
+from algorithms.base import run_main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.envs import make_task
@@ -164,4 +163,4 @@ class Distill(GRPO):
 
 
 if __name__ == "__main__":
-    sys.exit(main(Distill, DistillConfig))
+    run_main(Distill, DistillConfig)

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, main
+from algorithms.base import Algorithm, run_main
 from algorithms.rl_config import OfflineConfig
 from meshrl.config import (
     ConfigError,
@@ -249,4 +248,4 @@ class DPO(Algorithm):
 
 
 if __name__ == "__main__":
-    sys.exit(main(DPO, DPOConfig))
+    run_main(DPO, DPOConfig)

@@ -29,12 +29,11 @@ Subclass and override one hook (`rollout`, `compute_advantages`, `loss`,
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main
+from algorithms.base import Algorithm, RLConfig, run_main
 from meshrl.config import ConfigError
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import rollout_metrics
@@ -236,4 +235,4 @@ class GRPO(Algorithm):
 
 
 if __name__ == "__main__":
-    sys.exit(main(GRPO, GRPOConfig))
+    run_main(GRPO, GRPOConfig)

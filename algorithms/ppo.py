@@ -19,13 +19,12 @@ In Python: `PPO(load_config(PPOConfig, "algorithms/configs/ppo.yaml")).run()`.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, main
+from algorithms.base import Algorithm, RLConfig, run_main
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.loop.run import Run
 from meshrl.loop.steplog import rollout_metrics
@@ -266,4 +265,4 @@ class PPO(Algorithm):
 
 
 if __name__ == "__main__":
-    sys.exit(main(PPO, PPOConfig))
+    run_main(PPO, PPOConfig)

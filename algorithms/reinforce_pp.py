@@ -13,12 +13,11 @@ With `subtract_group_mean: true` the group's mean reward is removed first
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from algorithms.base import main
+from algorithms.base import run_main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError
 from meshrl.model.losses import kl_estimate, returns_to_go, token_rewards, whiten
@@ -69,4 +68,4 @@ class ReinforcePP(GRPO):
 
 
 if __name__ == "__main__":
-    sys.exit(main(ReinforcePP, ReinforcePPConfig))
+    run_main(ReinforcePP, ReinforcePPConfig)

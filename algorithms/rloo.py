@@ -12,11 +12,9 @@ clipped surrogate's gradient is exactly REINFORCE's.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from algorithms.base import main
+from algorithms.base import run_main
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.model.losses import rloo_advantages
 from meshrl.types import TrainBatch
@@ -30,4 +28,4 @@ class RLOO(GRPO):
 
 
 if __name__ == "__main__":
-    sys.exit(main(RLOO, GRPOConfig))
+    run_main(RLOO, GRPOConfig)

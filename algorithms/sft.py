@@ -22,13 +22,12 @@ In Python: `SFT(load_config(SFTConfig, "algorithms/configs/sft.yaml")).run()`.
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, main
+from algorithms.base import Algorithm, run_main
 from algorithms.dpo import SHIPPED_PREFERENCES
 from algorithms.rl_config import OfflineConfig
 from meshrl.config import (
@@ -163,4 +162,4 @@ class SFT(Algorithm):
 
 
 if __name__ == "__main__":
-    sys.exit(main(SFT, SFTConfig))
+    run_main(SFT, SFTConfig)
