@@ -49,9 +49,11 @@ def first_last(records, key="reward/mean", k=10):
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-# Each on-policy algorithm, from its shipped config, for 120 steps: the reward
-# starts at chance (~0.1) after the format-only warm-start and must climb. (The
-# command line runs the same object: tests/e2e/test_e2e.py runs it as a user would.)
+# Each on-policy algorithm, from its shipped config: the reward starts at chance (~0.1)
+# after the format-only warm-start and must climb by 0.3 within 90 steps (measured: the
+# GRPO family's mean of 10 steps is 0.3 above its start by step 38 to 77, and 0.41 to
+# 0.51 above it over steps 80-89); PPO gets 120, for its critic's fit. (The command
+# line runs the same object: tests/e2e/test_e2e.py runs it as a user would.)
 LEARNERS = {
     "rloo": (RLOO, GRPOConfig),
     "reinforce_pp": (ReinforcePP, ReinforcePPConfig),
@@ -65,7 +67,7 @@ LEARNERS = {
 @pytest.mark.parametrize("name", sorted(LEARNERS))
 def test_algorithm_learns_from_its_shipped_config(name, tmp_path, no_stray_procs):
     cls, schema = LEARNERS[name]
-    steps = 120
+    steps = 120 if name == "ppo" else 90
     overrides = [f"steps={steps}", f"run.dir={tmp_path}", "run.name=run", *QUIET]
     records = cls(load_config(schema, os.path.join(CONFIGS, f"{name}.yaml"), overrides)).run()
     assert [r["step"] for r in records] == list(range(steps))
