@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sys
 import threading
 import time
 import warnings
@@ -355,13 +356,21 @@ class RoleMeshes:
 
     def _bootstrap_command(self) -> Any:
         """How Monarch starts a proc: a fork of this process's fork server on a
-        job whose hosts are this machine (`local`, `process`; `job.fork_server`),
-        else Monarch's default."""
-        if self.job_cfg.kind not in ("local", "process") or not self.job_cfg.fork_server:
-            return None
+        job whose hosts are this machine (`local`, `process`; `job.fork_server`);
+        on SLURM nodes and without the fork server, a fresh `job.python_exe` (this
+        Python here) running `meshrl.procs.proc_main`; Monarch's default on
+        Kubernetes, whose image may hold another Python."""
+        from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+
         from meshrl.procs import zygote
 
-        return zygote.server().command()
+        kind = self.job_cfg.kind
+        if kind in ("local", "process") and self.job_cfg.fork_server:
+            return zygote.server().command()
+        if kind not in ("local", "process", "slurm"):
+            return None
+        python = self.job_cfg.python_exe if kind == "slurm" else sys.executable
+        return BootstrapCommand(python, None, ["-m", "meshrl.procs.proc_main"], {})
 
     def _group(self, role: str) -> Any:
         """An elastic role's procs, one mesh each (`meshrl.procs.pool.ProcGroup`)."""

@@ -179,16 +179,18 @@ def test_every_actor_enters_transformers_through_one_module():
     import subprocess
     import sys
 
+    # The probe ends at the first import of transformers: what comes after is not asked.
     probe = (
-        "import builtins, sys\n"
-        "real, first = builtins.__import__, []\n"
+        "import builtins, os, sys\n"
+        "real = builtins.__import__\n"
         "def hook(name, globals=None, *args, **kwargs):\n"
-        "    if not first and name.split('.')[0] in ('transformers', 'peft'):\n"
-        "        first.append((globals or {}).get('__name__'))\n"
+        "    if name.split('.')[0] in ('transformers', 'peft'):\n"
+        "        print((globals or {}).get('__name__'), flush=True)\n"
+        "        os._exit(0)\n"
         "    return real(name, globals, *args, **kwargs)\n"
         "builtins.__import__ = hook\n"
         "__import__(sys.argv[1])\n"
-        "print(first[0])\n"
+        "print('transformers never imported')\n"
     )
     # The two routes: the trainer's (through its export code) and the modelling code's
     # (every other actor that holds a model comes through meshrl.model.models).

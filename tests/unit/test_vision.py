@@ -178,6 +178,17 @@ def _picked(logits: torch.Tensor, tokens: torch.Tensor, config) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 
 
+TINY_TOWER = dict(
+    hidden_size=32,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+"""The vision tower of the tiny checkpoints saved below (32-px pictures, 16 patches)."""
+
+
 def _save_tiny_gemma3(path) -> None:
     """A tiny Gemma 3 (SigLIP tower, 4 image tokens a picture) and its processor,
     saved as a checkpoint to load by `model.path`."""
@@ -212,14 +223,7 @@ def _save_tiny_gemma3(path) -> None:
     )
     text = embedded_config(ModelConfig(arch="gemma3"), len(tokenizer), pad_token_id=0)
     text.layer_types = ["full_attention", "full_attention"]  # completions see the picture
-    tower = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
+    tower = SiglipVisionConfig(**TINY_TOWER)
     config = Gemma3Config(
         text_config=text,
         vision_config=tower,
@@ -257,14 +261,7 @@ def _save_tiny_llava_next(path) -> None:
         image_std=[0.5] * 3,
     )
     text = embedded_config(ModelConfig(arch="llama"), len(tokenizer), pad_token_id=0)
-    tower = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
+    tower = CLIPVisionConfig(**TINY_TOWER)
     config = LlavaNextConfig(
         text_config=text,
         vision_config=tower,
