@@ -56,6 +56,7 @@ import actors.environment  # noqa: E402
 import actors.policy  # noqa: E402
 import actors.trainer  # noqa: E402
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 from meshrl.observe.telemetry import observed  # noqa: E402
 from meshrl.procs.faults import Drillable  # noqa: E402
@@ -166,6 +167,7 @@ def measure(n: int, steps: int, relay: bool) -> dict:
             GRPOConfig,
             os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
             [
+                *UNMEASURED,
                 f"steps={steps}",
                 f"prompts_per_step={8 * n}",
                 "group_size=8",
@@ -181,7 +183,6 @@ def measure(n: int, steps: int, relay: bool) -> dict:
                 "run.name=scale",
                 "run.progress=false",
                 "run.save_final=false",
-                "run.samples_every=0",
             ],
         )
         history = Timed(cfg).run()[2:]

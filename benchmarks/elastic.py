@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
 SKIP = 2
@@ -46,6 +47,7 @@ def run(
     run_dir: str, name: str, steps: int, schedule: list[str]
 ) -> tuple[list[dict], str, str, int]:
     overrides = [
+        *UNMEASURED,
         f"steps={steps}",
         "job.max_procs.policy=3",
         # Work by pull, two groups a call: every generate call has the same rows

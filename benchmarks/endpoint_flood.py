@@ -33,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
 PINNED = [
@@ -40,14 +41,12 @@ PINNED = [
     "prompts_per_step=8",
     "group_size=4",
     "generation.max_new_tokens=12",
+    *UNMEASURED,
     "warm_start.steps=0",
-    "eval.every=0",
-    "checkpoint.every=0",
     "run.seed=0",
     "placement.policy=1",
     "placement.trainer=1",
     "placement.threads_per_proc=1",
-    "run.samples_every=0",
 ]
 
 

@@ -58,6 +58,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import TaskConfig, load_config  # noqa: E402
 from meshrl.envs import make_task  # noqa: E402
 from meshrl.model.models import load_model  # noqa: E402
@@ -111,13 +112,8 @@ def run_meshrl(args, run_dir: str) -> dict:
             f"group_size={args.group}",
             f"generation.max_new_tokens={args.max_new_tokens}",
             f"optim.lr={args.lr}",
-            # What is not measured is pinned: grpo_default.yaml's held-out evaluation
-            # (every 50 steps and after the last) made a 4-step run's last step 3.8x
-            # slower than the others; no checkpoint, no sample log either.
+            *UNMEASURED,
             "warm_start.steps=0",
-            "eval.every=0",
-            "checkpoint.every=0",
-            "run.samples_every=0",
             "kl_coef=0",
             f"loss_aggregation={args.aggregation}",
             f"generation.min_new_tokens={args.max_new_tokens}",

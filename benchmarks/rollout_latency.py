@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
 
@@ -46,6 +47,7 @@ def main() -> int:
             GRPOConfig,
             os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
             [
+                *UNMEASURED,
                 "task.name=slow_tool",
                 f"task.max_turns={args.turns}",
                 f"task.env_workers={args.episodes}",

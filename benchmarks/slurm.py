@@ -28,12 +28,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from tests.support.slurm_cluster import Cluster  # noqa: E402
 
 CONFIG = os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml")
 PINNED = [
-    "eval.every=0",
-    "run.progress=false",
+    *UNMEASURED,
     "placement.threads_per_proc=1",
     "run.seed=0",
     "warm_start.steps=20",

@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from algorithms.ppo import PPO, PPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 from meshrl.procs.faults import DRILLED_ENDPOINTS  # noqa: E402
 
@@ -130,6 +131,7 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
     )
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="meshrl-soak-")
     overrides = [
+        *UNMEASURED,  # the checkpoint cadence is set below: it is part of what is measured
         f"steps={args.steps}",
         "kl_coef=0.01",
         f"max_staleness={args.staleness}",

@@ -48,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
 PHASES = ["generate", "score", "reference", "train", "weight_sync"]
@@ -73,11 +74,7 @@ def run(steps: int, overrides: list[str]) -> list[dict]:
                 f"steps={steps}",
                 "kl_coef=0.01",
                 "max_staleness=0",
-                # What is not measured is pinned (a shipped config's change must not
-                # move the figure): no held-out evaluation, checkpoint or sample log.
-                "eval.every=0",
-                "checkpoint.every=0",
-                "run.samples_every=0",
+                *UNMEASURED,  # the variants' evaluation keys come after, in `overrides`
                 *overrides,
                 f"run.dir={run_dir}",
                 "run.name=breakdown",

@@ -39,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 
 SLOW = "faults.slow=[policy:3x4@0]"
@@ -51,6 +52,7 @@ def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
         GRPOConfig,
         f"{REPO}/algorithms/configs/grpo_default.yaml",
         [
+            *UNMEASURED,
             f"steps={steps}",
             "placement.policy=4",
             "placement.environment=2",

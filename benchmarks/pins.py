@@ -1,0 +1,15 @@
+"""What a benchmark does not measure, pinned: held-out evaluation, checkpoints, the
+sample log, metric sinks and console output are off, so that a change to a shipped
+config (grpo_default.yaml evaluates held-out sets; its held-out step trained 3.8x
+slower than the steps around it) cannot move a figure. A benchmark that measures one
+of these sets it after `UNMEASURED` (the last value of a key wins). Warm start is
+each benchmark's own choice: some need the answer format learnt, some measure none."""
+
+UNMEASURED = (
+    "eval.every=0",
+    "checkpoint.every=0",
+    "run.samples_every=0",
+    "run.sinks=[]",
+    "run.console_samples=0",
+    "run.progress=false",
+)
