@@ -189,14 +189,16 @@ class Collector:
     def collect(self, batch: Batch) -> Completions:
         """A batch's completions. A policy proc that dies is replaced and a call that
         raised may be retried: the same generation (the same prompts and per-row
-        seeds) is done again, and what the failed call generated on every replica
-        is counted as redone (`policy_lost`), not as dropped."""
+        seeds) is done again for the replicas whose call failed, and what they
+        generate again is counted as redone (`policy_lost`), not as dropped; the
+        other replicas' completions are kept."""
         if batch.completions is None:
             args = self.generate_args(batch)
             started = (batch.calls, batch.respawns) if batch.calls is not None else None
-            parts, repeats = self.sup.call(self.policy, "generate", args, started)
+            parts, repeats = self.sup.call(self.policy, "generate", args, started, True)
             batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
-            batch.lost = repeats * len(batch)
+            shards = zip(repeats, batch.shards, strict=True)
+            batch.lost = sum(n * len(ids) for n, (ids, _, _) in shards)
         if not batch.counted:
             batch.counted = True
             self.state.ledger.generated += len(batch)
@@ -238,7 +240,7 @@ class Collector:
         the groups of episodes that failed are replaced by new prompts' (`refill`)."""
         n = self.environment.size
         shards = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
-        scores, _ = self.sup.call(self.environment, "score", list(shards))
+        scores, _ = self.sup.call(self.environment, "score", list(shards), None, True)
         rewards = torch.tensor([r for part, _ in scores for r in part])
         failures, offset = {}, 0
         for part, failed in scores:
@@ -354,7 +356,9 @@ class Collector:
         prompts, texts = decode(self.tokenizer, completions)
         n = self.reward_model.size
         texts = [p + t for p, t in zip(prompts, texts, strict=True)]
-        parts, _ = self.sup.call(self.reward_model, "score", [(c,) for c in split(texts, n)])
+        parts, _ = self.sup.call(
+            self.reward_model, "score", [(c,) for c in split(texts, n)], None, True
+        )
         model = torch.tensor([s for part in parts for s in part])
         info["reward/rule_mean"] = rewards.mean().item()
         info["reward/model_mean"] = model.mean().item()

@@ -71,20 +71,31 @@ class Supervisor:
         )
 
     def call(
-        self, role: Role, endpoint: str, args_per_rank: list, started: tuple | None = None
-    ) -> tuple[list, int]:
+        self,
+        role: Role,
+        endpoint: str,
+        args_per_rank: list,
+        started: tuple | None = None,
+        independent: bool = False,
+    ) -> tuple[list, list[int]]:
         """`endpoint` on proc i of `role` with `args_per_rank[i]`, all at once;
-        the results in rank order and how often the call was made again (a
-        lost proc replaced, a raised error retried). `started`: (futures,
-        respawns) of the same call already sent."""
-        what, repeats, errors = f"{role.name}.{endpoint}", 0, 0
+        the results in rank order and how often each rank's call was made again
+        (a lost proc replaced, a raised error retried). `started`: (futures,
+        respawns) of the same call already sent. `independent`: each rank's call
+        stands alone (generation, scoring: no collective between the ranks), so
+        only the ranks that failed are called again; the others' results are kept."""
+        what, errors = f"{role.name}.{endpoint}", 0
+        sent = [0 if started is None else 1] * len(args_per_rank)
+        done: dict | None = {} if independent else None
         futures, respawns = started or (None, None)
         while True:
             try:
                 if futures is None:
-                    futures = start_each(role, endpoint, args_per_rank)
+                    futures = start_each(role, endpoint, args_per_rank, skip=done or ())
                     respawns = role.respawns
-                return gather(futures, what, self.timeout_s), repeats
+                    sent = [n + (f is not None) for n, f in zip(sent, futures, strict=True)]
+                results = gather(futures, what, self.timeout_s, done)
+                return results, [n - 1 for n in sent]
             except RemoteCallError as error:
                 futures = None
                 if error.stray:
@@ -94,7 +105,6 @@ class Supervisor:
                     errors += 1
                 elif respawns == role.respawns:  # else: replaced since the call was sent
                     self.recover(role, error)
-                repeats += 1
 
     def call_sharded(
         self, roles: Role | tuple[Role, ...], endpoint: str, batch: TrainBatch, *args: Any

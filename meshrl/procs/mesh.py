@@ -184,27 +184,34 @@ def _first_line(error: BaseException) -> str:
     return lines[-1].strip() if "Traceback" in text else lines[0].strip()
 
 
-def start_each(actors: Any, endpoint: str, args_per_rank: Sequence[tuple]) -> list:
+def start_each(actors: Any, endpoint: str, args_per_rank: Sequence[tuple], skip: Any = ()) -> list:
     """Call `endpoint` on proc i of `actors` with `args_per_rank[i]`, all at once;
-    returns the futures (collect them with `gather`)."""
+    returns the futures (collect them with `gather`), None for the ranks in `skip`."""
     return [
-        getattr(actors.slice(procs=i), endpoint).call_one(*args)
+        None if i in skip else getattr(actors.slice(procs=i), endpoint).call_one(*args)
         for i, args in enumerate(args_per_rank)
     ]
 
 
-def gather(futures: Sequence, what: str, timeout_s: float) -> list:
+def gather(futures: Sequence, what: str, timeout_s: float, done: dict | None = None) -> list:
     """The results of `start_each`'s futures in rank order.
 
     When calls fail, every future is still waited for, and a lost proc is
     reported before an exception: when one rank of a torch.distributed group
     dies, its peers fail first with a connection error of their own, but
-    what happened is the lost proc.
+    what happened is the lost proc. `done` (rank -> result) keeps each rank's
+    result as it comes, also when another rank fails, and stands in for the
+    ranks whose future is None (answered by an earlier call).
     """
     results, errors = [], []
     for i, future in enumerate(futures):
+        if future is None:
+            results.append(done[i])
+            continue
         try:
             results.append(wait(future, f"{what}[{i}]", timeout_s))
+            if done is not None:
+                done[i] = results[-1]
         except RemoteCallError as error:
             errors.append(error)
     if errors:

@@ -328,7 +328,8 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
     assert history[2]["faults/time_to_serve_s"] == times[0]["serve_s"]
     batch = cfg.prompts_per_step * cfg.group_size
     assert history[-1]["samples/trained_total"] == 5 * batch
-    assert history[2]["samples/redone_policy_lost"] == batch  # the step's generation, redone
+    # The killed replica's half of the step's generation, redone; the other half kept.
+    assert history[2]["samples/redone_policy_lost"] == batch // 2
     assert history[-1]["samples/dropped_total"] == 0
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
 
