@@ -1,6 +1,7 @@
 """Monarch's failure reports read without procs: a report about a stopped mesh or a
 SLURM worker still starting is not the loss of the caller's procs."""
 
+import os
 import time
 
 import pytest
@@ -75,3 +76,29 @@ def test_a_slurm_worker_still_starting_is_not_a_lost_one():
         watch.close()
         second.close()
         proc_pool.lost.clear()
+
+
+@pytest.mark.unit
+def test_a_fast_exit_runs_the_exit_hooks_flushes_open_files_and_keeps_the_code(tmp_path):
+    """`zygote.fast_exit` (how procs and command-line runs end) skips the interpreter's
+    teardown, not what the teardown would have written."""
+    import subprocess
+    import sys
+
+    from meshrl.procs import zygote
+
+    probe = (
+        "import atexit, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(zygote.__file__)!r})\n"
+        "from zygote import fast_exit\n"
+        "log = open(sys.argv[1], 'w')\n"
+        "log.write('a line never flushed\\n')\n"
+        "atexit.register(lambda: print('hook ran', end=''))\n"
+        "fast_exit(3)\n"
+    )
+    path = tmp_path / "log.txt"
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", probe, str(path)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 3 and done.stdout == "hook ran", done
+    assert path.read_text() == "a line never flushed\n"
