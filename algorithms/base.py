@@ -420,6 +420,13 @@ class Algorithm:
                 f"config key 'rollout.dispatch': pull does not run {self.name}'s own rollout "
                 "hook (not yet); use split"
             )
+        if cfg.rollout.overprovision:  # the one setting whose samples depend on timing
+            print(
+                f"note: rollout.overprovision={cfg.rollout.overprovision}: which groups a "
+                "step trains on depends on which complete first, so this run does not repeat "
+                "bit for bit (docs/reliability.md)",
+                flush=True,
+            )
         return Dispatcher(
             cfg.rollout,
             self.collector,

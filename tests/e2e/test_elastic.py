@@ -258,9 +258,10 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_pull_resumes_with_late_groups_pending(tmp_path, no_stray_procs):
+def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs):
     """Over-provisioned: the groups that completed after a step had its batch are
-    late; the checkpoint holds them, and the resumed run trains them first."""
+    late; the checkpoint holds them, and the resumed run trains them first. The run
+    says at its start that it does not repeat bit for bit."""
     late = (
         *PULL,
         "max_staleness=2",
@@ -273,6 +274,8 @@ def test_pull_resumes_with_late_groups_pending(tmp_path, no_stray_procs):
     cut = _StopAfter(configure(tmp_path, "late", *late))
     with pytest.raises(KeyboardInterrupt):
         cut.run()
+    said = [line for line in capsys.readouterr().out.splitlines() if "overprovision" in line]
+    assert len(said) == 1 and "does not repeat bit for bit" in said[0], said
     saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
     queue = saved["loop"]["data"]["rollout_queue"]
     pending = sum(entry[-1] for entry in queue["complete"])  # each group's `late`

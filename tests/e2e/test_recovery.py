@@ -112,6 +112,12 @@ def test_faults_in_every_role_change_nothing(tmp_path, no_stray_procs):
     )
     assert history[2]["samples/redone_policy_lost"] > 0  # the killed replica's groups, redone
 
+    assert_unharmed(tmp_path, history)
+
+
+def assert_unharmed(tmp_path, history: list[dict]) -> None:
+    """The drill run ended with the straight run's parameters, bit for bit, and logged
+    its metrics at every step, but the fault counters, sample accounting and timings."""
     straight = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
     drill = load_file(str(tmp_path / "drill" / "final" / "model.safetensors"))
     assert all((straight[k] == drill[k]).all() for k in straight), "parameters differ"
@@ -130,23 +136,33 @@ def test_faults_in_every_role_change_nothing(tmp_path, no_stray_procs):
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
-    cfg = configure(
-        tmp_path,
-        "drill",
-        "steps=6",
-        "prompts_per_step=16",
-        "warm_start.steps=2",
-        "kl_coef=0.01",
-        "checkpoint.every=2",
-        "faults.retry_errors=1",
-        "faults.kill=[reference:0@2,critic:0@3]",
-        "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
-        "reference.logprobs@4,critic.values@5,critic.train_step@5]",
-        "run.save_final=false",
-        schema=PPOConfig,
-        path=os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
+    """PPO with its reference and critic procs killed and every drillable endpoint
+    raising once ends where the same run without faults ends (issue 43's property)."""
+
+    def config(name, *extra):
+        return configure(
+            tmp_path,
+            name,
+            "steps=6",
+            "prompts_per_step=16",
+            "warm_start.steps=2",
+            "kl_coef=0.01",
+            "checkpoint.every=2",
+            *extra,
+            schema=PPOConfig,
+            path=os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
+        )
+
+    PPO(config("straight")).run()
+    algo = PPO(
+        config(
+            "drill",
+            "faults.retry_errors=1",
+            "faults.kill=[reference:0@2,critic:0@3]",
+            "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
+            "reference.logprobs@4,critic.values@5,critic.train_step@5]",
+        )
     )
-    algo = PPO(cfg)
     history = algo.run()
     assert [r["step"] for r in history] == list(range(6))  # every step completed
     # The reference reloads from the checkpoint; a lost critic sends the run back
@@ -165,6 +181,7 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
     assert history[-1]["samples/trained_total"] == 6 * 16
     assert history[-1]["samples/dropped_total"] == 2 * 16  # the rewind's; the redone are not
     assert history[-1]["samples/redone_total"] == 16
+    assert_unharmed(tmp_path, history)
 
 
 @pytest.mark.e2e
