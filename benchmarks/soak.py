@@ -18,6 +18,12 @@ environment procs only: without standbys, then with one standby proc for each
 (`faults.standby`). Its JSON line adds the p50/p95 of the seconds from a kill
 to seeing it (`detect_*`, both runs) and to serving again (`serve_again_*`).
 
+Each soak also runs its fault-free twin, the same config and seed with no drill
+(`--no-twin` skips it), and says whether the run with faults ended with the twin's
+parameters bit for bit (`final_params_equal_fault_free`) and logged the twin's
+metrics at every step but the fault counters, sample accounting and timings
+(`metrics_equal_fault_free`).
+
 Not part of `make test` (it takes minutes); `make soak` runs it.
 """
 
@@ -73,6 +79,9 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=0, help="max_staleness")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
     parser.add_argument(
+        "--no-twin", dest="twin", action="store_false", help="skip the fault-free twin run"
+    )
+    parser.add_argument(
         "--standby",
         action="store_true",
         help="run it twice with the same kills of policy and environment procs, without "
@@ -80,12 +89,13 @@ def main() -> int:
         "serve again",
     )
     args = parser.parse_args()
+    twin = soak(args, standby=0, drills=False)[0] if args.twin else None
     if not args.standby:
-        figures, _ = soak(args, standby=0)
+        figures, _ = soak(args, standby=0, twin=twin)
         print(json.dumps(figures))
         return 0 if figures["samples_lost"] == 0 and figures["steps"] == args.steps else 1
-    cold, cold_times = soak(args, standby=0)
-    warm, warm_times = soak(args, standby=1)
+    cold, cold_times = soak(args, standby=0, twin=twin)
+    warm, warm_times = soak(args, standby=1, twin=twin)
     figures = {
         **{f"cold_{k}": v for k, v in cold.items()},
         **{f"standby_{k}": v for k, v in warm.items()},
@@ -110,8 +120,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))], 3)
 
 
-def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
-    """One soak run; its figures and the timed recoveries of the elastic roles."""
+def soak(
+    args: argparse.Namespace, standby: int, drills: bool = True, twin: dict | None = None
+) -> tuple[dict, list[dict]]:
+    """One soak run (`drills` False: the fault-free twin); its figures and the timed
+    recoveries of the elastic roles. With `twin` (the twin's figures), the figures say
+    whether this run ended where the twin did."""
 
     roles = ["policy", "environment", "reference", "trainer"]
     if args.algo == "ppo":
@@ -129,6 +143,8 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
         roles,
         1.0 if args.standby else 0.5,
     )
+    if not drills:
+        kills, raises = [], []
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="meshrl-soak-")
     overrides = [
         *UNMEASURED,  # the checkpoint cadence is set below: it is part of what is measured
@@ -142,9 +158,9 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
         "faults.retry_errors=1",
         f"faults.max_recoveries={args.faults + 1}",
         f"run.dir={run_dir}",
-        f"run.name=soak-{args.algo}-{args.seed}-standby{standby}",
+        f"run.name=soak-{args.algo}-{args.seed}-" + (f"standby{standby}" if drills else "twin"),
         "run.progress=false",
-        "run.save_final=false",
+        f"run.save_final={'true' if args.twin else 'false'}",
         f"faults.standby.policy={standby}",
         f"faults.standby.environment={standby}",
     ]
@@ -181,6 +197,9 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
         "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "wall_s": round(wall, 1),
     }
+    if twin is not None:
+        figures.update(same_as_twin(algo.run_dir, history, twin["run_dir"]))
+    figures["run_dir"] = algo.run_dir
     print()
     print(
         f"soak: {args.algo}, {args.steps} steps, seed {args.seed}, standby {standby}, "
@@ -188,16 +207,41 @@ def soak(args: argparse.Namespace, standby: int) -> tuple[dict, list[dict]]:
     )
     print(f"  kills     {', '.join(kills) or '-'}")
     print(f"  raise_in  {', '.join(raises) or '-'}")
-    print(f"{'figure':<22}{'value':>12}")
+    print(f"{'figure':<31}{'value':>12}")
     for key, value in figures.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
         elif isinstance(value, float):
             value = f"{value:.3f}"
-        print(f"{key:<22}{value!s:>12}")
+        print(f"{key:<31}{value!s:>12}")
     times = [t for t in algo.sup.recovery_times if t["role"] in ("policy", "environment")]
     figures["serve_again_s"] = [round(t["serve_s"], 2) for t in times]
     return figures, times
+
+
+def same_as_twin(run_dir: str, history: list[dict], twin_dir: str) -> dict:
+    """Whether a run ended with its fault-free twin's parameters, bit for bit, and
+    logged the twin's metrics at every step but `faults/`, `samples/` and `time/`."""
+    from safetensors.torch import load_file
+
+    final = load_file(os.path.join(run_dir, "final", "model.safetensors"))
+    twin_final = load_file(os.path.join(twin_dir, "final", "model.safetensors"))
+    with open(os.path.join(twin_dir, "metrics.jsonl")) as f:
+        expected = [json.loads(line) for line in f]
+    plain = ("time/", "samples/", "faults/")
+
+    def kept(record: dict) -> dict:
+        return {k: v for k, v in record.items() if not k.startswith(plain)}
+
+    differ = [
+        i for i, (a, b) in enumerate(zip(history, expected, strict=False)) if kept(a) != kept(b)
+    ]
+    return {
+        "final_params_equal_fault_free": final.keys() == twin_final.keys()
+        and all(final[k].equal(twin_final[k]) for k in final),
+        "metrics_equal_fault_free": len(history) == len(expected) and not differ,
+        "first_step_differing": differ[0] if differ else None,
+    }
 
 
 if __name__ == "__main__":
