@@ -195,7 +195,7 @@ class Collector:
         if batch.completions is None:
             args = self.generate_args(batch)
             started = (batch.calls, batch.respawns) if batch.calls is not None else None
-            parts, repeats = self.sup.call(self.policy, "generate", args, started, True)
+            parts, repeats = self.sup.call(self.policy, "generate", args, started, independent=True)
             batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
             shards = zip(repeats, batch.shards, strict=True)
             batch.lost = sum(n * len(ids) for n, (ids, _, _) in shards)
@@ -240,7 +240,7 @@ class Collector:
         the groups of episodes that failed are replaced by new prompts' (`refill`)."""
         n = self.environment.size
         shards = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
-        scores, _ = self.sup.call(self.environment, "score", list(shards), None, True)
+        scores, _ = self.sup.call(self.environment, "score", list(shards), independent=True)
         rewards = torch.tensor([r for part, _ in scores for r in part])
         failures, offset = {}, 0
         for part, failed in scores:
@@ -357,7 +357,7 @@ class Collector:
         n = self.reward_model.size
         texts = [p + t for p, t in zip(prompts, texts, strict=True)]
         parts, _ = self.sup.call(
-            self.reward_model, "score", [(c,) for c in split(texts, n)], None, True
+            self.reward_model, "score", [(c,) for c in split(texts, n)], independent=True
         )
         model = torch.tensor([s for part in parts for s in part])
         info["reward/rule_mean"] = rewards.mean().item()

@@ -234,11 +234,11 @@ class Evaluator:
         if collector.task.multi_turn:
             flat = self._episodes(name, group, role)
         else:
-            parts, _ = sup.call(role, "generate", args, (futures, respawns), True)
+            parts, _ = sup.call(role, "generate", args, (futures, respawns), independent=True)
             completions = Completions.concat(parts, collector.tokenizer.pad_token_id)
             n = environment.size
             work = zip(split(group, n), split(completions.completion_lists(), n), strict=True)
-            scores, _ = sup.call(environment, "score", list(work), None, True)
+            scores, _ = sup.call(environment, "score", list(work), independent=True)
             flat = [reward for part, _ in scores for reward in part]
             if self.judge is not None:
                 judged = self.judge(completions, spec.temperature)

@@ -223,17 +223,21 @@ def _child(
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch_client, name="meshrl-zygote-watch", daemon=True).start()
-    # What `python -m monarch._src.actor.bootstrap_main` runs.
-    import runpy
-
-    code: object = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as done:
-        code = done.code
+    code = run_module(module)  # what `python -m monarch._src.actor.bootstrap_main` runs
     if module != BOOTSTRAP_MAIN:  # a forked `python -m`: the interpreter's own exit
         sys.exit(code)
     fast_exit(code)
+
+
+def run_module(module: str) -> object:
+    """Run `module` as `python -m module` does; the code it exits with."""
+    import runpy
+
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        return done.code
+    return 0
 
 
 def fast_exit(code: object) -> None:
