@@ -54,7 +54,7 @@ class Packed:
         """[B, P + T, ...] values of the batch's tokens (e.g. MoE routes) laid out as
         the packed rows: [R * L, ...], `fill` on padding."""
         flat = per_token.reshape(-1, *per_token.shape[2:])
-        index = self.source.reshape(-1)
+        index = self.source.reshape(-1).to(flat.device)  # the layout lives on the model's device
         out = flat[index.clamp(min=0)]
         return out.masked_fill((index < 0).view(-1, *[1] * (out.dim() - 1)), fill)
 

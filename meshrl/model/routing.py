@@ -141,6 +141,9 @@ class Replay:
     def forward(self, routes: torch.Tensor):
         """During the block, each router's layer l takes `routes[:, l]` ([N, L, k],
         N the tokens of the forward in row-major order; -1: its own choice)."""
+        # Recorded by the sampler wherever it kept them (CPU in a batch): the routers'
+        # outputs, compared and replaced here, are on the model's device.
+        routes = routes.to(next(self.modules[0].parameters()).device) if self.modules else routes
         own_differs = torch.zeros(len(routes), dtype=torch.bool, device=routes.device)
         ran_differs = torch.zeros_like(own_differs)
         known = routes[:, 0, 0] >= 0
