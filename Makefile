@@ -12,6 +12,9 @@
 #                 slurmctld/slurmd/slurm-client if missing) and print how to use it;
 #                 `make cluster-stop` stops it
 # `make results`: run every shipped config, rewrite the results tables in README and docs (~10 min)
+# `make speed` : the benchmarks of README's speed table, each one's JSON object saved in
+#                benchmarks/data/speed/, the table rewritten from every saved one (tens of
+#                minutes; ARGS="--only ROW ..." re-measures some rows, ARGS=--render none)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,7 +28,7 @@ ARGS ?=
 CONFIG ?= algorithms/configs/grpo_default.yaml
 ALGO ?= grpo
 
-.PHONY: run test check lint bench soak gpu-check results clean cluster cluster-stop
+.PHONY: run test check lint bench soak gpu-check results speed clean cluster cluster-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +83,10 @@ soak: $(STAMP)
 
 results: $(STAMP)
 	$(BIN)/python benchmarks/results.py $(ARGS)
+
+speed: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
+	$(BIN)/python benchmarks/speed.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

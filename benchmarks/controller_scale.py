@@ -81,7 +81,7 @@ class StandInPolicy(Drillable, Actor):
 
     @endpoint
     @observed
-    def generate(self, prompt_ids, generation) -> Completions:
+    def generate(self, prompt_ids, generation, seeds=None, images=None) -> Completions:
         time.sleep(GENERATE_S)
         rows, width, tokens = len(prompt_ids), max(map(len, prompt_ids)), generation.max_new_tokens
         return Completions(
