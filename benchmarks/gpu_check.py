@@ -29,8 +29,16 @@ The checks:
 - `distributed`: DDP and FSDP2 over NCCL (gloo on CPU), 2 ranks: one step each
   equals the 1-rank step (needs 2 GPUs, or the CPU).
 - `vllm`: the vLLM engine samples with processed log-probs (needs vLLM and CUDA).
-- `grpo`: a short GRPO run on Monarch meshes (20 steps; `--quick`: 3): its mean
-  step time and tokens/s (needs Monarch).
+- `vision`: embedded Qwen2-VL and LLaVA models on the device sample from prompts
+  with pictures (pixels made on the CPU, as the environment makes them) and the
+  trainer recomputes the same tokens with the same pixels (max log-prob gap).
+- `checkpoint`: a trainer's model and AdamW state saved from the device and
+  loaded into another model on the device: bitwise equal, on the device.
+- `grpo`: a short GRPO run on Monarch meshes (20 steps; `--quick`: 3), checkpointed
+  half-way and exported at the end: its mean step time and tokens/s; then the run
+  resumed from its checkpoint: whether it ends at the same weights (bitwise on
+  CPU; a GPU's atomic adds may reorder sums, so there the difference is a figure)
+  (needs Monarch).
 """
 
 from __future__ import annotations
@@ -129,13 +137,13 @@ def gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() * mask).max())
 
 
-def train_step(model, completions: Completions) -> float:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def train_step(model, completions: Completions, optimizer=None) -> float:
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
     logprobs = trainer_logprobs(model, completions)
     loss = -(logprobs * completions.completion_mask).sum() / completions.completion_mask.sum()
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 # --- the checks -----------------------------------------------------------------------
@@ -365,14 +373,87 @@ def check_vllm(quick: bool) -> dict:
     return figures
 
 
+def check_vision(quick: bool) -> dict:
+    import random
+
+    from meshrl.envs.vision import VisionCount
+    from meshrl.model.tokenizer import vision_format
+    from meshrl.model.vision import stack
+
+    on, figures = device(), {}
+    for arch in ("qwen2_vl", "llava"):
+        cfg = ModelConfig(arch=arch)
+        model, fmt = load_model(cfg, seed=0).to(on).eval(), vision_format(cfg)
+        ids, pixels = fmt.prompts([VisionCount(None).generate(random.Random(i)) for i in range(4)])
+        pad, width = fmt.processor.tokenizer.pad_token_id, max(map(len, ids))
+        prompt_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=on)
+        starts = torch.tensor([[width - len(x)] for x in ids])
+        prompt_mask = (torch.arange(width) >= starts).float().to(on)
+        images, counts = stack(pixels)  # on the CPU: the policy moves them
+        tokens, logprobs, mask = sample(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=4,
+            eos_token_id=-1,
+            pad_token_id=pad,
+            seeds=torch.arange(4),
+            images=images,
+            image_counts=counts,
+        )
+        tokens, logprobs, mask = tokens.to(on), logprobs.to(on), mask.to(on)
+        with torch.no_grad():
+            trained = completion_logprobs(
+                model,
+                torch.cat([prompt_ids, tokens], 1),
+                torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], 1),
+                tokens.size(1),
+                images=images,
+                image_counts=counts,
+            )
+        figures[f"{arch}_logprob_gap"] = gap(trained, logprobs, mask)
+        assert figures[f"{arch}_logprob_gap"] < 1e-4, figures
+    return figures
+
+
+def check_checkpoint(quick: bool) -> dict:
+    from meshrl.loop.checkpoint import load_state, save_state
+
+    on = device()
+    cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=2)
+    model, other = load_model(cfg, seed=0).to(on), load_model(cfg, seed=1).to(on)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    completions = sampled(model, 4, 6, 8)
+    train_step(model, completions, optimizer)
+    restored = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with tempfile.TemporaryDirectory(prefix="meshrl-gpu-check-") as folder:
+        path = os.path.join(folder, "trainer.pt")
+        started = time.perf_counter()
+        save_state(path, model=model, optimizer=optimizer, version=3)
+        extra = load_state(path, on, model=other, optimizer=restored)
+        seconds = time.perf_counter() - started
+    assert extra == {"version": 3}, extra
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert b.device == on and torch.equal(a, b)
+    for a, b in zip(optimizer.state.values(), restored.state.values(), strict=True):
+        for key, value in a.items():
+            assert b[key].device == value.device and torch.equal(value, b[key]), key
+    return {"save_load_s": seconds, "optimizer_tensors": len(restored.state) * 3}
+
+
 def check_grpo(quick: bool) -> dict:
     if importlib.util.find_spec("monarch") is None:
         raise Skipped("Monarch (torchmonarch) is not installed: no meshes")
+    from safetensors.torch import load_file
+
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.config import load_config
+    from meshrl.loop.checkpoint import latest, step_of
 
     steps = 3 if quick else 20
-    with tempfile.TemporaryDirectory(prefix="meshrl-gpu-check-") as folder:
+    half = 2 if quick else 10
+
+    def grpo(folder: str, name: str, *more: str) -> list[dict]:
         cfg = load_config(
             GRPOConfig,
             os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
@@ -380,15 +461,25 @@ def check_grpo(quick: bool) -> dict:
                 f"steps={steps}",
                 "warm_start.steps=0",
                 "eval.every=0",
-                "checkpoint.every=0",
+                f"checkpoint.every={half}",
                 "run.progress=false",
-                "run.save_final=false",
                 "run.console_samples=0",
                 f"run.dir={folder}",
-                "run.name=gpu-check",
+                f"run.name={name}",
+                *more,
             ],
         )
-        records = GRPO(cfg).run()
+        return GRPO(cfg).run()
+
+    with tempfile.TemporaryDirectory(prefix="meshrl-gpu-check-") as folder:
+        records = grpo(folder, "straight")
+        final = os.path.join(folder, "straight", "final", "model.safetensors")
+        a = load_file(final)
+        checkpoint = latest(os.path.join(folder, "straight"))
+        assert checkpoint and step_of(checkpoint) == half, checkpoint
+        # A resumed run goes on in its run's directory: its final weights replace a's.
+        grpo(folder, "straight", f"checkpoint.resume={checkpoint}")
+        b = load_file(final)
     timed = records[1:] or records
     seconds = sum(r["time/step_s"] for r in timed)
     return {
@@ -396,6 +487,9 @@ def check_grpo(quick: bool) -> dict:
         "step_s": seconds / len(timed),
         "tokens_per_s": sum(r["tokens/generated"] for r in timed) / seconds,
         "reward_last": records[-1]["reward/mean"],
+        "resumed_at": step_of(checkpoint),
+        "resume_equal": all(torch.equal(a[k], b[k]) for k in a),
+        "resume_max_diff": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
     }
 
 
@@ -407,6 +501,8 @@ CHECKS: dict[str, Callable[[bool], dict]] = {
     "tree_layout": check_tree_layout,
     "distributed": check_distributed,
     "vllm": check_vllm,
+    "vision": check_vision,
+    "checkpoint": check_checkpoint,
     "grpo": check_grpo,
 }
 

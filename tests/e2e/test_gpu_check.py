@@ -32,3 +32,6 @@ def test_every_gpu_check_runs_on_the_cpu(no_stray_procs):
     assert checks["routing_replay"]["ran_mismatch"] == 0
     assert checks["distributed"]["backend"] == "gloo"
     assert checks["grpo"]["steps"] == 3 and checks["grpo"]["tokens_per_s"] > 0
+    assert checks["grpo"]["resumed_at"] == 2 and checks["grpo"]["resume_equal"]
+    assert checks["checkpoint"]["optimizer_tensors"] > 0
+    assert checks["vision"]["qwen2_vl_logprob_gap"] < 1e-4
