@@ -124,7 +124,8 @@ def machine() -> str:
     return f"{platform.system()}, {os.cpu_count()} cores ({cpu}), torch {torch.__version__}"
 
 
-def commit() -> str:
+def commit(changed: str = " with local changes") -> str:
+    """The short commit, and `changed` after it when tracked files differ from it."""
     out = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     )
@@ -134,7 +135,7 @@ def commit() -> str:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    return out.stdout.strip() + (" with local changes" if dirty else "")
+    return (out.stdout.strip() or "unknown") + (changed if dirty else "")
 
 
 def block(lines: list[str], total_s: float, only: list[str] | None = None) -> str:

@@ -35,6 +35,7 @@ from decimal import ROUND_HALF_UP, Decimal
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.results import commit as results_commit  # noqa: E402
 from benchmarks.results import machine  # noqa: E402
 
 DATA = os.path.join(REPO, "benchmarks", "data", "speed")
@@ -361,16 +362,7 @@ ROWS = [
 
 def commit() -> str:
     """The short commit, `+dirty` when tracked files differ from it."""
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return (head or "unknown") + ("+dirty" if dirty else "")
+    return results_commit("+dirty")
 
 
 def load(path: str) -> dict:
