@@ -138,7 +138,6 @@ class Critic(Drillable, Actor):
     def load_state(self, directory: str) -> None:
         load_state(
             f"{directory}/critic.pt",
-            self.device,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,

@@ -46,7 +46,7 @@ class Reference(Drillable, Actor):
     @endpoint
     def load_state(self, directory: str) -> int:
         path = f"{directory}/reference.pt"
-        self.weights.version = load_state(path, self.device, model=self.model)["version"]
+        self.weights.version = load_state(path, model=self.model)["version"]
         return self.weights.version
 
     @endpoint

@@ -244,9 +244,7 @@ class Trainer(Drillable, Actor):
         parts = {} if self.sharded else {"model": self.model, "optimizer": self.optimizer}
         if self.sharded:
             load_sharded(f"{directory}/trainer_shards", self.model, self.optimizer)
-        extra = load_state(
-            f"{directory}/trainer.pt", self.device, scheduler=self.scheduler, **parts
-        )
+        extra = load_state(f"{directory}/trainer.pt", scheduler=self.scheduler, **parts)
         self.version = extra["version"]
         return self.version
 

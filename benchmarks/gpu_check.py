@@ -430,7 +430,7 @@ def check_checkpoint(quick: bool) -> dict:
         path = os.path.join(folder, "trainer.pt")
         started = time.perf_counter()
         save_state(path, model=model, optimizer=optimizer, version=3)
-        extra = load_state(path, on, model=other, optimizer=restored)
+        extra = load_state(path, model=other, optimizer=restored)
         seconds = time.perf_counter() - started
     assert extra == {"version": 3}, extra
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
@@ -448,7 +448,7 @@ def check_grpo(quick: bool) -> dict:
 
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.config import load_config
-    from meshrl.loop.checkpoint import latest, step_of
+    from meshrl.loop.checkpoint import complete, root, step_of
 
     steps = 3 if quick else 20
     half = 2 if quick else 10
@@ -475,8 +475,9 @@ def check_grpo(quick: bool) -> dict:
         records = grpo(folder, "straight")
         final = os.path.join(folder, "straight", "final", "model.safetensors")
         a = load_file(final)
-        checkpoint = latest(os.path.join(folder, "straight"))
-        assert checkpoint and step_of(checkpoint) == half, checkpoint
+        kept = complete(root(os.path.join(folder, "straight")))
+        checkpoint = next((c for c in kept if step_of(c) == half), None)
+        assert checkpoint, f"no checkpoint at step {half} among {kept}"
         # A resumed run goes on in its run's directory: its final weights replace a's.
         grpo(folder, "straight", f"checkpoint.resume={checkpoint}")
         b = load_file(final)
@@ -543,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: no check {', '.join(unknown)} (checks: {', '.join(CHECKS)})")
     result = run(names, args.quick)
-    print(json.dumps(result))
+    # Flushed at once: on the H200 the line was lost when the process ended after
+    # the Monarch check (stdout to a file is block-buffered).
+    print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
 

@@ -285,9 +285,13 @@ def save_state(path: str, **parts) -> None:
     os.replace(path + ".tmp", path)
 
 
-def load_state(path: str, device, **parts) -> dict:
-    """Load what `save_state` wrote into `parts`; returns the plain values."""
-    state = read(path, device)
+def load_state(path: str, **parts) -> dict:
+    """Load what `save_state` wrote into `parts`; returns the plain values.
+
+    Read onto the CPU: each part's `load_state_dict` puts a tensor where its target
+    lives (a parameter's device; an optimizer's `step` counter stays on the CPU, as
+    torch keeps it unless the optimizer is fused or capturable)."""
+    state = read(path, "cpu")
     for key, target in parts.items():
         target.load_state_dict(state[key])
     return {k: v for k, v in state.items() if k not in parts}

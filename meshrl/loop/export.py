@@ -119,7 +119,7 @@ def export_checkpoint(path: str, out: str) -> str:
         dcp.load(state, storage_reader=safe_reader(shards))
         model.load_state_dict(state["model"])
     else:
-        checkpoint.load_state(os.path.join(ckpt, "trainer.pt"), "cpu", model=model)
+        checkpoint.load_state(os.path.join(ckpt, "trainer.pt"), model=model)
     os.makedirs(out, exist_ok=True)
     save_hf(model, cfg, out)
     return ckpt

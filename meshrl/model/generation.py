@@ -157,8 +157,9 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
     first, inverse = distinct_prompts(ids, mask, keys) if share else (None, None)
     rows = first if share else slice(None)
     pixels = {}
-    if images is not None:
-        pixels = vision.inputs(images[rows], counts[rows], model_dtype(model))
+    if images is not None:  # (the pixels may be on the CPU, the ids on the model's device)
+        pick = rows.to(images.device) if share else rows
+        pixels = vision.inputs(images[pick], counts[pick], model_dtype(model))
     inputs = forward_inputs(model, ids[rows], mask[rows], pixels)  # positions [3, B, P]: M-RoPE
     out = model(
         input_ids=ids[rows],
