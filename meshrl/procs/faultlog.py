@@ -12,6 +12,17 @@ path: str | None = None
 """The running run's `faults.log` (`Run` sets it). Without one (or with
 MESHRL_DEBUG set) failures are logged to the console."""
 
+ended: str | None = None
+"""The `faults.log` of the run that ended last in this process: Monarch reports a
+killed proc about 10 s after it died, so the report of a proc that the run had
+already replaced may come after the run ended; it belongs to that run's log."""
+
+
+def current() -> str | None:
+    """Where a failure reported now is written: the running run's log, else the
+    log of the run that ended last, else nowhere (None)."""
+    return path or ended
+
 
 def debugging() -> bool:
     """--debug or MESHRL_DEBUG: every detail on the console."""
@@ -20,7 +31,8 @@ def debugging() -> bool:
 
 def log_fault(text: str) -> None:
     """Append `text`, timestamped, to the run's `faults.log` (if there is one)."""
-    if path is None:
+    target = current()
+    if target is None:
         return
-    with contextlib.suppress(OSError), open(path, "a") as f:
+    with contextlib.suppress(OSError), open(target, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text.rstrip()}\n")

@@ -123,7 +123,7 @@ def _record_fault(failure: Any) -> None:
     text = str(failure).strip()
     faults.append(text)
     log_fault(f"mesh failure: {text or 'unknown'}")
-    if faultlog.path is None or debugging():
+    if faultlog.current() is None or debugging():
         logger.warning("mesh failure: %s", text.splitlines()[0] if text else "unknown")
 
 
