@@ -52,11 +52,9 @@ class TrainerConfig:
     unstably there), 2.0 for geo-mask (no published default: TIS's)."""
     layout: str = "tree"
     """How the trainer, reference and critic lay a batch out for their forward
-    pass (meshrl.model.packing): tree (each distinct prompt forwarded once into a
-    KV cache that its completions run over; no pad token computed past the
-    longest prompt and completion), packed (no padding; rows packed under one 4D
-    mask), padded (the rectangular batch). The same math. Models with layers
-    other than attention run tree as padded."""
+    pass (meshrl.model.packing): tree (no padding, and the completions of one prompt
+    share one forward of it), packed (no padding), padded (the rectangular
+    batch). The same math; padded for sliding-window attention models."""
     routing_replay: bool = False
     """Mixture-of-experts models: the trainer's forward sends each token to the
     experts the sampler chose for it (routing replay, "R3"; meshrl.model.routing),

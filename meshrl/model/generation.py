@@ -9,17 +9,14 @@ compared token for token.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from meshrl.model import vision
 from meshrl.model.models import Cache, DynamicLayer, forward_inputs
-from meshrl.model.packing import (
-    cache_keyword,
-    cache_of,
-    distinct_prompts,
-    model_dtype,
-    takes_logits_to_keep,
-)
+from meshrl.model.packing import model_dtype, takes_logits_to_keep
 from meshrl.model.routing import Recorder
 
 
@@ -71,6 +68,34 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.size(-1) - 1)
 
 
+def distinct_prompts(
+    ids: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt [U], each row's distinct prompt [B]);
+    `extra` [B]: rows differ also where it does (their images)."""
+    keys = torch.where(mask.bool(), ids, -1)
+    if extra is not None:
+        keys = torch.cat([keys, extra[:, None].to(keys)], 1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), ids.size(0), dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(ids.size(0), device=ids.device), "amin")
+    return first, inverse
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); take either."""
+    return _cache_keyword_of(type(model))
+
+
+@functools.cache  # asked at every decode step: the signature is read once per class
+def _cache_keyword_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _cache_of(out) -> object:
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
 class GrowingLayer(DynamicLayer):
     """A KV-cache layer that writes each step's keys and values in place into a
     buffer with room to spare (doubled when full), where HF's dynamic layer
@@ -119,7 +144,7 @@ def _growing_cache(model) -> dict:
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         return {}
-    return {cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
+    return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
 
 
 def _prefill(model, ids, mask, share: bool, images=None, counts=None):
@@ -144,7 +169,7 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
         **_growing_cache(model),
         **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}),  # the last only
     )
-    logits, cache, positions = out.logits[:, -1], cache_of(out), inputs["position_ids"]
+    logits, cache, positions = out.logits[:, -1], _cache_of(out), inputs["position_ids"]
     # Text goes on after the largest position (M-RoPE: an image's last row or column).
     after = (positions.amax(0) if positions.dim() == 3 else positions)[:, -1:] + 1
     if share:
@@ -287,9 +312,9 @@ def sample(
                 attention_mask=attention_mask,
                 position_ids=next_position,
                 use_cache=True,
-                **{cache_keyword(model): cache},
+                **{_cache_keyword(model): cache},
             )
-            logits, cache = out.logits[:, -1], cache_of(out)
+            logits, cache = out.logits[:, -1], _cache_of(out)
             next_position = next_position + 1
             if recorder is not None:  # the token sampled at `step` sits in column P + step
                 recorder.put(live, P + step, ~finished[live, None])

