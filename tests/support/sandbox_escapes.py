@@ -43,7 +43,7 @@ ESCAPES = {
     # With the old hook's globals cleared (the prelude), its refusals went.
     "main_globals": """
 attempt("write", lambda: open(VICTIM, "w").write("escaped"))
-attempt("socket", lambda: __import__("socket").create_connection(("127.0.0.1", PORT), 2))
+attempt("socket", lambda: __import__("socket").create_connection((HOST, PORT), 2))
 attempt("subprocess", lambda: __import__("subprocess").run(["sh", "-c", f"echo x > {VICTIM}"]))
 """,
     # The audit event carries no dir_fd: the check saw a relative name in scratch.
@@ -104,7 +104,7 @@ def check(value):
 def connect():
     lib = libc()
     fd = check(lib.syscall(SYS["socket"], 2, 1, 0))
-    address = struct.pack("!HH4s8x", 2, PORT, bytes([127, 0, 0, 1]))
+    address = struct.pack("!HH4s8x", 2, PORT, __import__("socket").inet_aton(HOST))
     address = address[:2][::-1] + address[2:]  # sin_family is host order
     return check(lib.syscall(SYS["connect"], fd, address, len(address)))
 attempt("socket", connect)
@@ -124,9 +124,9 @@ attempt("passwd", lambda: open("/etc/passwd").read())
 """,
     "network": """
 import socket
-attempt("tcp", lambda: socket.create_connection(("127.0.0.1", PORT), timeout=2))
+attempt("tcp", lambda: socket.create_connection((HOST, PORT), timeout=2))
 attempt("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(
-    b"x", ("127.0.0.1", PORT)))
+    b"x", (HOST, PORT)))
 attempt("unix", lambda: socket.socket(socket.AF_UNIX).connect(UNIX))
 """,
     "signals": """
@@ -150,7 +150,7 @@ MODES = {
 class World:
     """What the programs try to reach: a world-writable directory outside the
     scratch (so that only the sandbox, not file permissions, stops a write), a
-    secret file in it, a listener on 127.0.0.1 and a bystander process."""
+    secret file in it, a listener on a loopback address of its own and a bystander process."""
 
     outside: str
     victim: str
@@ -171,12 +171,17 @@ class World:
             with open(path, "w") as f:
                 f.write(text)
             os.chmod(path, 0o666)
+        # Not 127.0.0.1: other tests' processes dial ports there that were free a moment
+        # ago (a rendezvous, a channel), and a stray connection would read as a breach.
+        # The whole of 127/8 is this host's loopback; nothing else dials this address.
+        host = "127." + ".".join(str(b) for b in uuid.uuid4().bytes[:3])
+        host = host if host != "127.0.0.1" else "127.0.0.2"
         listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((host, 0))
         listener.listen()
         listener.setblocking(False)  # a connection made is queued before the program exits
         datagrams = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        datagrams.bind(("127.0.0.1", listener.getsockname()[1]))
+        datagrams.bind((host, listener.getsockname()[1]))
         datagrams.setblocking(False)
         unix = socket.socket(socket.AF_UNIX)
         unix.bind(f"\0meshrl-escape-{uuid.uuid4().hex}")
@@ -192,7 +197,7 @@ class World:
     def program(self, name: str) -> str:
         constants = (
             f"VICTIM = {self.victim!r}\nOUTSIDE = {self.outside!r}\nSECRET = {self.secret!r}\n"
-            f"PORT = {self.listener.getsockname()[1]}\nBYSTANDER = {self.bystander.pid}\n"
+            f"HOST, PORT = {self.listener.getsockname()!r}\nBYSTANDER = {self.bystander.pid}\n"
             f"UNIX = {self.unix.getsockname()!r}\n"
         )
         return constants + _PRELUDE + ESCAPES[name]
