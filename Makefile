@@ -32,9 +32,14 @@ ALGO ?= grpo
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, alone and exact: pip then takes the CPU build instead of a multi-GB CUDA one.
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check -e '.[dev]'
+	# torch first, alone and exact, by pip: it reads this machine's pip configuration and takes
+	# the CPU build instead of a multi-GB CUDA one. uv comes with it.
+	$(BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0 uv==0.13.9
+	# The rest by uv, held to the torch just installed (measured here: 15 s, where pip took
+	# 105 s for the same 230 packages, at the same versions).
+	$(BIN)/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+		> $(VENV)/torch-pin.txt
+	$(BIN)/uv pip install -q --python $(BIN)/python -c $(VENV)/torch-pin.txt -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -51,7 +56,7 @@ check: lint
 	$(BIN)/python -m pytest -n $(WORKERS) tests/unit tests/actors $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -c $(VENV)/torch-pin.txt -e '.[bench]'
 	$(BIN)/python benchmarks/weight_sync.py
 	$(BIN)/python benchmarks/proc_start.py
 	$(BIN)/python benchmarks/generation.py
@@ -85,7 +90,7 @@ results: $(STAMP)
 	$(BIN)/python benchmarks/results.py $(ARGS)
 
 speed: $(STAMP)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -c $(VENV)/torch-pin.txt -e '.[bench]'
 	$(BIN)/python benchmarks/speed.py $(ARGS)
 
 clean:
