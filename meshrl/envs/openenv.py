@@ -47,7 +47,7 @@ import urllib.request
 from typing import Any
 
 from meshrl.envs.base import Env, Episode, Step
-from meshrl.envs.openenv_server import Server, Servers, environment_types
+from meshrl.envs.openenv_server import Server, Servers, environment_types, import_openenv
 from meshrl.types import Prompt
 
 INSTALL = "openenv-core is not installed: pip install 'meshrl[openenv]'"
@@ -70,6 +70,7 @@ def load_environment(target: str) -> type:
     """The openenv `Environment` subclass named by MODULE:CLASS."""
     import importlib
 
+    import_openenv()  # before the environment's module imports it
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -93,6 +94,7 @@ class OpenEnvTask(Env):
         """'' when `name` can be played, else the problem (one line)."""
         target = _target(name)
         try:
+            import_openenv()
             from openenv.core.env_server import Environment
         except ImportError:
             return INSTALL
@@ -249,6 +251,7 @@ class OpenEnvEpisode(Episode):
         return Step(observation=text, reward=self.total, done=False)
 
     def _open(self) -> None:
+        import_openenv()
         from openenv.core.generic_client import GenericEnvClient
 
         self.url, self.server = self.task.open_session()

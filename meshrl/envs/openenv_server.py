@@ -42,6 +42,25 @@ RUN = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], r
 """`python -c RUN FILE ARGS...` runs FILE as the main script, sys.path untouched."""
 
 
+def import_openenv() -> None:
+    """Import openenv-core without gradio. Its `env_server` package imports gradio
+    for an optional web UI (`ENABLE_WEB_INTERFACE`), which meshrl never serves, and
+    falls back by itself when gradio is missing; gradio is ~6 s of the ~7 s a
+    server or a proc spends importing openenv-core. gradio stays importable after
+    (the web UI, when asked for, imports it then). Raises ImportError without
+    openenv-core."""
+    web = os.environ.get("ENABLE_WEB_INTERFACE", "").lower() in ("true", "1", "yes")
+    if web or "openenv.core" in sys.modules or "gradio" in sys.modules:
+        importlib.import_module("openenv.core.env_server")
+        return
+    sys.modules["gradio"] = None  # `import gradio` raises ModuleNotFoundError
+    try:
+        importlib.import_module("openenv.core.env_server")
+    finally:
+        if "gradio" in sys.modules and sys.modules["gradio"] is None:
+            del sys.modules["gradio"]
+
+
 def environment_types(cls: type) -> tuple[type, type] | None:
     """The Action and Observation classes of an openenv `Environment` subclass:
     from its generic parameters (`class E(Environment[A, O, S])`, here or in a
@@ -90,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.parent and sys.platform == "linux":
         _die_with_parent(args.parent)
+    import_openenv()  # before the environment's module imports it
     module, _, attr = args.target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     types = environment_types(cls)
