@@ -256,14 +256,16 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
 SAME = ["steps=120", "checkpoint.every=100", "run.seed=3"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def straight(tmp_path_factory):
     """The uninterrupted run the requeued one must equal, bit for bit: a `local` run
     on this machine, one thread per proc as on the nodes (the same math at any
-    placement: RDMA between nodes or shared memory on one host)."""
+    placement: RDMA between nodes or shared memory on one host). It runs while the
+    test waits on SLURM; calling the fixture's value waits for it and returns its
+    final weights."""
     root = tmp_path_factory.mktemp("straight")
     overrides = [*SAME, "eval.every=0", "placement.threads_per_proc=1", "run.progress=false"]
-    done = subprocess.run(
+    proc = subprocess.Popen(
         zygote.python_m(
             "algorithms.grpo",
             "--config",
@@ -273,12 +275,22 @@ def straight(tmp_path_factory):
             "run.name=straight",
         ),
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_file(str(root / "straight" / "final" / "model.safetensors"))
+
+    def weights() -> dict:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        return load_file(str(root / "straight" / "final" / "model.safetensors"))
+
+    try:
+        yield weights
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def set_time_limit(cluster, job_id: str, minutes_left: float) -> None:
@@ -345,8 +357,9 @@ def test_a_timed_out_then_requeued_trainer_job_checkpoints_first_and_ends_bitwis
     assert_ledger_exact(records)
     # The same job, started again by SLURM twice, holds the trainer.
     assert status(tmp_path, "requeued")["slurm"]["trainer"]["job_id"] == job_id
+    a = straight()
     b = load_file(str(tmp_path / "requeued" / "final" / "model.safetensors"))
-    assert all(torch.equal(straight[k], b[k]) for k in straight), "parameters differ"
+    assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ"
     assert_clean_end(cluster)
 
 
