@@ -155,11 +155,10 @@ FIRST = (
 """The longest files, longest first, by their path under tests/: `make test`'s two pytest
 workers (`-n 2`) each take the next whole file when theirs ends
 (`pytest_xdist_make_scheduler`), so the long ones go first and the short ones fill in
-at the end. (Measured on 2 cores before the tiers had folders of their own, whole
-files: test_cluster.py about 480 s, test_algorithms.py 220, test_environments.py 200,
-test_notebooks.py 200, test_e2e.py 100, test_job.py 100, test_elastic.py 80 and
-test_recovery.py 70.) The SLURM tier, which mostly waits on the scheduler, then runs
-beside the rest."""
+at the end. (Measured on 2 cores in `make test` on 2026-11-28, whole files: test_cluster.py
+406 s, test_environments.py 258, test_notebooks.py 223, test_algorithms.py 220,
+test_recovery.py 71, test_e2e.py 59, test_elastic.py 53 and test_job.py 31.) The SLURM
+tier, which mostly waits on the scheduler, then runs beside the rest."""
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
