@@ -364,7 +364,7 @@ class Run:
             self.workers.close()
         self.meshes.stop()
         if faultlog.path == f"{self.dir}/faults.log":
-            faultlog.path, faultlog.ended = None, faultlog.path
+            faultlog.end(faultlog.path)
         # A proc that was killed could not remove its shared-memory files.
         for path in glob.glob(f"{SHM_DIR}/{self.shm_prefix}-*"):
             os.unlink(path)

@@ -13,15 +13,34 @@ path: str | None = None
 MESHRL_DEBUG set) failures are logged to the console."""
 
 ended: str | None = None
-"""The `faults.log` of the run that ended last in this process: Monarch reports a
-killed proc about 10 s after it died, so the report of a proc that the run had
-already replaced may come after the run ended; it belongs to that run's log."""
+"""The `faults.log` of the run that ended last in this process (`end`): Monarch
+reports a killed proc about 10 s after it died (a stop that timed out, after 30 s),
+so the report of a proc that the run had already replaced may come after the run
+ended; it belongs to that run's log."""
+
+ended_at = 0.0
+"""When that run ended (`_clock`, `time.monotonic`)."""
+
+_clock = time.monotonic
+
+LATE_S = 60.0
+"""How long after its run ended a report still goes to that run's log; a later one
+(a mesh a notebook made by hand afterwards) goes to the console."""
+
+
+def end(log: str) -> None:
+    """The run whose log is `log` ended now."""
+    global path, ended, ended_at
+    path, ended, ended_at = None, log, _clock()
 
 
 def current() -> str | None:
     """Where a failure reported now is written: the running run's log, else the
-    log of the run that ended last, else nowhere (None)."""
-    return path or ended
+    log of the run that ended last if it ended less than `LATE_S` ago, else
+    nowhere (None: the console)."""
+    if path is not None:
+        return path
+    return ended if ended is not None and _clock() - ended_at < LATE_S else None
 
 
 def debugging() -> bool:

@@ -102,3 +102,27 @@ def test_a_fast_exit_runs_the_exit_hooks_flushes_open_files_and_keeps_the_code(t
     )
     assert done.returncode == 3 and done.stdout == "hook ran", done
     assert path.read_text() == "a line never flushed\n"
+
+
+@pytest.mark.unit
+def test_a_late_report_goes_to_the_ended_runs_log_for_a_minute_then_to_the_console(
+    tmp_path, monkeypatch
+):
+    """A killed proc's report that arrives after its run ended (Monarch: ~10 s, or a
+    30 s stop timeout) is that run's; one much later (a mesh made by hand in a
+    notebook afterwards) is nobody's run's and goes to the console."""
+    from meshrl.procs import faultlog
+
+    clock = [100.0]
+    monkeypatch.setattr(faultlog, "_clock", lambda: clock[0])
+    monkeypatch.setattr(faultlog, "path", str(tmp_path / "faults.log"))
+    monkeypatch.setattr(faultlog, "ended", None)
+    monkeypatch.setattr(faultlog, "ended_at", 0.0)
+    assert faultlog.current() == str(tmp_path / "faults.log")
+    faultlog.end(faultlog.path)
+    assert faultlog.path is None
+    clock[0] += 30.0
+    faultlog.log_fault("mesh failure: late")
+    assert "mesh failure: late" in (tmp_path / "faults.log").read_text()
+    clock[0] += faultlog.LATE_S
+    assert faultlog.current() is None
