@@ -116,14 +116,21 @@ def test_an_agent_trains_on_exactly_the_tokens_it_was_served(agent_data, tmp_pat
         tool = tok.decode(episode.tokens[n1 : len(episode.tokens) - n2])
         assert second["messages"][-1]["content"] in tool and tool.endswith("[assistant]")
         assert second["prompt_token_ids"] == episode.prompt_ids + episode.tokens[: -n2 or None]
+        assert episode.reward == agent.partial_credit(
+            second["content"].split("</think>")[-1], episode.prompt.text[:3][::-1]
+        )
+    # Over every two-call episode of the run (the last step's are a few, and whether a
+    # first answer thinks is up to the sampler): the second call's context goes on
+    # from the first answer's tokens as served, where the template's re-rendering
+    # differs from it (drops a <think> block) at least once.
+    for first, second in (calls for calls in agent.CALLS.values() if len(calls) == 2):
+        served = first["prompt_token_ids"] + first["token_ids"]
+        assert second["prompt_token_ids"][: len(served)] == served
         rendered = tok.apply_chat_template(
             second["messages"], add_generation_prompt=True, tokenize=False
         )
         rewritten += (
             tok(rendered, add_special_tokens=False).input_ids != (second["prompt_token_ids"])
-        )
-        assert episode.reward == agent.partial_credit(
-            second["content"].split("</think>")[-1], episode.prompt.text[:3][::-1]
         )
     assert rewritten, "no first answer had a <think> block for the template to drop"
 
