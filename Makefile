@@ -30,7 +30,9 @@ ALGO ?= grpo
 
 .PHONY: run test check lint bench soak gpu-check results speed clean cluster cluster-stop
 
-$(STAMP): pyproject.toml
+# Makefile too: a .venv made before uv came into this recipe has no uv and no torch-pin.txt,
+# which `make bench` and `make speed` use.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, alone and exact, by pip: it reads this machine's pip configuration and takes
 	# the CPU build instead of a multi-GB CUDA one. uv comes with it.
