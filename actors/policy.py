@@ -104,6 +104,7 @@ class Policy(Drillable, Actor):
             seeds,
             None if images is None else tuple(t.to(self.device) for t in images),
         )
+        self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         tokens_out = completion_mask.sum().item()
         if math.isfinite(stats["entropy_sum"]):
             record("policy/entropy", stats["entropy_sum"] / max(tokens_out, 1), "mean")
@@ -112,7 +113,6 @@ class Policy(Drillable, Actor):
         record("policy/longest_completion", completion_mask.sum(1).max().item(), "max")
         record("policy/shortest_completion", completion_mask.sum(1).min().item(), "min")
         self.check_intact()  # nothing sampled from a slot rewritten meanwhile leaves
-        self.drag(started)  # a `faults.slow` drill: a slower replica
         return Completions(
             prompt_ids=ids,
             prompt_mask=mask,

@@ -116,6 +116,9 @@ class Algorithm:
         held-out evaluation (`eval:`) when one is due, on the replicas now idle."""
         if self.evaluator is not None:
             metrics.update(self.evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
+        if self.collector is not None:  # generation sent ahead (`max_staleness`): what it
+            for batch in self.state.ahead:  # records lands in this step's record, every run
+                self.collector.ended(batch)
         self.log.step(metrics)
 
     # --- in a notebook --------------------------------------------------------------------

@@ -13,6 +13,7 @@ again (`stale`), and a group with a failed episode is replaced by new prompts
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -24,7 +25,7 @@ import torch
 from meshrl.envs.rollout import ChatFormat, encode_prompts, run_episodes, to_completions
 from meshrl.model.tokenizer import max_token_chars
 from meshrl.model.vision import shard
-from meshrl.procs.mesh import split, start_each
+from meshrl.procs.mesh import RemoteCallError, split, start_each, wait
 from meshrl.types import Completions, Prompt
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,16 @@ class Collector:
     def generate_args(self, batch: Batch) -> list[tuple]:
         """`Policy.generate`'s arguments for each replica's shard of `batch`."""
         return [(ids, self.cfg.generation, seeds, images) for ids, seeds, images in batch.shards]
+
+    def ended(self, batch: Batch) -> None:
+        """Wait until the generation sent ahead for `batch` has ended, without taking its
+        answer (`collect` does, and handles a failure). The step being logged then holds
+        what that generation recorded on its procs (`meshrl.observe.telemetry`) in every
+        run alike, not only when it happened to end before the step's report."""
+        for rank, call in enumerate(batch.calls or ()):
+            # A failure is left to `collect`, which meets it again and recovers.
+            with contextlib.suppress(RemoteCallError):
+                wait(call, f"policy.generate[{rank}]", self.sup.timeout_s)
 
     # --- collecting and scoring -----------------------------------------------------------
 

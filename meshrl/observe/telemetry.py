@@ -10,8 +10,10 @@ Values add up in the process until the controller collects them at the end of
 each step, from every proc of every mesh, and reduces them across the mesh:
 `mean` is the mean of every value recorded (not a mean of per-proc means),
 `sum`, `min` and `max` what they say. The step's record in `metrics.jsonl` (and
-each sink) then holds the key once. A value recorded while generation for a
-later step is under way (`max_staleness > 0`) lands in the step collected next.
+each sink) then holds the key once. Generation sent ahead for a later step
+(`max_staleness > 0`) is waited for before a step is recorded, so its values land
+in that step's record in every run (a pull queue's groups, `rollout.dispatch:
+pull`, land in the step under way when they end).
 
 Actors mix in `Observed` and mark endpoints with `@observed`: each call's
 duration is recorded as `time/<role>/<endpoint>_s`, and the proc's `Watch`
