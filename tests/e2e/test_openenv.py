@@ -17,12 +17,24 @@ from meshrl.config import ConfigError, TaskConfig, load_config
 from meshrl.envs import make_task
 from meshrl.types import Prompt
 from tests.conftest import DEFAULT_CONFIG, descendants
-from tests.support.openenv_env import MARKERS, play
 from tests.support.runs import grpo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ENV = "openenv:tests.support.openenv_env"
+
+
+def openenv_env():
+    """tests/support/openenv_env.py, imported when a test needs it: it imports
+    openenv-core, which each pytest worker would otherwise import to collect this file."""
+    from meshrl.envs.openenv_server import import_openenv
+
+    import_openenv()  # without gradio, as meshrl's own imports of it
+    from tests.support import openenv_env
+
+    return openenv_env
+
+
 SHORT = ["warm_start.steps=0", "generation.max_new_tokens=6", "eval.every=0"]
 
 
@@ -76,7 +88,7 @@ def test_grpo_trains_on_an_openenv_environment(tmp_path, no_stray_procs):
         model_turns = [ids for mask, ids in runs if mask == 1]
         observations = [tok.decode(ids) for mask, ids in runs if mask == 0]
         actions = [tok.decode(ids, skip_special_tokens=True) for ids in model_turns]
-        replies, total, done = play(episode.prompt.text, actions)
+        replies, total, done = openenv_env().play(episode.prompt.text, actions)
         assert done and len(model_turns) == episode.turns in (1, 2)
         assert observations == episode.replies == replies
         assert episode.reward == pytest.approx(total)
@@ -90,15 +102,15 @@ def test_a_server_that_dies_mid_episode_fails_its_episodes_and_restarts(
     """The environment proc's first server exits at its first step: the episodes
     it was playing fail and are counted, their groups are played again on a new
     server, and every step trains a full batch."""
-    started = time.time()
+    started, markers = time.time(), openenv_env().MARKERS
     try:
         algo, history = grpo(tmp_path, "grpo_default.yaml", f"task.name={ENV}:DiesOnce", *SHORT)
     finally:  # this run's marker (DiesOnce) and those of runs beside it: they die again
-        for marker in glob.glob(os.path.join(MARKERS, "*")):
+        for marker in glob.glob(os.path.join(markers, "*")):
             if os.path.getmtime(marker) >= started:
                 os.unlink(marker)
         with contextlib.suppress(OSError):  # empty now, unless a run beside it is at work
-            os.rmdir(MARKERS)
+            os.rmdir(markers)
     assert history[0]["episodes/failed"] >= 1
     assert sum(r.get("env/openenv_server_starts", 0) for r in history) == 2
     for record in history:

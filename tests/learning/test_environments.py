@@ -12,13 +12,14 @@ pytestmark = [pytest.mark.learning, pytest.mark.timeout(300)]
 
 def test_the_calculator_config_learns_to_call_the_tool(tmp_path, no_stray_procs):
     """The shipped calculator config as it is (its warm-start on traces made in
-    code, where a quarter call the tool), 8 RL steps: the share of episodes that
-    call the calculator and the exact answers both climb (measured: 68 to 121 tool
-    calls of 128 a step, reward 0.24 to 0.64, from the first 4 steps to the last 4)."""
+    code, where a quarter call the tool), 6 RL steps: the share of episodes that
+    call the calculator and the exact answers both climb (measured on 2026-11-28:
+    56 to 113 tool calls of 128 a step, reward 0.20 to 0.56, from the first 3 steps
+    to the last 3; 121 calls and 0.64 over steps 4-7 of 8)."""
     _, history = grpo(
-        tmp_path, "grpo_calculator.yaml", "steps=8", "prompts_per_step=16", "group_size=8"
+        tmp_path, "grpo_calculator.yaml", "steps=6", "prompts_per_step=16", "group_size=8"
     )
-    first, last = history[:4], history[-4:]
+    first, last = history[:3], history[-3:]
 
     def mean(records, key):
         return sum(r.get(key, 0.0) for r in records) / len(records)

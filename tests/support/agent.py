@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 
-from openai import OpenAI
-
 CALLS: dict[str, list[dict]] = {}
 """Per episode URL, what each chat call answered (as the client saw it)."""
 _lock = threading.Lock()
@@ -31,6 +29,8 @@ def digit_check(answer: str, target: str) -> str:
 def reverse_with_a_tool(base_url: str, prompt) -> float:
     """Two chat calls with a tool call between them: the model answers (after a
     `<think>` block), the tool checks the answer, the model answers again."""
+    from openai import OpenAI  # here, not at the top: collecting the tests costs nothing
+
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
     target = prompt.text.rstrip(">")[::-1]
     messages = [{"role": "user", "content": prompt.text}]
@@ -84,6 +84,8 @@ def calculator(base_url: str, prompt) -> float:
     model may call `<calc>EXPR</calc>` (the agent evaluates it and answers with a
     tool message) and ends with `<answer>N</answer>`; reward 1 for the right N."""
     import re
+
+    from openai import OpenAI
 
     from meshrl.envs.math import arith
 
