@@ -128,36 +128,46 @@ def pack(
             bins.append(target)
         target[0] += size
         target[1].append((prompt, members))
+    # The layout is written into flat Python lists, row r at r * capacity, and made
+    # tensors once: per-row tensor writes cost more than the model's step on small batches.
     R = len(bins)
-    tokens = torch.zeros(R, capacity, dtype=torch.long)
-    positions = torch.zeros(R, capacity, dtype=torch.long)
-    tree = torch.arange(-1, -R * capacity - 1, -1).view(R, capacity)  # padding: its own
-    member = torch.full((R, capacity), -2)  # -1: a prompt token; b: row b's completion
-    source = torch.full((R, capacity), -1, dtype=torch.long)
-    rows, cols, at = [], [], []
+    size = R * capacity
+    tokens, positions = [0] * size, [0] * size
+    tree = list(range(-1, -size - 1, -1))  # padding: each position a tree of its own
+    member = [-2] * size  # -1: a prompt token; b: row b's completion
+    source = [-1] * size  # flat index (b * width + column) of each token in the batch
+    rows: list[int] = []
+    cols: list[int] = []
+    at: list[int] = []
     tree_id = 0
     for r, (_, content) in enumerate(bins):
-        c = 0
+        c = r * capacity
         for prompt, members in content:
             p = len(prompt)
-            tokens[r, c : c + p] = torch.tensor(prompt)
-            positions[r, c : c + p] = torch.arange(p)
-            tree[r, c : c + p], member[r, c : c + p] = tree_id, -1
-            source[r, c : c + p] = members[0] * width + torch.arange(P - p, P)
-            last_prompt = r * capacity + c + p - 1
+            tokens[c : c + p] = prompt
+            positions[c : c + p] = range(p)
+            tree[c : c + p], member[c : c + p] = [tree_id] * p, [-1] * p
+            first = members[0] * width + P - p
+            source[c : c + p] = range(first, first + p)
+            last_prompt = c + p - 1
             c += p
             for b in members:  # its tokens but the last, which predicts nothing
                 t = completion_len[b]
                 n = max(t - 1, 0)  # an empty completion (t = 0) lays out nothing
-                tokens[r, c : c + n] = torch.tensor(ids[b][P : P + n], dtype=torch.long)
-                positions[r, c : c + n] = torch.arange(p, p + n)
-                tree[r, c : c + n], member[r, c : c + n] = tree_id, b
-                source[r, c : c + n] = b * width + torch.arange(P, P + n)
+                tokens[c : c + n] = ids[b][P : P + n]
+                positions[c : c + n] = range(p, p + n)
+                tree[c : c + n], member[c : c + n] = [tree_id] * n, [b] * n
+                source[c : c + n] = range(b * width + P, b * width + P + n)
                 rows += [b] * t
                 cols += range(t)
-                at += [last_prompt, *range(r * capacity + c, r * capacity + c + n)][:t]
+                at += [last_prompt, *range(c, c + n)][:t]
                 c += n
             tree_id += 1
+
+    def grid(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).view(R, capacity)
+
+    tokens, positions, tree, member, source = map(grid, (tokens, positions, tree, member, source))
     causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
     same_tree = tree.unsqueeze(2) == tree.unsqueeze(1)
     visible = (member.unsqueeze(1) == -1) | (member.unsqueeze(2) == member.unsqueeze(1))
