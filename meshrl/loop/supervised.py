@@ -23,15 +23,17 @@ def supervised_batch(
     `target_masks`: which target tokens the loss counts (all when None; a
     conversation's user turns between assistant turns are 0)."""
     P, T = max(map(len, prompt_ids)), max(map(len, targets))
-    ids = torch.full((len(prompt_ids), P + T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompt_ids), P + T)
-    completion_mask = torch.zeros(len(prompt_ids), T)
+    ids, mask, completion_mask = [], [], []  # rows as lists, each tensor made once
     for row, (prompt, target) in enumerate(zip(prompt_ids, targets, strict=True)):
-        ids[row, P - len(prompt) : P + len(target)] = torch.tensor(prompt + target)
-        mask[row, P - len(prompt) : P + len(target)] = 1
+        left, right = P - len(prompt), T - len(target)
+        ids.append([pad_id] * left + list(prompt) + list(target) + [pad_id] * right)
+        mask.append([0.0] * left + [1.0] * (len(prompt) + len(target)) + [0.0] * right)
         counted = target_masks[row] if target_masks is not None else [1] * len(target)
-        completion_mask[row, : len(target)] = torch.tensor(counted, dtype=torch.float)
-    return TrainBatch(ids, mask, completion_mask, torch.zeros_like(completion_mask))
+        completion_mask.append([float(c) for c in counted] + [0.0] * right)
+    completion = torch.tensor(completion_mask)
+    return TrainBatch(
+        torch.tensor(ids), torch.tensor(mask), completion, torch.zeros_like(completion)
+    )
 
 
 def supervised_steps(
