@@ -143,22 +143,25 @@ tests/support/ holds the helpers they share and the modules runs load by name.""
 
 FIRST = (
     "cluster/test_cluster.py",
-    "learning/test_algorithms.py",
     "learning/test_environments.py",
-    "learning/test_default_run.py",
     "notebooks/test_notebooks.py",
-    "e2e/test_e2e.py",
-    "e2e/test_job.py",
-    "e2e/test_elastic.py",
+    "learning/test_algorithms.py",
     "e2e/test_recovery.py",
+    "e2e/test_e2e.py",
+    "e2e/test_elastic.py",
+    "e2e/test_checkpoint.py",
+    "e2e/test_agent.py",
+    "e2e/test_job.py",
+    "learning/test_default_run.py",
 )
 """The longest files, longest first, by their path under tests/: `make test`'s two pytest
 workers (`-n 2`) each take the next whole file when theirs ends
 (`pytest_xdist_make_scheduler`), so the long ones go first and the short ones fill in
 at the end. (Measured on 2 cores in `make test` on 2026-11-28, whole files: test_cluster.py
-406 s, test_environments.py 258, test_notebooks.py 223, test_algorithms.py 220,
-test_recovery.py 71, test_e2e.py 59, test_elastic.py 53 and test_job.py 31.) The SLURM
-tier, which mostly waits on the scheduler, then runs beside the rest."""
+398 s, test_environments.py 244, test_notebooks.py 216, test_algorithms.py 145,
+test_recovery.py 78, test_e2e.py 66, test_elastic.py 61, test_checkpoint.py 41,
+test_agent.py 39, test_job.py 36 and test_default_run.py 23.) The SLURM tier, which
+mostly waits on the scheduler, then runs beside the rest."""
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -31,8 +31,8 @@ def test_the_calculator_config_learns_to_call_the_tool(tmp_path, no_stray_procs)
 def test_the_code_config_learns_to_write_passing_programs(tmp_path, no_stray_procs):
     """The shipped code config as it is (its warm-start on the reference programs),
     30 RL steps with every program run against its tests in the sandbox: the share
-    of tests passed climbs (measured here: 0.075 over the first 8 steps, 0.179
-    over the last 8)."""
+    of tests passed climbs (measured here on 2026-11-28: 0.094 over the first 8
+    steps, 0.211 over the last 8)."""
     _, history = grpo(tmp_path, "grpo_code.yaml", "steps=30", "prompts_per_step=16", "group_size=8")
     for record in history:
         assert 0.0 <= record["reward/mean"] <= 1.0 and math.isfinite(record["train/loss"])
