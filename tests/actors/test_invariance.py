@@ -92,13 +92,20 @@ def meshes():
                 f"critic_{mesh}", Critic, MODEL, optim, 10, 0.2, 0, local_master(), **kw
             )
 
-        yield {
-            "one": trainer("one", layout="padded"),
-            "ddp": trainer("ddp", micro_batches=2, layout="tree"),
-            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
-            "critic_one": critic("one", layout="padded"),
-            "critic_two": critic("critic", micro_batches=2, layout="tree"),
-        }
+        # Each mesh's process group is made before the next mesh's port is drawn: groups
+        # made at once cross-talked (the DDP gradient off by 1.72 relative, 2 runs in 5;
+        # a defect of the free-port rendezvous, in the closing note of 2026-11-28).
+        spawned = {}
+        for name, make in (
+            ("one", lambda: trainer("one", layout="padded")),
+            ("ddp", lambda: trainer("ddp", micro_batches=2, layout="tree")),
+            ("fsdp", lambda: trainer("fsdp", sharding="fsdp", layout="tree")),
+            ("critic_one", lambda: critic("one", layout="padded")),
+            ("critic_two", lambda: critic("critic", micro_batches=2, layout="tree")),
+        ):
+            spawned[name] = make()
+            call_all(spawned[name], "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
+        yield spawned
     finally:
         meshes.stop()
 
