@@ -35,19 +35,28 @@ def kernels(tmp_path_factory) -> KernelSpecManager:
 @pytest.mark.notebook
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(path, kernels, no_stray_procs):
+def test_notebook_runs(path, kernels, tmp_path, no_stray_procs):
     notebook = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         "commit notebooks without outputs"
     )
-    km = KernelManager(kernel_name="forked", kernel_spec_manager=kernels)
+    # Unix sockets, not TCP: jupyter_client picks free TCP ports and frees them for the
+    # kernel to bind, and a run on the other worker may take one meanwhile (the kernel
+    # then dies before it answers).
+    km = KernelManager(
+        kernel_name="forked",
+        kernel_spec_manager=kernels,
+        transport="ipc",
+        connection_file=str(tmp_path / "kernel.json"),
+        ip=str(tmp_path / "kernel-ipc"),
+    )
     try:
         NotebookClient(
             notebook, km=km, timeout=500, resources={"metadata": {"path": os.path.dirname(path)}}
         ).execute()
     finally:  # a client given its kernel manager leaves the kernel running
-        if km.has_kernel:
-            km.shutdown_kernel()
+        if km.has_kernel:  # (one that died has no socket left to ask it to stop)
+            km.shutdown_kernel(now=not km.is_alive())
     deadline = time.monotonic() + 30
     while kernel_forks() and time.monotonic() < deadline:  # (it exits a moment later)
         time.sleep(0.25)
