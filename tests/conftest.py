@@ -218,15 +218,6 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
-def local_master() -> tuple[str, int]:
-    """A free (address, port) on this host for a mesh's torch.distributed rank 0."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1", s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real SLURM cluster on this machine for the `cluster` tests: slurmctld and

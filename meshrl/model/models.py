@@ -256,7 +256,11 @@ class ValueModel(torch.nn.Module):
         self.backbone = lm.base_model
         self.backbone_prefix = f"{lm.base_model_prefix}."
         width = lm.config.get_text_config().hidden_size  # a VLM's: its language model's
-        self.value_head = torch.nn.Linear(width, 1, dtype=lm.dtype)
+        # Made without a draw from torch's global generator (nn.Linear's own init
+        # draws): another actor of this proc may be building its model inside
+        # `seeded_init` at this moment, and a draw here would change its weights.
+        head = torch.nn.Linear(width, 1, dtype=lm.dtype, device="meta")
+        self.value_head = head.to_empty(device=lm.device)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 

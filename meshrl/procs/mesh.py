@@ -474,17 +474,15 @@ class RoleMeshes:
         return actors.flatten("procs") if "hosts" in actors.sizes else actors
 
     def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:
-        """(address, port) of the role's rank 0 for torch.distributed."""
-        if self.job_cfg.kind in ("local", "process"):
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return "127.0.0.1", s.getsockname()[1]
+        """(address, port) of the role's rank 0 for torch.distributed: a store its
+        proc 0 opens now and serves from then on (`parallel.Rendezvous`), on
+        loopback when every host of the run is this one."""
         from meshrl.procs.parallel import Rendezvous
 
         probe = self.spawn(role, "rendezvous", Rendezvous)
-        return tuple(wait(probe.slice(procs=0).address.call_one(), f"{role}.rendezvous", timeout_s))
+        loopback = self.job_cfg.kind in ("local", "process")
+        answer = probe.slice(procs=0).address.call_one(loopback)
+        return tuple(wait(answer, f"{role}.rendezvous", timeout_s))
 
     def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
         """Stop `role`'s actors and give its procs to the pool, if they are poolable

@@ -13,22 +13,48 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
+_STORES: dict[int, dist.TCPStore] = {}
+"""The torch.distributed stores `Rendezvous` opened in this proc, by port, until the
+role's rank 0 (an actor on the same proc) takes its own in `data_parallel`."""
+STORE_TIMEOUT = timedelta(seconds=300)
+
 
 class Rendezvous(Actor):
-    """Spawned on a role's mesh on other hosts: where its rank 0 can listen."""
+    """Spawned on a role's mesh before its data-parallel actors: opens, on proc 0,
+    the store their process group meets at.
+
+    The port is the kernel's pick for a socket bound here and held from then on,
+    so no other process can take it before rank 0 serves on it (a port found free
+    and let go can be handed to another group meanwhile: two groups on one port
+    exchange each other's tensors, silently)."""
 
     @endpoint
-    def address(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+    def address(self, loopback: bool) -> tuple[str, int]:
+        """(address, port) the other ranks dial. `loopback`: a run on this host
+        only, which no other machine can reach (127.0.0.1)."""
+        listener = socket.socket()
+        listener.bind(("127.0.0.1" if loopback else "", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        # The store serves on the socket (master_listen_fd) and owns it from here on.
+        _STORES[port] = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            STORE_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        address = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+        return address, port
 
 
 def data_parallel(
@@ -42,14 +68,28 @@ def data_parallel(
 ) -> torch.nn.Module:
     """`model` made data-parallel over this mesh's procs: wrapped in DDP, or
     sharded in place with FSDP2 (`sharding="fsdp"`); itself when there is one
-    proc. `master` is rank 0's (address, port). Returns the module to call."""
+    proc. `master` is rank 0's (address, port): from `Rendezvous` (whose store
+    rank 0 takes), or any free port of the caller's choosing. Returns the
+    module to call."""
     if world_size == 1:
         return model
-    os.environ["MASTER_ADDR"], port = master[0], master[1]
-    os.environ["MASTER_PORT"] = str(port)
+    address, port = master
+    store = _STORES.pop(port, None) if rank == 0 else None
+    if store is None and rank > 0:
+        store = dist.TCPStore(address, port, world_size, False, STORE_TIMEOUT)
+    # A run on this host: gloo listens on loopback too, not on the address the host
+    # name resolves to.
+    loopback = address == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ
+    if loopback and "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.
     own_gpus = device.type == "cuda" and (ranks_per_host or world_size) <= torch.cuda.device_count()
-    dist.init_process_group("nccl" if own_gpus else "gloo", rank=rank, world_size=world_size)
+    backend = "nccl" if own_gpus else "gloo"
+    if store is None:  # rank 0 of a master the caller chose: it opens the store itself
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

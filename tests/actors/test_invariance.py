@@ -20,7 +20,6 @@ from meshrl.config import ModelConfig, OptimConfig
 from meshrl.model.losses import AGGREGATIONS
 from meshrl.procs.mesh import RoleMeshes, call_all, call_each
 from meshrl.types import TrainBatch
-from tests.conftest import local_master
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
 
@@ -83,28 +82,26 @@ def meshes():
                 optim,
                 grpo_loss("token-mean"),
                 10,
-                master=local_master(),
+                master=meshes.rendezvous(mesh),
                 **kw,
             )
 
         def critic(mesh, **kw):
             return meshes[mesh].spawn(
-                f"critic_{mesh}", Critic, MODEL, optim, 10, 0.2, 0, local_master(), **kw
+                f"critic_{mesh}", Critic, MODEL, optim, 10, 0.2, 0, meshes.rendezvous(mesh), **kw
             )
 
-        # Each mesh's process group is made before the next mesh's port is drawn: groups
-        # made at once cross-talked (the DDP gradient off by 1.72 relative, 2 runs in 5;
-        # a defect of the free-port rendezvous, in the closing note of 2026-11-28).
-        spawned = {}
-        for name, make in (
-            ("one", lambda: trainer("one", layout="padded")),
-            ("ddp", lambda: trainer("ddp", micro_batches=2, layout="tree")),
-            ("fsdp", lambda: trainer("fsdp", sharding="fsdp", layout="tree")),
-            ("critic_one", lambda: critic("one", layout="padded")),
-            ("critic_two", lambda: critic("critic", micro_batches=2, layout="tree")),
-        ):
-            spawned[name] = make()
-            call_all(spawned[name], "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
+        # Made at once: four process groups meet on this host together (each at a
+        # store its rank 0's proc holds from the start: no two can share a port).
+        spawned = {
+            "one": trainer("one", layout="padded"),
+            "ddp": trainer("ddp", micro_batches=2, layout="tree"),
+            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
+            "critic_one": critic("one", layout="padded"),
+            "critic_two": critic("critic", micro_batches=2, layout="tree"),
+        }
+        for name, actors in spawned.items():
+            call_all(actors, "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
         yield spawned
     finally:
         meshes.stop()

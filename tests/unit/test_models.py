@@ -11,7 +11,7 @@ from meshrl.config import ModelConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.envs.digits import positional_match
 from meshrl.model.generation import sample, top_p_filter
-from meshrl.model.models import completion_logprobs, load_model, stop_token_ids
+from meshrl.model.models import ValueModel, completion_logprobs, load_model, stop_token_ids
 from meshrl.model.tokenizer import build_char_tokenizer, load_tokenizer
 from meshrl.weights.publisher import TornWeights, WeightPublisher
 from meshrl.weights.receiver import WeightReceiver
@@ -172,6 +172,18 @@ def test_models_built_at_once_in_one_process_get_their_seeds_weights():
         thread.join()
     for model in built:
         assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
+def test_a_value_model_draws_nothing_from_the_global_generator():
+    """What a critic builds outside `seeded_init` must not draw from torch's global
+    generator: a trainer beside it on the proc may be inside its seeded block (the
+    invariance test's trainer got other weights in about half its runs when the value
+    head was an nn.Linear's own init)."""
+    lm = load_model(ModelConfig(), seed=0)
+    state = torch.random.get_rng_state()
+    model = ValueModel(lm)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not model.value_head.weight.any() and not model.value_head.bias.any()
 
 
 def test_reverse_digits_reward_depends_on_prompt():
