@@ -79,6 +79,7 @@ def load_config(
                     file_cfg = OmegaConf.masked_copy(file_cfg, [k for k in file_cfg if k in merged])
                 _refuse_moved(schema, file_cfg, f"in {file_path}")
                 merged = _merge(merged, file_cfg, f"in {file_path}")
+        given = []
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -88,7 +89,16 @@ def load_config(
                 reason = " ".join(str(error).split())
                 raise ConfigError(f"override '{item}': not a YAML value ({reason})") from None
             _refuse_moved(schema, parsed, f"in override '{item}'")
-            merged = _merge(merged, parsed, f"in override '{item}'")
+            given.append((item, parsed))
+        if given:
+            # One merge of them all: each merge copies the whole config (~10 ms). Only
+            # when it fails are they merged one at a time, to name the one at fault.
+            try:
+                merged = OmegaConf.merge(merged, *(parsed for _, parsed in given))
+            except OmegaConfBaseException:
+                for item, parsed in given:
+                    merged = _merge(merged, parsed, f"in override '{item}'")
+                raise
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_omegaconf_message(error)) from None

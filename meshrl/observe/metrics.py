@@ -159,13 +159,14 @@ class RunLogger:
         rewards = self.series(self.headline)
         if not rewards:
             return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A Figure of its own (Agg), not pyplot's: no global figure state, which a
+        # notebook's own plots share, and a third less time than pyplot with
+        # tight_layout (measured 0.13 -> 0.085 s a plot).
+        from matplotlib.figure import Figure
 
         steps = [r["step"] for r in self.history if self.headline in r]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         ax.plot(steps, rewards, lw=1, alpha=0.5, label=self.headline)
         window = max(1, len(rewards) // 20)
         smooth = [
@@ -180,9 +181,8 @@ class RunLogger:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         path = os.path.join(self.run_dir, filename)
-        fig.tight_layout()
+        fig.subplots_adjust(left=0.11, right=0.97, top=0.96, bottom=0.14)
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def summary(self) -> str:

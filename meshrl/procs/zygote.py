@@ -44,7 +44,14 @@ import struct
 import sys
 
 BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
-PRELOAD = ("torch", "meshrl.model.models", "meshrl.procs.proc_pool")
+PRELOAD = (
+    "torch",
+    "meshrl.model.models",
+    "meshrl.procs.proc_pool",
+    # What building the embedded model imports on first use (transformers loads each
+    # architecture lazily): ~0.1 s less in every proc that holds a model.
+    "transformers.models.llama.modeling_llama",
+)
 """What the server imports before it forks (never Monarch: see the module doc)."""
 PROC_COMM = "meshrl@"
 """How the process name (`/proc/PID/comm`) of a forked proc starts: `meshrl@` and the
