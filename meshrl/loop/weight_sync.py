@@ -27,15 +27,20 @@ version).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from meshrl.config import ConfigError
 from meshrl.loop.run import Role
-from meshrl.procs.mesh import RemoteCallError, log_fault
+from meshrl.procs import proc_pool
+from meshrl.procs.mesh import RemoteCallError, log_fault, wait
 from meshrl.weights.publisher import WeightHandle
 from meshrl.weights.receiver import Pulled
+
+SOURCE_CHECK_S = 0.5
+"""How often a pull's wait looks whether its source was seen gone (`_wait_pull`)."""
 
 
 @dataclass
@@ -267,8 +272,31 @@ class WeightSync:
                     self.sup.recover(replicas, error)
                 return
 
+    def _wait_pull(self, future: Any, what: str) -> Any:
+        """A pull's answer, as `Supervisor.wait`; and when its source's procs are seen
+        gone meanwhile (a SLURM node lost: `proc_pool.lost`), their loss is handled at
+        once (`check_alive`). The reads from them would wait out the transport's own
+        timeout first: two minutes on RDMA's TCP fallback, seen on SLURM."""
+        source = self.source
+        if source is None:
+            return self.sup.wait(future, what)
+        deadline = time.monotonic() + self.sup.timeout_s
+        while True:
+            try:
+                return wait(future, what, SOURCE_CHECK_S)
+            except RemoteCallError as error:
+                if not error.timed_out:
+                    raise
+            if time.monotonic() > deadline:
+                timeout = self.sup.timeout_s
+                raise RemoteCallError(
+                    f"{what} did not answer within {timeout:g}s", what, timed_out=True
+                )
+            if proc_pool.lost and proc_pool.is_lost(f"{source.name}.publish"):
+                self.sup.check_alive(source)  # raises: the source's loss, recovered there
+
     def _collect(self, future: Any, replicas: Role) -> None:
-        answers = self.sup.wait(future, f"{replicas.name}.load_weights").items()
+        answers = self._wait_pull(future, f"{replicas.name}.load_weights").items()
         pulled = dict(enumerate(value for _, value in answers))  # in rank order
         self._account(pulled, {rank: 1 for rank in pulled}, set(pulled), replicas.name)
 
@@ -292,7 +320,7 @@ class WeightSync:
             for rank, source, future in started:
                 while True:
                     try:
-                        pulled[rank] = self.sup.wait(future, f"{what}[{rank}]")
+                        pulled[rank] = self._wait_pull(future, f"{what}[{rank}]")
                         break
                     except RemoteCallError as error:
                         if error.proc_lost:  # this replica is gone: its children go around it

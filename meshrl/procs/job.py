@@ -141,6 +141,12 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
 
             return LocalJob(tuple(meshes))
         return None
+    from monarch.config import configure
+
+    # Monarch pushes its config to each host it attaches and waits 10 s for them all
+    # (its default); on a loaded machine a host missed that ("config push failed during
+    # attach on 1 host(s)", then no answer from its procs): a minute, as for the rest.
+    configure(mesh_attach_config_timeout="60s")
     if cfg.kind == "process":
         from monarch.job import ProcessJob
 
