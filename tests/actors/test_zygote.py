@@ -77,7 +77,10 @@ def test_forked_procs_are_monarchs_procs_and_end_with_their_stand_ins(no_stray_p
         while alive(facts[2]["pid"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(facts[2]["pid"])
-        with pytest.raises(RemoteCallError, match="sig=9") as info:
+        # Monarch says how it ended ("Killed(sig=9)"), or, its host agent busy, that the
+        # agent's query timed out ("The process likely crashed": seen once under load in
+        # a full `make test`); the proc is lost either way.
+        with pytest.raises(RemoteCallError, match="sig=9|likely crashed") as info:
             wait(other.facts.call_one(), "b.facts", 60)
         assert info.value.proc_lost
 
