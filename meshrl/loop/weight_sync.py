@@ -292,7 +292,7 @@ class WeightSync:
                 raise RemoteCallError(
                     f"{what} did not answer within {timeout:g}s", what, timed_out=True
                 )
-            if proc_pool.lost and proc_pool.is_lost(f"{source.name}.publish"):
+            if proc_pool.lost and proc_pool.is_lost(source.name):  # any rank of it
                 self.sup.check_alive(source)  # raises: the source's loss, recovered there
 
     def _collect(self, future: Any, replicas: Role) -> None:

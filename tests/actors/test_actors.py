@@ -16,6 +16,7 @@ from meshrl.model.tokenizer import build_char_tokenizer
 from meshrl.procs.mesh import RemoteCallError, RoleMeshes, call_all, call_each, wait
 from meshrl.types import Completions, TrainBatch
 from meshrl.weights.publisher import WeightHandle
+from tests.conftest import listeners, own_pids
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
 
@@ -210,24 +211,6 @@ def test_meshes_stop_leaves_no_procs(no_stray_procs):
     meshes.stop()  # twice is harmless
 
 
-def listening(port: int) -> set[str]:
-    """The addresses a TCP socket of this host listens on at `port` (/proc/net/tcp)."""
-    import ipaddress
-
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    raw = bytes.fromhex(address)
-                    # The kernel prints each 32-bit word in host (little-endian) order.
-                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                    found.add(str(ipaddress.ip_address(words)))
-    return found
-
-
 def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
     """A real critic mesh of 2 data-parallel procs: its backbone arrives from the
     trainer's published weights; value steps fit fixed returns; ranks stay equal."""
@@ -237,7 +220,8 @@ def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
     try:
         master = meshes.rendezvous("critic")
         # The store listens from the start, on loopback only (a run on this host).
-        assert master[0] == "127.0.0.1" and listening(master[1]) == {"127.0.0.1"}
+        at_port = {address for address, port in listeners(own_pids()) if port == master[1]}
+        assert master[0] == "127.0.0.1" and at_port == {"127.0.0.1"}
         critic = meshes["critic"].spawn(
             "critic", Critic, MODEL, OptimConfig(lr=1e-2), 50, 10.0, 3, master
         )
