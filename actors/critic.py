@@ -21,12 +21,13 @@ from meshrl.model.optim import build_optimizer
 from meshrl.observe.telemetry import observed
 from meshrl.procs.faults import Drillable
 from meshrl.procs.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
+from meshrl.procs.peer_state import PeerState
 from meshrl.types import TrainBatch
 from meshrl.weights.publisher import WeightHandle
 from meshrl.weights.receiver import WeightReceiver
 
 
-class Critic(Drillable, Actor):
+class Critic(PeerState, Drillable, Actor):
     role = "critic"
 
     def __init__(
@@ -55,6 +56,8 @@ class Critic(Drillable, Actor):
         self.value_clip = value_clip
         self.micro_batches = micro_batches
         self.layout = layout
+        if self.world_size > 1:  # its peers may heal from it (`PeerState`)
+            self.ready_to_share()
 
     @endpoint
     @observed
@@ -142,6 +145,21 @@ class Critic(Drillable, Actor):
             optimizer=self.optimizer,
             scheduler=self.scheduler,
         )
+
+    def peer_state(self) -> dict:
+        """What a rank that replaces a lost one takes from this one (`PeerState`)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "backbone_version": self.weights.version,
+        }
+
+    def load_peer_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.weights.version = state["backbone_version"]
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -45,13 +45,14 @@ from meshrl.procs.parallel import (
     save_sharded,
     shutdown,
 )
+from meshrl.procs.peer_state import PeerState
 from meshrl.types import TrainBatch
 from meshrl.weights.publisher import WeightHandle, WeightPublisher
 
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
-class Trainer(Drillable, Actor):
+class Trainer(PeerState, Drillable, Actor):
     role = "trainer"
 
     def __init__(
@@ -108,6 +109,8 @@ class Trainer(Drillable, Actor):
         )
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
+        if self.world_size > 1:  # its peers may heal from it (`PeerState`)
+            self.ready_to_share()
 
     def served_parameters(self):
         """(HF name, tensor) of what replicas serve: the parameters (a shard of
@@ -247,6 +250,35 @@ class Trainer(Drillable, Actor):
         extra = load_state(f"{directory}/trainer.pt", scheduler=self.scheduler, **parts)
         self.version = extra["version"]
         return self.version
+
+    def peer_state(self) -> dict:
+        """What a rank that replaces a lost one takes from this one (`PeerState`):
+        a replicated trainer's whole state; a sharded one has no replica of it."""
+        if self.sharded:
+            raise ValueError(
+                "a sharded trainer's ranks hold different shards: none replaces another"
+            )
+        warm = self.warm_start_optimizer
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "warm_start_optimizer": None if warm is None else warm.state_dict(),
+        }
+
+    def load_peer_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        warm = state["warm_start_optimizer"]
+        if warm is not None:
+            lr = warm["param_groups"][0]["lr"]
+            self.warm_start_optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=lr, betas=tuple(self.optim_cfg.betas)
+            )
+            self.warm_start_optimizer.load_state_dict(warm)
 
     @endpoint
     def set_lr(self, lr: float) -> None:

@@ -340,6 +340,9 @@ class Algorithm:
         )
         self.ckpt.recover = sup.recover
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        if cfg.placement.sharding == "ddp":  # its ranks are replicas: a lost one is healed
+            steps = ("train_step", "warm_start_step")
+            sup.heal_from_peers(trainer.name, steps, lambda: sync.republish(trainer))
         self.scaler = Scaler(
             run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
         )

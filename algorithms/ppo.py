@@ -138,6 +138,7 @@ class PPO(Algorithm):
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
                 self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
+                self.sup.heal_from_peers("critic", ("train_step",))  # DDP: ranks are replicas
                 if run.resume_from is None:  # the critic's backbone starts as the policy
                     self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic

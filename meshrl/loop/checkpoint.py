@@ -356,7 +356,8 @@ class Checkpointer:
                 except RemoteCallError as error:
                     if attempt or not error.proc_lost or self.recover is None:
                         raise
-                    self.recover(role, error)  # raises RoleLost for a role it cannot catch up
+                    # RoleLost for a role it can neither catch up nor heal from peers
+                    self.recover(role, error, heal=True)
 
     def load_roles(self, path: str, roles: list) -> None:
         """Restore only `roles` from the checkpoint at `path`, the loop's state

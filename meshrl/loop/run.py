@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshrl.config import ConfigError, save_config
@@ -273,19 +273,27 @@ class Run:
         roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == role]
         return [f"{r}[{rank}]" for r in roles for rank in ranks]
 
-    def respawn(self, role: str) -> list[Role]:
+    def respawn(self, role: str, handoff: Callable[[list[Role]], None] | None = None) -> list[Role]:
         """Replace the procs `role` runs in (after one of them died) and spawn
-        again the actors of every role in them; returns those roles."""
+        again the actors of every role in them; returns those roles. `handoff(roles)`
+        runs once they are spawned, while the old procs that live on are still up
+        (their state goes to the new ones: `Supervisor.heal`); then those stop."""
         own = self.meshes.share.get(role, role)
         if self.workers is not None and own not in self.meshes.elastic:
             # (An elastic role's replaced members clear their own, `meshrl.procs.pool`.)
             self.workers.forget(
                 self.meshes.job.allocations.jobs.get(own), self._procs_on(own, None)
             )
-        self.meshes.respawn(own)
+        stop_old = self.meshes.respawn(own, keep_old=handoff is not None)
         again = [h for r, h in self.roles.items() if self.meshes.share.get(r, r) == own]
-        for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
-            handle.respawned()
+        try:
+            for handle in sorted(again, key=lambda h: h.name != own):  # its own role first
+                handle.respawned()
+            if handoff is not None:
+                handoff(again)
+        finally:
+            if stop_old is not None:
+                stop_old()
         return again
 
     def scale(self, role: str, size: int) -> list[int]:

@@ -10,12 +10,17 @@ actor's one-line error. A lost proc has its procs replaced and its actors
 spawned again (`Run.respawn`) when the script registered a catch-up for the
 role (`on_respawn`); the call is then made again. A role without one (a trainer
 or critic: their state lives only in them) raises `RoleLost`, which the loop
-handles by going back to a checkpoint (`Checkpointer.rewind`). Counters and the
-recovery budget live in the `LoopState`, so they survive a resume.
+handles by going back to a checkpoint (`Checkpointer.rewind`), unless the role's
+ranks are replicas of each other (a DDP trainer or critic, `heal_from_peers`):
+then its procs are replaced, the new ranks take the state of a surviving one
+(`heal`, over RDMA buffers: `meshrl.procs.peer_state`) and the call is made
+again; nothing is rewound. Counters and the recovery budget live in the
+`LoopState`, so they survive a resume.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,12 +57,26 @@ class Supervisor:
         self.killed_at: dict[str, float] = {}  # `role[rank]` -> when a drill killed it
         self.recovery_times: list[dict[str, float]] = []
         """Per recovery: seconds from the kill (a drill's; else from when the loss
-        was seen) to seeing it (`detect_s`) and to serving again (`serve_s`)."""
+        was seen) to seeing it (`detect_s`) and to serving again (`serve_s`); for a
+        heal from peers also the heal itself (`heal_s`: staging, new procs, reads)."""
+        self.healers: dict[str, tuple[str, ...]] = {}
+        self.after_heal: dict[str, Callable[[], None]] = {}
 
     def on_respawn(self, role: str, catch_up: Callable[[], None] = lambda: None) -> None:
         """Replace `role`'s procs when one dies, then run `catch_up()` to bring its
         new actors to the current state (pull weights, reload a checkpoint)."""
         self.catch_up[role] = catch_up
+
+    def heal_from_peers(
+        self, role: str, steps: tuple[str, ...], after: Callable[[], None] = lambda: None
+    ) -> None:
+        """`role`'s ranks are replicas of each other (DDP): a lost proc is replaced
+        and the new ranks take a surviving rank's state (`heal`), not a checkpoint's.
+        `steps`: its endpoints that change that state; a call of one that a rank
+        completed while another was lost cannot be made again (the lost rank's part
+        of it is gone): the checkpoint then. `after()` runs after each heal."""
+        self.healers[role] = steps
+        self.after_heal[role] = after
 
     # --- calls ---------------------------------------------------------------------------
 
@@ -89,12 +108,13 @@ class Supervisor:
         done: dict | None = {} if independent else None
         futures, respawns = started or (None, None)
         while True:
+            answered: dict = {}  # rank -> result, of this try (a call that stands alone)
             try:
                 if futures is None:
                     futures = start_each(role, endpoint, args_per_rank, skip=done or ())
                     respawns = role.respawns
                     sent = [n + (f is not None) for n, f in zip(sent, futures, strict=True)]
-                results = gather(futures, what, self.timeout_s, done)
+                results = gather(futures, what, self.timeout_s, answered if done is None else done)
                 return results, [n - 1 for n in sent]
             except RemoteCallError as error:
                 futures = None
@@ -104,7 +124,8 @@ class Supervisor:
                     self.retry(error, errors)
                     errors += 1
                 elif respawns == role.respawns:  # else: replaced since the call was sent
-                    self.recover(role, error)
+                    applied = bool(answered) and endpoint in self.healers.get(role.name, ())
+                    self.recover(role, error, heal=True, applied=applied)
 
     def call_sharded(
         self, roles: Role | tuple[Role, ...], endpoint: str, batch: TrainBatch, *args: Any
@@ -138,14 +159,21 @@ class Supervisor:
         self.state.count("errors_retried")
         print(f"retrying: {error}", flush=True)
 
-    def recover(self, role: Role | str, error: RemoteCallError) -> None:
+    def recover(
+        self, role: Role | str, error: RemoteCallError, heal: bool = False, applied: bool = False
+    ) -> None:
         """A proc of `role` was lost: replace the procs and catch the new actors up
-        (`on_respawn`), or raise `RoleLost` when the role has no catch-up."""
+        (`on_respawn`), or raise `RoleLost` when the role has no catch-up. `heal`:
+        the caller makes its call again, so a role of replicas may be healed from
+        its peers (`heal`) instead; `applied`: the failed call changed the
+        surviving ranks' state (it cannot be made again: `RoleLost`)."""
         name = role if isinstance(role, str) else role.name
         if not error.proc_lost:
             raise error
         host = self.run.meshes.share.get(name, name)  # a colocated role dies with its host's
         if host not in self.catch_up or name not in self.catch_up:
+            if heal and not applied and self.heal(host, error):
+                return
             raise RoleLost(error, host)
         self.spend_recovery(name, error)
         started = time.monotonic()
@@ -167,6 +195,81 @@ class Supervisor:
             f"{took:.1f}s (details: {self.run.dir}/faults.log)",
             flush=True,
         )
+
+    def heal(self, host: str, error: RemoteCallError) -> bool:
+        """Replace the procs `host` names after one died, the new ranks of each
+        role of replicas in them (`heal_from_peers`) taking the state of a rank
+        that lives on, the other roles caught up (`on_respawn`). False when that
+        cannot be done (a role that is neither, a single rank, no rank that
+        answers: the checkpoint then); a failure once the procs are replaced is
+        `RoleLost`."""
+        started = time.monotonic()
+        share = self.run.meshes.share
+        roles = {name: h for name, h in self.run.roles.items() if share.get(name, name) == host}
+        healed = [h for name, h in roles.items() if name in self.healers]
+        if not healed or any(n not in self.healers and n not in self.catch_up for n in roles):
+            return False
+        lost = re.search(r"\[(\d+)\]$", error.what)
+        staged = {}
+        for handle in healed:
+            staged[handle.name] = self.survivor(handle, int(lost.group(1)) if lost else None)
+            if staged[handle.name] is None:
+                return False
+        self.spend_recovery(host, error)
+        log_fault(f"healing {host} from its peers: {error}")
+
+        def handoff(again: list[Role]) -> None:
+            for handle in again:
+                if handle.name in staged:
+                    self.call_all(handle, "take_state", staged[handle.name], self.timeout_s)
+
+        try:
+            again = self.run.respawn(host, handoff)
+        except RemoteCallError as failed:
+            log_fault(f"healing {host} failed: {failed}")
+            raise RoleLost(error, host) from failed
+        for handle in again:
+            if handle.name in staged:
+                self.after_heal[handle.name]()
+        for handle in again:
+            if handle.name not in staged:
+                self.catch_up[handle.name]()
+        took = time.monotonic() - started
+        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
+        origin = self.killed_at.pop(killed[0]) if killed else started
+        self.recovery_times.append(
+            {
+                "role": host,
+                "detect_s": started - origin,
+                "serve_s": time.monotonic() - origin,
+                "heal_s": took,
+            }
+        )
+        ranks = ", ".join(f"{name} from rank {s.rank}" for name, s in staged.items())
+        log_fault(f"healed {host} in {took:.1f}s ({ranks})")
+        print(
+            f"healed {host}: {error.what} lost its proc; procs replaced, state taken from "
+            f"the peers ({ranks}) in {took:.1f}s, the call made again "
+            f"(details: {self.run.dir}/faults.log)",
+            flush=True,
+        )
+        return True
+
+    def survivor(self, role: Role, lost: int | None) -> Any | None:
+        """The state of the lowest rank of `role` that answers, packed for the new
+        ranks to read (`PeerState.share_state`); None if none does. A rank stuck
+        in a collective with the lost one answers once that fails, or never."""
+        if role.size < 2:
+            return None
+        for rank in range(role.size):
+            what = f"{role.name}.share_state[{rank}]"
+            if rank == lost or proc_pool.is_lost(what):
+                continue
+            try:
+                return self.wait(role.slice(procs=rank).share_state.call_one(), what)
+            except RemoteCallError as error:
+                log_fault(f"{what}: {error}")
+        return None
 
     def stray(self, role: Role, error: RemoteCallError) -> None:
         """The call failed on a report about another mesh (`RemoteCallError.stray`).
@@ -262,7 +365,12 @@ class Supervisor:
             "faults/recoveries": len(self.state.recoveries),
             "faults/errors_retried": counters["errors_retried"],
             "faults/nonfinite_steps": counters["nonfinite_steps"],
-            **{f"faults/time_to_{k}": r[k] for r in last for k in ("detect_s", "serve_s")},
+            **{
+                f"faults/time_to_{k}": r[k]
+                for r in last
+                for k in ("detect_s", "serve_s", "heal_s")
+                if k in r
+            },
         }
 
 

@@ -169,19 +169,30 @@ class WeightSync:
         """Wait for the pulls in flight, then `trainer.publish` on every rank (the
         ranks that own weights write them); returns the merged handle."""
         self.wait()
-        try:
-            handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
-        except RemoteCallError as error:
-            # A trainer proc lost here, not in its train step (a SLURM job killed
-            # after its checkpoint): `recover` raises `RoleLost`, and the loop
-            # rewinds to the checkpoint as it does for a loss in train_step.
-            if error.proc_lost:
-                self.sup.recover(trainer, error)
-            raise
+        for attempt in range(2):
+            try:
+                handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+                break
+            except RemoteCallError as error:
+                # A trainer proc lost here, not in its train step (a SLURM job killed
+                # after its checkpoint): healed from its peers and published again, or
+                # `RoleLost`, and the loop rewinds to the checkpoint.
+                if not error.proc_lost or attempt:
+                    raise
+                self.sup.recover(trainer, error, heal=True)
         self.handle = WeightHandle.merge(handles)
         self.source = trainer
         self.published += 1
         return self.handle
+
+    def republish(self, trainer: Role) -> None:
+        """After `trainer` was healed (`Supervisor.heal`): its new procs publish the
+        version the replicas hold, so a replica replaced later pulls it from there.
+        Not a new version: nothing is pulled, no count moves."""
+        if self.handle is None or self.source is not trainer:
+            return
+        handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+        self.handle = WeightHandle.merge(handles)
 
     def pull(self, replicas: Role, handle: WeightHandle | None = None) -> None:
         """Every replica of `replicas` pulls `handle` (the newest by default): all

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -423,17 +423,26 @@ class RoleMeshes:
     def _own(self, role: str) -> str:
         return self.share.get(role, role)
 
-    def respawn(self, role: str, timeout_s: float = 20.0) -> None:
+    def respawn(
+        self, role: str, timeout_s: float = 20.0, keep_old: bool = False
+    ) -> Callable[[], None] | None:
         """Replace a role's proc mesh (after one of its procs died): stop what is
         left of it and spawn a fresh one on the same hosts. Actors must be spawned
-        on it again, also those of roles sharing its procs."""
+        on it again, also those of roles sharing its procs. `keep_old`: the old
+        procs that live on stay up until the returned function is called (new
+        ranks read their state from a surviving one: `Supervisor.heal`)."""
         if role in self.share:
             raise RuntimeError(f"{role} runs in the {self.share[role]} procs: respawn those")
         if role in self.elastic:  # only its lost members
             group = self.meshes[role]
             group.replace(group.dead())
-            return
+            return None
         old = self.meshes.pop(role)
+        if keep_old:
+            if self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role):
+                self._hosts[role] = self.job.reallocate(role)
+            self._spawn_procs(role)
+            return functools.partial(self._stop_failed, role, old, timeout_s)
         # Its node (or its whole job: a requeue) is gone: a new allocation. SLURM ended
         # the old one's processes, so no answer to a stop can come; Monarch gives up on
         # it after 30 s, and nothing waits for that (twice per requeue before).
