@@ -21,8 +21,8 @@ from meshrl.model.optim import build_optimizer
 from meshrl.observe.telemetry import observed
 from meshrl.procs.faults import Drillable
 from meshrl.procs.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
-from meshrl.procs.peer_state import PeerState
 from meshrl.types import TrainBatch
+from meshrl.weights.peer_state import PeerState
 from meshrl.weights.publisher import WeightHandle
 from meshrl.weights.receiver import WeightReceiver
 

@@ -45,8 +45,8 @@ from meshrl.procs.parallel import (
     save_sharded,
     shutdown,
 )
-from meshrl.procs.peer_state import PeerState
 from meshrl.types import TrainBatch
+from meshrl.weights.peer_state import PeerState
 from meshrl.weights.publisher import WeightHandle, WeightPublisher
 
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]

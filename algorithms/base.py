@@ -136,6 +136,14 @@ class Algorithm:
         """One more step; its record."""
         return self.train(1)[-1]
 
+    def heal_from_peers(self, trainer: Any, sync: WeightSync) -> None:
+        """A DDP trainer's ranks are replicas: a lost one is healed from the others
+        (`Supervisor.heal_from_peers`), the new procs publishing the version `sync`
+        holds. A sharded (FSDP2) trainer goes back to its checkpoint."""
+        if self.cfg.placement.sharding == "ddp":
+            steps = ("train_step", "warm_start_step")  # the endpoints that change its state
+            self.sup.heal_from_peers(trainer.name, steps, lambda: sync.republish(trainer))
+
     def spawn_trainer(
         self, run: Any, role: str = "trainer", seed: int | None = None, shm_prefix: str = ""
     ) -> Any:
@@ -340,9 +348,7 @@ class Algorithm:
         )
         self.ckpt.recover = sup.recover
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
-        if cfg.placement.sharding == "ddp":  # its ranks are replicas: a lost one is healed
-            steps = ("train_step", "warm_start_step")
-            sup.heal_from_peers(trainer.name, steps, lambda: sync.republish(trainer))
+        self.heal_from_peers(trainer, sync)
         self.scaler = Scaler(
             run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
         )

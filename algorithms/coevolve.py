@@ -216,6 +216,7 @@ class Coevolve(Algorithm):
             sync = WeightSync.from_config(sup, cfg.weights)
             self.players[name] = player = Player(name, policy, trainer, sync)
             sup.on_respawn(f"policy_{name}", lambda p=player: p.sync.catch_up(p.policy))
+            self.heal_from_peers(trainer, sync)
         roles = [r for p in self.players.values() for r in (p.trainer, p.policy)]
         subdirs = {r.name: r.name.rsplit("_", 1)[1] for r in roles}  # a/, b/
         self.ckpt = Checkpointer(

@@ -122,6 +122,7 @@ class DPO(Algorithm):
                 self.sync = WeightSync(sup)
                 self.ckpt = Checkpointer(run, state, [self.trainer, self.reference], cfg.checkpoint)
                 sup.on_respawn("reference", self.reload_reference)
+                self.heal_from_peers(self.trainer, self.sync)
                 if self.ckpt.resume() is None:
                     if cfg.warm_start.steps:
                         self.warm_start()

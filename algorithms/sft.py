@@ -92,6 +92,7 @@ class SFT(Algorithm):
                 self.trainer = self.spawn_trainer(run)
                 self.sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(self.sup)
+                self.heal_from_peers(self.trainer, self.sync)
                 self.ckpt = Checkpointer(run, state, [self.trainer], cfg.checkpoint)
                 self.ckpt.resume()
                 self.log = StepLog(run, cfg.steps, state.step, self.headline)

@@ -13,7 +13,7 @@ or critic: their state lives only in them) raises `RoleLost`, which the loop
 handles by going back to a checkpoint (`Checkpointer.rewind`), unless the role's
 ranks are replicas of each other (a DDP trainer or critic, `heal_from_peers`):
 then its procs are replaced, the new ranks take the state of a surviving one
-(`heal`, over RDMA buffers: `meshrl.procs.peer_state`) and the call is made
+(`heal`, over RDMA buffers: `meshrl.weights.peer_state`) and the call is made
 again; nothing is rewound. Counters and the recovery budget live in the
 `LoopState`, so they survive a resume.
 """

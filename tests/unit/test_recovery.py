@@ -45,7 +45,7 @@ def test_a_peers_packed_state_restores_a_replica_that_steps_bit_for_bit_alike():
     from another init, then takes the same step as the survivor, bit for bit."""
     import torch
 
-    from meshrl.procs.peer_state import pack, unpack
+    from meshrl.weights.peer_state import pack, unpack
 
     def replica(seed):
         torch.manual_seed(seed)
