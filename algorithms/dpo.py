@@ -144,7 +144,7 @@ class DPO(Algorithm):
                         batch.ref_logprobs = sup.call_rows(self.reference, "logprobs", batch)
                         try:
                             metrics = self.pairs_step(batch, "train_step")
-                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                        except RoleLost as lost:  # no peer to heal from: to a checkpoint
                             self.ckpt.rewind(lost, sup, log, 0)
                             continue
                     record = {"step": step, **metrics, **sup.metrics()}

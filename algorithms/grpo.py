@@ -157,7 +157,7 @@ class GRPO(Algorithm):
                             with log.timer("weight_sync"):
                                 handle = sync.publish(trainer)  # trainer.publish
                                 sync.pull(policy, handle)  # policy.load_weights
-                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                        except RoleLost as lost:  # no peer to heal from: to a checkpoint
                             self.ckpt.rewind(lost, sup, log, len(batch))
                             continue
                     sup.guard_finite(step, train_metrics, self.newest_checkpoint())

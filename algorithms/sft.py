@@ -107,7 +107,7 @@ class SFT(Algorithm):
                         batch = self.batch([self.train[i] for i in rows])
                         try:  # each trainer rank steps on its block of rows
                             metrics = sup.call_sharded(self.trainer, "train_step", batch)
-                        except RoleLost as lost:  # a trainer proc died: back to a checkpoint
+                        except RoleLost as lost:  # no peer to heal from: to a checkpoint
                             self.ckpt.rewind(lost, sup, log, 0)
                             continue
                     record = {

@@ -18,6 +18,11 @@ environment procs only: without standbys, then with one standby proc for each
 (`faults.standby`). Its JSON line adds the p50/p95 of the seconds from a kill
 to seeing it (`detect_*`, both runs) and to serving again (`serve_again_*`).
 
+A lost trainer or critic rank is healed from its peer (DDP: the ranks are
+replicas): the figures give the p50/p95 seconds of a heal (`heal_p50_s`,
+`heal_p95_s`: a survivor's state staged, the procs replaced, the state read)
+and from the kill to serving again (`heal_serve_again_p50_s`, `..._p95_s`).
+
 Each soak also runs its fault-free twin, the same config and seed with no drill
 (`--no-twin` skips it), and says whether the run with faults ended with the twin's
 parameters bit for bit (`final_params_equal_fault_free`) and logged the twin's
@@ -47,7 +52,8 @@ from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
 from meshrl.procs.faults import DRILLED_ENDPOINTS  # noqa: E402
 
-PLACEMENT = {"policy": 2, "environment": 2, "trainer": 2, "reference": 1, "critic": 1}
+PLACEMENT = {"policy": 2, "environment": 2, "trainer": 2, "reference": 1, "critic": 2}
+"""Two DDP ranks of trainer and critic: a lost one is healed from the other."""
 
 
 def fault_schedule(
@@ -177,6 +183,7 @@ def soak(
     lost = last["samples/generated_total"] - last["samples/trained_total"] - sum(dropped.values())
     recovered = Counter(r.split(":")[0] for r in algo.state.recoveries)
     rewards = [r["reward/mean"] for r in history]
+    heals = [t for t in algo.sup.recovery_times if "heal_s" in t]
     figures = {
         "algo": args.algo,
         "max_staleness": args.staleness,
@@ -193,6 +200,11 @@ def soak(
         "samples_dropped": dict(dropped),
         "samples_redone": dict(sorted(algo.state.ledger.redone.items())),
         "samples_lost": lost,
+        "heals": len(heals),
+        "heal_p50_s": percentile([t["heal_s"] for t in heals], 50),
+        "heal_p95_s": percentile([t["heal_s"] for t in heals], 95),
+        "heal_serve_again_p50_s": percentile([t["serve_s"] for t in heals], 50),
+        "heal_serve_again_p95_s": percentile([t["serve_s"] for t in heals], 95),
         "reward_first10": sum(rewards[:10]) / len(rewards[:10]),
         "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]),
         "wall_s": round(wall, 1),

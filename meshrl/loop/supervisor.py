@@ -201,13 +201,15 @@ class Supervisor:
         role of replicas in them (`heal_from_peers`) taking the state of a rank
         that lives on, the other roles caught up (`on_respawn`). False when that
         cannot be done (a role that is neither, a single rank, no rank that
-        answers: the checkpoint then); a failure once the procs are replaced is
-        `RoleLost`."""
+        answers, a SLURM job that lost a node and is replaced whole: the checkpoint
+        then); a failure once the procs are replaced is `RoleLost`."""
         started = time.monotonic()
         share = self.run.meshes.share
         roles = {name: h for name, h in self.run.roles.items() if share.get(name, name) == host}
         healed = [h for name, h in roles.items() if name in self.healers]
         if not healed or any(n not in self.healers and n not in self.catch_up for n in roles):
+            return False
+        if not self.run.meshes.keeps_survivors(host):
             return False
         lost = re.search(r"\[(\d+)\]$", error.what)
         staged = {}

@@ -16,8 +16,9 @@ The checksums (`meshrl.weights.publisher`) stop the run with the replica and the
 What the run does about it is the `Supervisor`'s and the loop's
 (`meshrl/loop/supervisor.py`, `Checkpointer.rewind`): a
 lost policy, environment or reference proc is replaced within the step; a lost
-trainer or critic proc sends the run back to its newest checkpoint
-(`checkpoint.every` must be set); an exception is retried up to
+rank of a DDP trainer or critic is replaced and takes a surviving rank's state
+(`Supervisor.heal`); a trainer or critic with no such peer (one rank, FSDP2) sends
+the run back to its newest checkpoint (`checkpoint.every` must be set); an exception is retried up to
 `faults.retry_errors` times, then ends the run with its one-line error.
 Every actor that can be drilled mixes in `Drillable`.
 """

@@ -439,8 +439,6 @@ class RoleMeshes:
             return None
         old = self.meshes.pop(role)
         if keep_old:
-            if self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role):
-                self._hosts[role] = self.job.reallocate(role)
             self._spawn_procs(role)
             return functools.partial(self._stop_failed, role, old, timeout_s)
         # Its node (or its whole job: a requeue) is gone: a new allocation. SLURM ended
@@ -456,6 +454,13 @@ class RoleMeshes:
         else:  # its live procs (on the same hosts) go before new ones start
             stopping.join()
         self._spawn_procs(role)
+
+    def keeps_survivors(self, role: str) -> bool:
+        """Whether `respawn(role)` can keep the procs that live on up until the new
+        ones have started: not on SLURM when a node of the role's job is gone (the
+        job is cancelled and submitted anew, its other nodes with it)."""
+        own = self._own(role)
+        return not (self.job_cfg.kind == "slurm" and not self.job.allocations.alive(own))
 
     @staticmethod
     def _stop_failed(role: str, mesh: Any, timeout_s: float) -> None:
