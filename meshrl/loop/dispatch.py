@@ -98,6 +98,7 @@ class Group:
     late: bool = False  # taken by a replica before a step that did not train it
     replica: int = -1  # the policy rank that generated it (-1: not yet, or restored)
     pixels: list | None = None  # its rows' images, [I, C, H, W] each (`meshrl.model.vision`)
+    errors: int = 0  # errors raised by the calls that carried it (`faults.retry_errors`)
 
 
 def ks_distance(a: list[float], b: list[float]) -> float:
@@ -157,7 +158,6 @@ class Dispatcher:
         self.complete: list[Group] = []  # scored, not trained yet
         self.generated: deque = deque(maxlen=cfg.bias_window)  # (latency, length)
         self.trained: deque = deque(maxlen=cfg.bias_window)
-        self.errors = 0
         # Groups trained, by the policy rank that generated them: how the work was shared
         # (kept out of the step metrics, which must not depend on timing).
         self.trained_by_replica: Counter[int] = Counter()
@@ -432,9 +432,10 @@ class Dispatcher:
             if role == "policy":
                 self.state.ledger.redo("policy_lost", len(groups) * self.k)
             self.sup.recover(self.policy if role == "policy" else self.environment, error)
-        else:
-            self.sup.retry(error, self.errors)
-            self.errors += 1
+        else:  # each call is retried `faults.retry_errors` times, as a split call is
+            self.sup.retry(error, max(g.errors for g in groups))
+            for group in groups:
+                group.errors += 1
 
     def _drain(self, role: str) -> None:
         """Until no call is under way on `role` (each collected or failed)."""

@@ -194,7 +194,9 @@ class Run:
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
             groups = self.meshes.meshes
             self.detector = Detector(
-                lambda: {r: groups[r] for r in self.meshes.elastic if r in groups}, faults.detect_s
+                lambda: {r: groups[r] for r in self.meshes.elastic if r in groups},
+                faults.detect_s,
+                self.meshes.watched_pids,
             )
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
         if cfg.job.kind == "slurm":

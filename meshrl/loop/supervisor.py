@@ -310,8 +310,10 @@ class Supervisor:
         rewind brings the loop back over the step): `kill` ends the named procs
         now, as a crash would; `raise_in` makes the named endpoint raise on its
         next call in every proc of the role."""
-        drills = [("kill", role, rank) for role, rank in self.faults.kills_at(step)]
-        drills += [("raise", role, name) for role, name in self.faults.raises_at(step)]
+        # Raises are armed before kills: a role drilled both ways at one step is armed
+        # on all its procs, then loses one (arming after would call a dead proc).
+        drills = [("raise", role, name) for role, name in self.faults.raises_at(step)]
+        drills += [("kill", role, rank) for role, rank in self.faults.kills_at(step)]
         drills += [(kind, role, rank) for role, kind, rank in self.faults.weight_drills_at(step)]
         drills += [
             (f"slow:{factor:g}", role, rank) for role, rank, factor in self.faults.slow_at(step)

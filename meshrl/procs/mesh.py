@@ -287,6 +287,11 @@ class RoleMeshes:
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
         self.metric_prefix: dict[str, str] = {}
+        self.carried: list[dict] = []
+        self.pids: dict[str, list[int]] = {}
+        """A role's own procs' pids by rank (not an elastic role's: its members have
+        theirs), for the pid watch on this machine (`meshrl.procs.pool.Detector`)."""
+        """Metrics of procs replaced while they lived on (a heal), for the next report."""
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.process_group_roles: set[str] | None = None
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
@@ -359,7 +364,20 @@ class RoleMeshes:
         self.watches[role] = self.spawn(role, "watch", Watch, role)
         # Its __init__ clears what earlier runs registered in a pooled proc: it must
         # be done before the role's actors register (spawning is asynchronous).
-        wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
+        if role not in self.elastic:
+            # A loss seen of the procs these replace is theirs, not the new ones'.
+            self.pids.pop(role, None)
+            mine = {r for r in self.roles if self._own(r) == role}
+            for key in [k for k in proc_pool.lost if k.split("[")[0] in mine]:
+                proc_pool.lost.pop(key, None)
+        answer = wait(self.watches[role].status.call(), f"{role}.watch", 60.0)
+        if role not in self.elastic:
+            self.pids[role] = [status["pid"] for _, status in answer.items()]
+
+    def watched_pids(self) -> dict[str, list[int]]:
+        """Each role's procs' pids by rank, a role that shares another's procs
+        with theirs, elastic roles left out (`meshrl.procs.pool.Detector`)."""
+        return {r: self.pids[self._own(r)] for r in self.roles if self._own(r) in self.pids}
 
     def _bootstrap_command(self) -> Any:
         """How Monarch starts a proc: a fork of this process's fork server on a
@@ -438,9 +456,18 @@ class RoleMeshes:
             group.replace(group.dead())
             return None
         old = self.meshes.pop(role)
+        self.pids.pop(role, None)  # stopping: no longer watched
         if keep_old:
+            watch, size = self.watches.get(role), self.size(role)
+            # Seen gone by pid, it may not be by Monarch yet: not asked (no answer comes).
+            live = [r for r in range(size) if not proc_pool.is_lost(f"{role}.report[{r}]")]
             self._spawn_procs(role)
-            return functools.partial(self._stop_failed, role, old, timeout_s)
+
+            def stop_old() -> None:
+                self._carry(role, watch, live)
+                self._stop_failed(role, old, timeout_s)
+
+            return stop_old
         # Its node (or its whole job: a requeue) is gone: a new allocation. SLURM ended
         # the old one's processes, so no answer to a stop can come; Monarch gives up on
         # it after 30 s, and nothing waits for that (twice per requeue before).
@@ -454,6 +481,21 @@ class RoleMeshes:
         else:  # its live procs (on the same hosts) go before new ones start
             stopping.join()
         self._spawn_procs(role)
+
+    def _carry(self, role: str, watch: Any, ranks: list[int], timeout_s: float = 5.0) -> None:
+        """What the procs of `role` that live on recorded since the last report
+        (the work they finished, which the loop keeps: a colocated replica's
+        generation), carried into the next report before they stop."""
+        if watch is None:
+            return
+        asked = {rank: watch.slice(procs=rank).report.call_one() for rank in ranks}
+        prefix = self.metric_prefix.get(role, "")
+        for rank, future in asked.items():
+            try:
+                metrics, _ = wait(future, f"{role}.watch.report[{rank}]", timeout_s)
+            except RemoteCallError:
+                continue  # the lost proc
+            self.carried.append({prefix + key: value for key, value in metrics.items()})
 
     def keeps_survivors(self, role: str) -> bool:
         """Whether `respawn(role)` can keep the procs that live on up until the new
@@ -555,7 +597,8 @@ class RoleMeshes:
         from meshrl.observe.telemetry import reduce_partials
 
         futures = {role: watch.report.call() for role, watch in self.watches.items()}
-        parts, procs = [], []
+        parts, procs = self.carried, []
+        self.carried = []
         for role, future in futures.items():
             try:
                 answers = wait(future, f"{role}.watch.report", timeout_s)

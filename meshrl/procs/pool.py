@@ -459,13 +459,19 @@ def limit_of(job: Any, role: str, per_host: int) -> tuple[int, str]:
 
 
 class Detector:
-    """Sees an elastic role's proc gone within `every_s` (Monarch's supervision
-    says so about 10 s later): every `every_s` it checks each member's pid on
-    this machine (`local` and `process` jobs) and enters the dead ones in
-    `proc_pool.lost`, which fails the calls waiting on them (`meshrl.procs.mesh.wait`)."""
+    """Sees a proc gone within `every_s` (Monarch's supervision says so about 10 s
+    later): every `every_s` it checks the pid of each elastic role's member and of
+    each proc of the other roles (`pids`: role -> pids by rank) on this machine
+    (`local` and `process` jobs) and enters the dead ones in `proc_pool.lost`,
+    which fails the calls waiting on them (`meshrl.procs.mesh.wait`)."""
 
-    def __init__(self, groups: Callable[[], dict[str, ProcGroup]], every_s: float):
-        self.groups, self.every_s = groups, every_s
+    def __init__(
+        self,
+        groups: Callable[[], dict[str, ProcGroup]],
+        every_s: float,
+        pids: Callable[[], dict[str, list[int]]] = dict,
+    ):
+        self.groups, self.every_s, self.pids = groups, every_s, pids
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshrl-detect", daemon=True)
         self._thread.start()
@@ -478,6 +484,14 @@ class Detector:
                     if member.pid and key not in proc_pool.lost and not proc_pool.alive(member.pid):
                         proc_pool.lost[key] = time.monotonic()
                         logger.info("%s: proc %d is gone", key, member.pid)
+            for role, pids in list(self.pids().items()):
+                for rank, pid in enumerate(pids):
+                    key = f"{role}[{rank}]"
+                    if key in proc_pool.lost or proc_pool.alive(pid):
+                        continue
+                    if pid in self.pids().get(role, ()):  # not replaced meanwhile
+                        proc_pool.lost[key] = time.monotonic()
+                        logger.info("%s: proc %d is gone", key, pid)
 
     def close(self) -> None:
         self._stop.set()
