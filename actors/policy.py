@@ -7,7 +7,6 @@ token and the weight version that produced them.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -76,12 +75,16 @@ class Policy(Drillable, Actor):
         generation: GenerationConfig,
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        record_batch: bool = True,
     ) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group).
         `seeds`: each row's sampling seed (the controller's, so a sample does not
         depend on the replica that draws it); None: from this replica's generator.
         `images`: the rows' pixels [B, I, C, H, W] and image counts [B]
-        (`meshrl.model.vision`), returned with the completions for the trainer."""
+        (`meshrl.model.vision`), returned with the completions for the trainer.
+        `record_batch`: record this call's entropy and lengths (`policy/*`); work by
+        pull computes them from each step's trained groups instead (the calls that
+        run during a step are timing there), from the completions' `entropy`."""
         self.drill("generate")
         if self.weights.torn:
             raise RuntimeError("the last weight pull failed: pull a complete version first")
@@ -107,14 +110,9 @@ class Policy(Drillable, Actor):
         )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         tokens_out = completion_mask.sum().item()
-        if math.isfinite(stats["entropy_sum"]):
-            record("policy/entropy", stats["entropy_sum"] / max(tokens_out, 1), "mean")
-        record("policy/completion_tokens", tokens_out, "sum")
         record("time/policy/tokens_per_s", tokens_out / (time.perf_counter() - started), "mean")
-        record("policy/longest_completion", completion_mask.sum(1).max().item(), "max")
-        record("policy/shortest_completion", completion_mask.sum(1).min().item(), "min")
         self.check_intact()  # nothing sampled from a slot rewritten meanwhile leaves
-        return Completions(
+        completions = Completions(
             prompt_ids=ids,
             prompt_mask=mask,
             completion_ids=tokens.cpu(),
@@ -124,7 +122,12 @@ class Policy(Drillable, Actor):
             routes=stats.get("routes"),
             images=None if images is None else images[0],
             image_counts=None if images is None else images[1],
+            entropy=None if "entropy_rows" not in stats else stats["entropy_rows"].cpu(),
         )
+        if record_batch:
+            for key, (value, reduce) in completions.policy_metrics().items():
+                record(key, value, reduce)
+        return completions
 
     def check_intact(self) -> None:
         """Served in place from the trainer's slots: they must still hold this

@@ -439,22 +439,13 @@ class Algorithm:
                 "bit for bit (docs/reliability.md)",
                 flush=True,
             )
-        elif cfg.max_staleness:  # measured: two runs without faults differ in these metrics
-            print(
-                f"note: rollout.dispatch=pull with max_staleness={cfg.max_staleness}: the policy "
-                "procs' own metrics (policy/entropy, policy/completion_tokens, ...) count what "
-                "they generated while each step ran, which is timing, and groups of a replica "
-                "lost after the next version's pull are generated again with that version "
-                "(docs/reliability.md)",
-                flush=True,
-            )
         return Dispatcher(
             cfg.rollout,
             self.collector,
             policy,
             environment,
             send=lambda i, ids, seeds, images: policy.slice(procs=i).generate.call_one(
-                ids, cfg.generation, seeds, images
+                ids, cfg.generation, seeds, images, record_batch=False
             ),
             score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
                 prompts, texts

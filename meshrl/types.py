@@ -64,9 +64,27 @@ class Completions:
     """[B, I, C, H, W] the pixels the rows were generated from (`meshrl.model.vision`):
     the trainer's forward takes these, not a second processing of the images."""
     image_counts: torch.Tensor | None = None  # [B] images of each row
+    entropy: torch.Tensor | None = None
+    """[B] the sampling distribution's entropy summed over each row's generated
+    tokens (None: the engine gives none, as vLLM)."""
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
+
+    def policy_metrics(self) -> dict[str, tuple[float, str]]:
+        """What the replicas say of a batch they sampled, each with its reduction
+        over the calls of a step: `policy/entropy` (mean over the generated tokens),
+        `policy/completion_tokens`, `policy/longest_completion`, `policy/shortest_completion`."""
+        lengths = self.completion_mask.sum(1)
+        tokens = lengths.sum().item()
+        metrics = {
+            "policy/completion_tokens": (tokens, "sum"),
+            "policy/longest_completion": (lengths.max().item(), "max"),
+            "policy/shortest_completion": (lengths.min().item(), "min"),
+        }
+        if self.entropy is not None:
+            metrics["policy/entropy"] = (self.entropy.sum().item() / max(tokens, 1), "mean")
+        return metrics
 
     def completion_lists(self) -> list[list[int]]:
         """Completion token ids of each row without padding (a multi-turn
@@ -132,6 +150,9 @@ class Completions:
             completion_mask=torch.cat([pad(p.completion_mask, T, 0, False) for p in parts]),
             logprobs=torch.cat([pad(p.logprobs, T, 0, False) for p in parts]),
             weight_version=min(versions),
+            entropy=torch.cat([p.entropy for p in parts])
+            if all(p.entropy is not None for p in parts)
+            else None,
         )
 
 

@@ -94,6 +94,7 @@ class Group:
     completions: Any = None
     rewards: torch.Tensor | None = None
     version: int = -1  # the weight version it was generated with
+    published: int = -1  # which publish that version was (`WeightSync.published`)
     latency_s: float = 0.0  # from taken to scored
     late: bool = False  # taken by a replica before a step that did not train it
     replica: int = -1  # the policy rank that generated it (-1: not yet, or restored)
@@ -206,10 +207,13 @@ class Dispatcher:
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
         self.state.ledger.generated += need * self.k
         info = {
+            # The replicas' figures of the groups trained (`record_batch=False`): which
+            # calls ran during this step is timing.
+            **{key: value for key, (value, _) in completions.policy_metrics().items()},
             "time/rollout_s": time.perf_counter() - started,
             "rollout/late_groups": sum(g.late for g in taken),
             "rollout/groups_queued": len(self.complete) + self._under_way(),
-            "weights/staleness": max(self.sync.version - g.version for g in taken),
+            "weights/staleness": max(self.sync.published - g.published for g in taken),
             "time/hand_out_s": self.hand_out_s,
             **self.bias(),
         }
@@ -248,18 +252,19 @@ class Dispatcher:
 
     def hand_out(self) -> None:
         """Before a weight pull, while the queue flows as the trainer trains
-        (`max_staleness` >= 1): wait until a replica has taken every group drawn.
-        The pull then reaches each replica after those groups' calls (a proc's
-        calls run in the order sent), so each group is generated with the version
-        current when it was drawn, whatever the timing: a run, and a run resumed
-        from its checkpoint, are the same bit for bit. (A group handed back by a
-        lost proc is generated again with the version its new replica holds.)"""
+        (`max_staleness` >= 1): wait until every group drawn is generated. The pull
+        then reaches each replica after those groups' calls, so each group is
+        generated with the version current when it was drawn, whatever the timing:
+        a run, and a run resumed from its checkpoint, are the same bit for bit. A
+        group handed back by a lost proc is generated again before the pull, on a
+        replica that holds that version (a replacement takes the version served,
+        `WeightSync.serving`), so a run with faults trains on the same samples."""
         if self._thread is None:
             return
         started = time.monotonic()
         while self._thread.is_alive():  # (an error in it is raised by `pause`)
             with self._taking:
-                if not self.pending:
+                if not self.pending and not self.generating.groups():
                     break
             if time.monotonic() - started > self.sup.timeout_s:
                 raise RemoteCallError(
@@ -322,7 +327,10 @@ class Dispatcher:
             self.next_id += 1
 
     def _drop_stale(self) -> None:
-        stale = [g for g in self.complete if self.sync.version - g.version > self.max_staleness]
+        # In published versions, as the static split counts them: a trainer version
+        # counts optimizer steps (PPO takes several per step).
+        now = self.sync.published
+        stale = [g for g in self.complete if now - g.published > self.max_staleness]
         if stale:
             self.complete = [g for g in self.complete if g not in stale]
             self.state.ledger.generated += len(stale) * self.k
@@ -384,23 +392,26 @@ class Dispatcher:
                 return came
             self.waiter.in_flight -= 1
             calls = self.generating if role == "policy" else self.scoring
-            groups = calls.running.pop((rank, number))
             came += 1
-            if error is not None:
-                self._failed(role, rank, groups, error)
-            elif role == "policy":
-                self._generated(groups, answer)
-            else:
-                rewards, failures = answer
-                for n, group in enumerate(groups):  # each group's rows and failures
-                    rows = range(n * self.k, (n + 1) * self.k)
-                    mine = {i - rows.start: r for i, r in failures.items() if i in rows}
-                    self._scored(group, (rewards[rows.start : rows.stop], mine))
+            # A group leaves `running` and lands in the queue as one, for `hand_out`.
+            with self._taking:
+                groups = calls.running.pop((rank, number))
+                if error is not None:
+                    self._failed(role, rank, groups, error)
+                elif role == "policy":
+                    self._generated(groups, answer)
+                else:
+                    rewards, failures = answer
+                    for n, group in enumerate(groups):  # each group's rows and failures
+                        rows = range(n * self.k, (n + 1) * self.k)
+                        mine = {i - rows.start: r for i, r in failures.items() if i in rows}
+                        self._scored(group, (rewards[rows.start : rows.stop], mine))
 
     def _generated(self, groups: list[Group], completions: Any) -> None:
         for n, group in enumerate(groups):
             group.completions = completions.rows(slice(n * self.k, (n + 1) * self.k))
             group.version = completions.weight_version
+            group.published = self.sync.published_at.get(group.version, self.sync.published)
             self.to_score.append(group)
 
     def _scored(self, group: Group, answer: tuple) -> None:
@@ -419,9 +430,9 @@ class Dispatcher:
 
     def _failed(self, role: str, rank: int, groups: list[Group], error: RemoteCallError) -> None:
         """A call failed: its groups go back to the queue. A lost proc is replaced
-        (its groups are generated again with the same seeds: counted as redone,
-        `policy_lost`); an error raised
-        in the actor is retried per `faults.retry_errors`."""
+        and an error raised in the actor retried per `faults.retry_errors`; either
+        way a generation's groups are generated again with the same seeds, counted
+        as redone (`policy_lost`, as the static split counts them)."""
         if role == "policy":
             self.pending.extendleft(reversed(groups))
         else:
@@ -436,6 +447,8 @@ class Dispatcher:
             self.sup.retry(error, max(g.errors for g in groups))
             for group in groups:
                 group.errors += 1
+            if role == "policy":
+                self.state.ledger.redo("policy_lost", len(groups) * self.k)
 
     def _drain(self, role: str) -> None:
         """Until no call is under way on `role` (each collected or failed)."""
@@ -470,13 +483,13 @@ class Dispatcher:
     def save(self) -> dict:
         """The queue, settled, for a checkpoint: groups drawn and complete."""
         self.settle()
-        behind = self.sync.version
+        behind = self.sync.published
         return {
             "next_id": self.next_id,
             "pending": [(g.id, g.prompt, g.ids, g.seeds, g.pixels) for g in self.pending],
             "complete": [
                 (g.id, g.prompt, g.ids, g.seeds, g.completions, g.rewards)
-                + (behind - g.version, g.latency_s, g.late)
+                + (behind - g.published, g.latency_s, g.late)
                 for g in self.complete
             ],
         }
@@ -494,7 +507,11 @@ class Dispatcher:
             "complete"
         ]:
             group = Group(gid, prompt, ids, seeds, 0.0, completions, rewards)
-            group.version, group.latency_s, group.late = self.sync.version - behind, latency, late
+            group.published, group.latency_s, group.late = (
+                self.sync.published - behind,
+                latency,
+                late,
+            )
             self.complete.append(group)
 
     def drop_all(self, reason: str) -> int:

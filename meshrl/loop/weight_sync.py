@@ -148,7 +148,12 @@ class WeightSync:
         self.bytes_moved = 0  # bytes copied or read into the replicas, last pull
         self.verified = 0  # replicas whose parameters matched the checksums, last pull
         self.handle: WeightHandle | None = None
+        self.serving: WeightHandle | None = None
+        """What the replicas were last sent (`pull`): a replacement takes it, not a
+        version published since and not pulled yet (work by pull generates the
+        groups drawn before a pull with the version they were drawn at)."""
         self.published = 0  # versions published by this controller
+        self.published_at: dict[int, int] = {}  # trainer version -> which publish it was
         self.paths: list[str] = []  # 'shm' or 'rdma', per replica, of the last pull
         self.egress_bytes = 0  # bytes read from the trainer's procs over RDMA, last pull
         self.depth = 0  # hops from the trainer to the farthest replica, last pull
@@ -183,6 +188,9 @@ class WeightSync:
         self.handle = WeightHandle.merge(handles)
         self.source = trainer
         self.published += 1
+        self.published_at[self.handle.version] = self.published
+        for old in [v for v in self.published_at if v < self.handle.version - 64]:
+            del self.published_at[old]  # (only versions still under way are asked)
         return self.handle
 
     def republish(self, trainer: Role) -> None:
@@ -192,7 +200,10 @@ class WeightSync:
         if self.handle is None or self.source is not trainer:
             return
         handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+        served = self.serving is not None and self.serving.version == self.handle.version
         self.handle = WeightHandle.merge(handles)
+        # An older version served lived in the replaced procs' slots: gone.
+        self.serving = self.handle if served else None
 
     def pull(self, replicas: Role, handle: WeightHandle | None = None) -> None:
         """Every replica of `replicas` pulls `handle` (the newest by default): all
@@ -200,7 +211,8 @@ class WeightSync:
         this sync runs ahead, `wait=False`), else level by level."""
         self.before_pull()
         self.wait()
-        future = self._send(replicas, handle or self.handle)
+        self.serving = handle or self.handle
+        future = self._send(replicas, self.serving)
         # Standbys (`faults.standby`) take each version too, unwaited: one that is
         # still booting takes it late, and the pull as it replaces a replica makes sure.
         for spare in getattr(getattr(replicas, "actors", None), "spares", list)():
@@ -211,9 +223,10 @@ class WeightSync:
                 self.wait()
 
     def catch_up(self, replicas: Role) -> None:
-        """A respawned replica mesh takes the current version, now."""
+        """A respawned replica mesh takes the version the replicas were last sent
+        (`serving`), now."""
         self._pulls = None
-        future = self._send(replicas, self.handle)
+        future = self._send(replicas, self.serving or self.handle)
         if future is not None:
             self._collect(future, replicas)
 
@@ -381,16 +394,15 @@ class WeightSync:
     def _account(
         self, pulled: dict[int, Pulled], depth: dict, from_trainer: set[int], name: str
     ) -> None:
+        sent = (self.serving or self.handle).version
         for rank, p in sorted(pulled.items()):
-            if p.version != self.handle.version:
+            if p.version != sent:
                 raise WeightSyncError(
-                    f"{name}[{rank}] serves version {p.version} after pulling "
-                    f"version {self.handle.version}"
+                    f"{name}[{rank}] serves version {p.version} after pulling version {sent}"
                 )
             if self.verify and not p.verified:
                 raise WeightSyncError(
-                    f"{name}[{rank}] did not verify version {self.handle.version} "
-                    "against the trainer's checksums"
+                    f"{name}[{rank}] did not verify version {sent} against the trainer's checksums"
                 )
         self.verified = sum(p.verified for p in pulled.values())
         self.bytes_moved = sum(p.bytes_moved for p in pulled.values())

@@ -249,7 +249,8 @@ def sample(
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
     generated tokens up to and including EOS (any of `eos_token_id`'s ids). A `stats` dict receives
     `entropy_sum`: the entropy of softmax(logits / temperature) summed over
-    the generated tokens (divide by completion_mask.sum() for the mean).
+    the generated tokens (divide by completion_mask.sum() for the mean), and
+    `entropy_rows` [B]: each row's sum.
     `logprobs` are the behaviour log-probs: each token's under the distribution it
     was drawn from (after temperature, the `min_new_tokens` ban and top-p, as vLLM's
     `processed_logprobs`): the first `min_new_tokens` tokens cannot be a stop id, and
@@ -283,7 +284,7 @@ def sample(
         tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)
         masks = torch.zeros(B, max_new_tokens, device=device)
-        entropy_sum = torch.zeros((), device=device)
+        entropy_rows = torch.zeros(B, device=device)
         steps = 0
         for step in range(max_new_tokens):
             steps = step + 1
@@ -292,7 +293,7 @@ def sample(
             )
             if stats is not None:
                 entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
-                entropy_sum += entropy.masked_fill(finished[live], 0.0).sum()
+                entropy_rows[live] += entropy.masked_fill(finished[live], 0.0)
             running = ~finished[live]
             tokens[live, step] = torch.where(running, token, pad_token_id)
             logprobs[live, step] = torch.where(running, behaviour, 0.0)
@@ -319,7 +320,8 @@ def sample(
             if recorder is not None:  # the token sampled at `step` sits in column P + step
                 recorder.put(live, P + step, ~finished[live, None])
     if stats is not None:
-        stats["entropy_sum"] = entropy_sum.item()
+        stats["entropy_sum"] = entropy_rows.sum().item()
+        stats["entropy_rows"] = entropy_rows
         if recorder is not None:
             stats["routes"] = recorder.routes[:, : P + steps]
     return tokens[:, :steps], logprobs[:, :steps], masks[:, :steps]

@@ -136,8 +136,9 @@ def assert_unharmed(tmp_path, history: list[dict]) -> None:
 @pytest.mark.timeout(400)
 def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
     """PPO with its reference and a critic proc killed and every drillable endpoint
-    raising once ends where the same run without faults ends (issue 43's property).
-    The critic's 2 ranks are replicas: the lost one is healed from the other."""
+    raising once ends where the same run without faults ends (issue 43's property),
+    with work by pull and generation one version ahead. The critic's 2 ranks are
+    replicas: the lost one is healed from the other."""
 
     def config(name, *extra):
         return configure(
@@ -149,6 +150,8 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
             "kl_coef=0.01",
             "checkpoint.every=2",
             "placement.critic=2",
+            "rollout.dispatch=pull",
+            "max_staleness=1",
             *extra,
             schema=PPOConfig,
             path=os.path.join(REPO, "algorithms", "configs", "ppo.yaml"),
@@ -173,14 +176,15 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
     # Every raise was retried once and the step went on; a failed generation is
     # redone, the same samples.
     assert history[-1]["faults/errors_retried"] == 6
-    assert history[1]["samples/redone_policy_lost"] == 16
+    redone = history[1]["samples/redone_policy_lost"]  # the failed call's groups, by pull
+    assert redone >= 1
     for record in history:  # every sample is trained on once or dropped with its reason
         assert record["samples/generated_total"] == (
             record["samples/trained_total"] + record["samples/dropped_total"]
         )
     assert history[-1]["samples/trained_total"] == 6 * 16
     assert history[-1]["samples/dropped_total"] == 0  # the redone are not dropped
-    assert history[-1]["samples/redone_total"] == 16
+    assert history[-1]["samples/redone_total"] == redone
     assert_unharmed(tmp_path, history)
 
 
