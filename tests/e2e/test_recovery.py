@@ -135,8 +135,8 @@ def assert_unharmed(tmp_path, history: list[dict]) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_stray_procs):
-    """PPO with its reference and a critic proc killed and every drillable endpoint
-    raising once ends where the same run without faults ends (issue 43's property),
+    """PPO with its reference, a critic and its policy proc killed and every drillable
+    endpoint raising once ends where the same run without faults ends (issue 43's property),
     with work by pull and generation one version ahead. The critic's 2 ranks are
     replicas: the lost one is healed from the other."""
 
@@ -162,7 +162,7 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
         config(
             "drill",
             "faults.retry_errors=1",
-            "faults.kill=[reference:0@2,critic:1@3]",
+            "faults.kill=[reference:0@2,critic:1@3,policy:0@4]",
             "faults.raise_in=[environment.score@0,policy.generate@1,trainer.train_step@1,"
             "reference.logprobs@4,critic.values@5,critic.train_step@5]",
         )
@@ -171,7 +171,7 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
     assert [r["step"] for r in history] == list(range(6))  # every step completed
     # The reference reloads from the checkpoint; the critic's new ranks take rank 0's
     # state, and the step goes on: nothing is undone or dropped.
-    assert [r.split(":")[0] for r in algo.state.recoveries] == ["reference", "critic"]
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["reference", "critic", "policy"]
     assert history[3]["faults/time_to_heal_s"] > 0
     # Every raise was retried once and the step went on; a failed generation is
     # redone, the same samples.
@@ -184,7 +184,7 @@ def test_ppo_survives_lost_reference_and_critic_and_raised_errors(tmp_path, no_s
         )
     assert history[-1]["samples/trained_total"] == 6 * 16
     assert history[-1]["samples/dropped_total"] == 0  # the redone are not dropped
-    assert history[-1]["samples/redone_total"] == redone
+    assert history[-1]["samples/redone_total"] >= redone  # and the lost replica's groups
     assert_unharmed(tmp_path, history)
 
 
