@@ -355,6 +355,8 @@ class Algorithm:
         self.dispatcher = self.ckpt.queue = self.make_dispatcher()
         if self.dispatcher is not None:  # each group generated with the version it was drawn at
             sync.before_pull = self.dispatcher.hand_out
+        elif not self.task.multi_turn:  # each batch sent ahead likewise (`Collector.generated`)
+            sync.before_pull = lambda: [self.collector.generated(b) for b in state.ahead]
         sup.on_respawn("environment")  # nothing to catch up
         sup.on_respawn("reward_model")
         sup.on_respawn("reference", self.reload_reference)

@@ -5,6 +5,7 @@ with random faults of every kind, and the sample accounting at the end.
     python benchmarks/soak.py --steps 1000 --faults 80 --seed 3
     python benchmarks/soak.py --algo grpo           # no critic
     python benchmarks/soak.py --standby --algo grpo --steps 80 --faults 16
+    python benchmarks/soak.py --dispatch pull --staleness 1   # work by pull, one version ahead
 
 Each fault is a drill from the `faults:` config, at a random step after the
 first checkpoint: a proc of a random role killed (`faults.kill`), or a random
@@ -83,6 +84,7 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=10, help="checkpoint.every")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--staleness", type=int, default=0, help="max_staleness")
+    parser.add_argument("--dispatch", choices=("split", "pull"), default="split")
     parser.add_argument("--run-dir", default=None, help="default: a temporary directory")
     parser.add_argument(
         "--no-twin", dest="twin", action="store_false", help="skip the fault-free twin run"
@@ -157,6 +159,7 @@ def soak(
         f"steps={args.steps}",
         "kl_coef=0.01",
         f"max_staleness={args.staleness}",
+        f"rollout.dispatch={args.dispatch}",
         *(f"placement.{role}={n}" for role, n in PLACEMENT.items()),
         f"checkpoint.every={args.every}",
         f"faults.kill=[{','.join(kills)}]",
@@ -187,6 +190,7 @@ def soak(
     figures = {
         "algo": args.algo,
         "max_staleness": args.staleness,
+        "dispatch": args.dispatch,
         "steps": len(history),
         "steps_planned": args.steps,
         "faults_injected": len(kills) + len(raises),

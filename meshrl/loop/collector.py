@@ -197,19 +197,28 @@ class Collector:
 
     # --- collecting and scoring -----------------------------------------------------------
 
+    def generated(self, batch: Batch) -> None:
+        """Take the answers of `batch`'s generation (sent ahead, or sent now), a
+        failed replica's part generated again. Before a weight pull the loop calls
+        it on the batches sent ahead (`WeightSync.before_pull`): a part generated
+        again then has the version the batch was sent with (a replacement takes the
+        version the replicas serve), as it would have had without the fault."""
+        if batch.completions is not None:
+            return
+        args = self.generate_args(batch)
+        started = (batch.calls, batch.respawns) if batch.calls is not None else None
+        parts, repeats = self.sup.call(self.policy, "generate", args, started, independent=True)
+        batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
+        shards = zip(repeats, batch.shards, strict=True)
+        batch.lost = sum(n * len(ids) for n, (ids, _, _) in shards)
+
     def collect(self, batch: Batch) -> Completions:
         """A batch's completions. A policy proc that dies is replaced and a call that
         raised may be retried: the same generation (the same prompts and per-row
         seeds) is done again for the replicas whose call failed, and what they
         generate again is counted as redone (`policy_lost`), not as dropped; the
         other replicas' completions are kept."""
-        if batch.completions is None:
-            args = self.generate_args(batch)
-            started = (batch.calls, batch.respawns) if batch.calls is not None else None
-            parts, repeats = self.sup.call(self.policy, "generate", args, started, independent=True)
-            batch.completions = Completions.concat(parts, self.tokenizer.pad_token_id)
-            shards = zip(repeats, batch.shards, strict=True)
-            batch.lost = sum(n * len(ids) for n, (ids, _, _) in shards)
+        self.generated(batch)
         if not batch.counted:
             batch.counted = True
             self.state.ledger.generated += len(batch)
