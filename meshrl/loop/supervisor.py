@@ -219,6 +219,9 @@ class Supervisor:
                 return False
         self.spend_recovery(host, error)
         log_fault(f"healing {host} from its peers: {error}")
+        seen = min(  # when the pid watch saw it gone, if it did (before Monarch)
+            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
+        )
 
         def handoff(again: list[Role]) -> None:
             for handle in again:
@@ -238,11 +241,11 @@ class Supervisor:
                 self.catch_up[handle.name]()
         took = time.monotonic() - started
         killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
-        origin = self.killed_at.pop(killed[0]) if killed else started
+        origin = self.killed_at.pop(killed[0]) if killed else seen
         self.recovery_times.append(
             {
                 "role": host,
-                "detect_s": started - origin,
+                "detect_s": seen - origin,
                 "serve_s": time.monotonic() - origin,
                 "heal_s": took,
             }

@@ -288,10 +288,10 @@ class RoleMeshes:
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
         self.metric_prefix: dict[str, str] = {}
         self.carried: list[dict] = []
+        """Metrics of procs replaced while they lived on (a heal), for the next report."""
         self.pids: dict[str, list[int]] = {}
         """A role's own procs' pids by rank (not an elastic role's: its members have
         theirs), for the pid watch on this machine (`meshrl.procs.pool.Detector`)."""
-        """Metrics of procs replaced while they lived on (a heal), for the next report."""
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.process_group_roles: set[str] | None = None
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
