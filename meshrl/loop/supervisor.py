@@ -209,7 +209,7 @@ class Supervisor:
         healed = [h for name, h in roles.items() if name in self.healers]
         if not healed or any(n not in self.healers and n not in self.catch_up for n in roles):
             return False
-        if not self.run.meshes.keeps_survivors(host):
+        if any(h.size < 2 for h in healed) or not self.run.meshes.keeps_survivors(host):
             return False
         lost = re.search(r"\[(\d+)\]$", error.what)
         staged = {}
@@ -264,8 +264,6 @@ class Supervisor:
         """The state of the lowest rank of `role` that answers, packed for the new
         ranks to read (`PeerState.share_state`); None if none does. A rank stuck
         in a collective with the lost one answers once that fails, or never."""
-        if role.size < 2:
-            return None
         for rank in range(role.size):
             what = f"{role.name}.share_state[{rank}]"
             if rank == lost or proc_pool.is_lost(what):
