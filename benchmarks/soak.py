@@ -181,9 +181,11 @@ def soak(
     history = algo.run()
     wall = time.perf_counter() - started
 
-    last = history[-1]
-    dropped = dict(sorted(algo.state.ledger.dropped.items()))
-    lost = last["samples/generated_total"] - last["samples/trained_total"] - sum(dropped.values())
+    last, ledger = history[-1], algo.state.ledger
+    dropped = dict(sorted(ledger.dropped.items()))
+    # From the ledger, which also holds what the run's end dropped (under pull: the
+    # groups generated ahead, never trained), after the last step's record.
+    lost = ledger.generated - ledger.trained - sum(dropped.values())
     recovered = Counter(r.split(":")[0] for r in algo.state.recoveries)
     rewards = [r["reward/mean"] for r in history]
     heals = [t for t in algo.sup.recovery_times if "heal_s" in t]
@@ -199,8 +201,8 @@ def soak(
         "procs_recovered": sum(recovered.values()),
         "recovered_by_role": dict(recovered),
         "errors_retried": last["faults/errors_retried"],
-        "samples_generated": last["samples/generated_total"],
-        "samples_trained": last["samples/trained_total"],
+        "samples_generated": ledger.generated,
+        "samples_trained": ledger.trained,
         "samples_dropped": dict(dropped),
         "samples_redone": dict(sorted(algo.state.ledger.redone.items())),
         "samples_lost": lost,
