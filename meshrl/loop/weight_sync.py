@@ -35,7 +35,7 @@ from typing import Any
 from meshrl.config import ConfigError
 from meshrl.loop.run import Role
 from meshrl.procs import proc_pool
-from meshrl.procs.mesh import RemoteCallError, log_fault, wait
+from meshrl.procs.mesh import RemoteCallError, RoleLost, log_fault, wait
 from meshrl.weights.publisher import WeightHandle
 from meshrl.weights.receiver import Pulled
 
@@ -274,6 +274,8 @@ class WeightSync:
             try:
                 self._collect(future, replicas)
                 return
+            except RoleLost:  # the source's (a trainer proc seen gone): not a replica's loss
+                raise
             except RemoteCallError as error:
                 if not error.proc_lost and not attempt and "timed out" in str(error):
                     # A transfer that timed out (RDMA's TCP fallback): its source may
@@ -346,6 +348,8 @@ class WeightSync:
                     try:
                         pulled[rank] = self._wait_pull(future, f"{what}[{rank}]")
                         break
+                    except RoleLost:  # the trainer's, seen while waiting: not this replica's
+                        raise
                     except RemoteCallError as error:
                         if error.proc_lost:  # this replica is gone: its children go around it
                             lost = lost or error

@@ -28,14 +28,29 @@ def run(tmp_path, name, *overrides):
 
 
 def test_colocated_policy_runs_in_the_trainer_procs(tmp_path, no_stray_procs):
+    """A replica in each trainer proc. Trainer rank 1 is killed as step 2 begins,
+    taking replica 1 with it: the trainer is healed from rank 0, the replicas
+    caught up, replica 0's generation kept (and its figures: what the procs that
+    lived on recorded is carried into the step), replica 1's generated again."""
     algo, history = run(
-        tmp_path, "colocated", "steps=4", "placement.trainer=2", "placement.colocate=true"
+        tmp_path,
+        "colocated",
+        "steps=4",
+        "placement.trainer=2",
+        "placement.colocate=true",
+        "faults.kill=[trainer:1@2]",
+        "eval.every=0",  # (the replicas' held-out sampling would add to their figures)
     )
     assert [r["step"] for r in history] == [0, 1, 2, 3]
     assert "policy" not in algo.placement()[0]  # no policy mesh: a replica in each trainer proc
     assert all(r["weights/shm_replicas"] == 2 for r in history)
     assert all(r["weights/staleness"] == 0 for r in history)
     assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history)
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
+    assert "faults/time_to_heal_s" in history[2]
+    assert all(r["samples/dropped"] == 0 for r in history)
+    # Every step's replica figures cover its whole batch, the heal's step's too.
+    assert all(r["policy/completion_tokens"] == r["tokens/generated"] for r in history)
 
 
 def test_generation_runs_one_version_ahead_and_every_sample_is_accounted(tmp_path, no_stray_procs):
