@@ -177,17 +177,12 @@ class Supervisor:
             raise RoleLost(error, host)
         self.spend_recovery(name, error)
         started = time.monotonic()
-        seen = min(
-            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
-        )
+        seen = self._seen(host, started)
         log_fault(f"recovering {name}: {error}")
         for again in self.run.respawn(name):
             self.catch_up[again.name]()
         took = time.monotonic() - started
-        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
-        origin = self.killed_at.pop(killed[0]) if killed else seen
-        served = time.monotonic() - origin
-        self.recovery_times.append({"role": host, "detect_s": seen - origin, "serve_s": served})
+        self._timed(host, seen)
         log_fault(f"recovered {name} in {took:.1f}s")
         # One console line per recovery; Monarch's failure events are in faults.log.
         print(
@@ -219,9 +214,7 @@ class Supervisor:
                 return False
         self.spend_recovery(host, error)
         log_fault(f"healing {host} from its peers: {error}")
-        seen = min(  # when the pid watch saw it gone, if it did (before Monarch)
-            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
-        )
+        seen = self._seen(host, started)
 
         def handoff(again: list[Role]) -> None:
             for handle in again:
@@ -240,16 +233,7 @@ class Supervisor:
             if handle.name not in staged:
                 self.catch_up[handle.name]()
         took = time.monotonic() - started
-        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
-        origin = self.killed_at.pop(killed[0]) if killed else seen
-        self.recovery_times.append(
-            {
-                "role": host,
-                "detect_s": seen - origin,
-                "serve_s": time.monotonic() - origin,
-                "heal_s": took,
-            }
-        )
+        self._timed(host, seen, heal_s=took)
         ranks = ", ".join(f"{name} from rank {s.rank}" for name, s in staged.items())
         log_fault(f"healed {host} in {took:.1f}s ({ranks})")
         print(
@@ -259,6 +243,24 @@ class Supervisor:
             flush=True,
         )
         return True
+
+    @staticmethod
+    def _seen(host: str, started: float) -> float:
+        """When a proc of `host` was seen gone: by the pid watch, if it saw it
+        (before Monarch says so), else `started`."""
+        return min(
+            (t for k, t in proc_pool.lost.items() if k.startswith(f"{host}[")), default=started
+        )
+
+    def _timed(self, host: str, seen: float, **extra: float) -> None:
+        """A recovery's `recovery_times` entry: from the kill (a drill's; else from
+        when the loss was seen) to seeing it and to serving again, now."""
+        killed = [k for k in self.killed_at if k.startswith(f"{host}[")]
+        origin = self.killed_at.pop(killed[0]) if killed else seen
+        served = time.monotonic() - origin
+        self.recovery_times.append(
+            {"role": host, "detect_s": seen - origin, "serve_s": served, **extra}
+        )
 
     def survivor(self, role: Role, lost: int | None) -> Any | None:
         """The state of the lowest rank of `role` that answers, packed for the new

@@ -176,7 +176,7 @@ class WeightSync:
         self.wait()
         for attempt in range(2):
             try:
-                handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+                handle = self._publish_on(trainer)
                 break
             except RemoteCallError as error:
                 # A trainer proc lost here, not in its train step (a SLURM job killed
@@ -185,7 +185,7 @@ class WeightSync:
                 if not error.proc_lost or attempt:
                     raise
                 self.sup.recover(trainer, error, heal=True)
-        self.handle = WeightHandle.merge(handles)
+        self.handle = handle
         self.source = trainer
         self.published += 1
         self.published_at[self.handle.version] = self.published
@@ -199,11 +199,15 @@ class WeightSync:
         Not a new version: nothing is pulled, no count moves."""
         if self.handle is None or self.source is not trainer:
             return
-        handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
         served = self.serving is not None and self.serving.version == self.handle.version
-        self.handle = WeightHandle.merge(handles)
+        self.handle = self._publish_on(trainer)
         # An older version served lived in the replaced procs' slots: gone.
         self.serving = self.handle if served else None
+
+    def _publish_on(self, trainer: Role) -> WeightHandle:
+        """`trainer.publish` on every rank, the owners' handles merged."""
+        handles = self.sup.call_all(trainer, "publish", self.verify, self.delta)
+        return WeightHandle.merge(handles)
 
     def pull(self, replicas: Role, handle: WeightHandle | None = None) -> None:
         """Every replica of `replicas` pulls `handle` (the newest by default): all

@@ -175,7 +175,7 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(out.logprobs, ids_out, strict=True)]
             )
             completion_mask[row, : len(ids_out)] = 1
-        stats["entropy_sum"] = float("nan")  # vLLM does not return the full distribution
+        # No `entropy_rows`: vLLM does not return the full distribution.
         return tokens, logprobs, completion_mask
 
     def weights_changed(self) -> None:

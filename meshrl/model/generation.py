@@ -248,9 +248,8 @@ def sample(
     prompt_ids, prompt_mask [B, P] -> (completion_ids [B, T], logprobs [B, T],
     completion_mask [B, T]) with T <= max_new_tokens; completion_mask is 1 on
     generated tokens up to and including EOS (any of `eos_token_id`'s ids). A `stats` dict receives
-    `entropy_sum`: the entropy of softmax(logits / temperature) summed over
-    the generated tokens (divide by completion_mask.sum() for the mean), and
-    `entropy_rows` [B]: each row's sum.
+    `entropy_rows` [B]: the entropy of softmax(logits / temperature) summed over
+    each row's generated tokens (divide by its length for the mean).
     `logprobs` are the behaviour log-probs: each token's under the distribution it
     was drawn from (after temperature, the `min_new_tokens` ban and top-p, as vLLM's
     `processed_logprobs`): the first `min_new_tokens` tokens cannot be a stop id, and
@@ -320,7 +319,6 @@ def sample(
             if recorder is not None:  # the token sampled at `step` sits in column P + step
                 recorder.put(live, P + step, ~finished[live, None])
     if stats is not None:
-        stats["entropy_sum"] = entropy_rows.sum().item()
         stats["entropy_rows"] = entropy_rows
         if recorder is not None:
             stats["routes"] = recorder.routes[:, : P + steps]

@@ -476,22 +476,26 @@ class Detector:
         self._thread = threading.Thread(target=self._run, name="meshrl-detect", daemon=True)
         self._thread.start()
 
+    def watched(self) -> dict[str, int]:
+        """`role[rank]` -> pid of every proc watched now."""
+        procs = {
+            f"{role}[{rank}]": member.pid
+            for role, group in list(self.groups().items())
+            for rank, member in enumerate(list(group.members))
+            if member.pid
+        }
+        for role, pids in list(self.pids().items()):
+            procs.update((f"{role}[{rank}]", pid) for rank, pid in enumerate(pids))
+        return procs
+
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            for role, group in list(self.groups().items()):
-                for rank, member in enumerate(list(group.members)):
-                    key = f"{role}[{rank}]"
-                    if member.pid and key not in proc_pool.lost and not proc_pool.alive(member.pid):
-                        proc_pool.lost[key] = time.monotonic()
-                        logger.info("%s: proc %d is gone", key, member.pid)
-            for role, pids in list(self.pids().items()):
-                for rank, pid in enumerate(pids):
-                    key = f"{role}[{rank}]"
-                    if key in proc_pool.lost or proc_pool.alive(pid):
-                        continue
-                    if pid in self.pids().get(role, ()):  # not replaced meanwhile
-                        proc_pool.lost[key] = time.monotonic()
-                        logger.info("%s: proc %d is gone", key, pid)
+            for key, pid in self.watched().items():
+                if key in proc_pool.lost or proc_pool.alive(pid):
+                    continue
+                if self.watched().get(key) == pid:  # not replaced meanwhile
+                    proc_pool.lost[key] = time.monotonic()
+                    logger.info("%s: proc %d is gone", key, pid)
 
     def close(self) -> None:
         self._stop.set()

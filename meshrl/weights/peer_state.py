@@ -17,7 +17,6 @@ back, bit for bit.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,12 +108,11 @@ class PeerState:
         """Register a first RDMA buffer now, while every proc of the mesh lives:
         Monarch sets up RDMA on the whole proc mesh at a proc's first buffer, and
         cannot once one proc is gone (`share_state` would wait for it)."""
-        from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+        from monarch.rdma import RDMABuffer
 
-        from meshrl.weights.publisher import without_cuda_probe_line
+        from meshrl.weights.publisher import registering
 
-        with warnings.catch_warnings(), without_cuda_probe_line():
-            warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        with registering():
             self._probe = RDMABuffer(torch.zeros(_ALIGN, dtype=torch.uint8))
 
     def peer_state(self) -> dict:
@@ -127,16 +125,15 @@ class PeerState:
     def share_state(self) -> Staged:
         """This rank's state packed and registered for its replacements to read;
         kept until this proc ends (its mesh is stopped once they have it)."""
-        from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+        from monarch.rdma import RDMABuffer
 
-        from meshrl.weights.publisher import without_cuda_probe_line
+        from meshrl.weights.publisher import registering
 
         state = {**self.peer_state(), "generator": torch.get_rng_state()}
         if torch.cuda.is_available():
             state["cuda_generator"] = torch.cuda.get_rng_state()
         self._staged, skeleton = pack(state)
-        with warnings.catch_warnings(), without_cuda_probe_line():
-            warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        with registering():
             buffer = RDMABuffer(self._staged)
         rank = getattr(self, "rank", 0)
         return Staged(buffer, skeleton, self._staged.numel(), checksum(self._staged), rank)

@@ -197,6 +197,18 @@ def without_cuda_probe_line():
                 sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def registering():
+    """Register RDMA buffers in this block: Monarch's TCP-fallback warning is left
+    out (reported once through `rdma_backend()` in the run metrics instead), and
+    the CUDA probe's line (`without_cuda_probe_line`)."""
+    from monarch.rdma import RDMATcpFallbackWarning
+
+    with warnings.catch_warnings(), without_cuda_probe_line():
+        warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        yield
+
+
 def rdma_backend() -> str:
     """'ibverbs', 'tcp' (Monarch's fallback) or 'none'."""
     from monarch.rdma import get_rdma_backend
@@ -322,11 +334,9 @@ class WeightPublisher:
         """The slots as RDMA buffers, once; with `pieces`, each piece of each too."""
         if not self.rdma or (self._buffers is not None and (self._piece_buffers or not pieces)):
             return
-        from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning
+        from monarch.rdma import RDMABuffer
 
-        with warnings.catch_warnings(), without_cuda_probe_line():
-            # Reported once through rdma_backend() in the run metrics instead.
-            warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        with registering():
             if self._buffers is None:
                 self._buffers = [RDMABuffer(s) for s in self.slots]
                 self._headers = [RDMABuffer(s[:HEADER_BYTES]) for s in self.slots]
