@@ -7,20 +7,23 @@ token and the weight version that produced them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.loop.checkpoint import read
+from meshrl.model.continuous import ContinuousEngine, Settings
 from meshrl.model.engines import make_engine
 from meshrl.model.models import device_for_this_proc, load_model, stop_token_ids
 from meshrl.model.routing import moe_problem, routers
 from meshrl.model.tokenizer import load_tokenizer
 from meshrl.observe.telemetry import observed, proc_rank, record
-from meshrl.procs.faults import Drillable
+from meshrl.procs.faults import Drillable, drilled_lengths
 from meshrl.types import Completions
 from meshrl.weights.publisher import TornWeights, WeightHandle
 from meshrl.weights.receiver import Pulled, WeightReceiver
@@ -36,10 +39,14 @@ class Policy(Drillable, Actor):
         policy_cfg: PolicyConfig | None = None,
         context: int = 2048,
         shm_prefix: str | None = None,
+        role_name: str = "policy",
+        partial: bool = False,
     ):
         """`context`: prompt + completion tokens the engine must hold (vllm).
         `shm_prefix`: names this replica's shared-memory files when it relays
-        weights (the run's, so the run removes them even if the proc dies)."""
+        weights (the run's, so the run removes them even if the proc dies).
+        `role_name`: its role, by which its `PolicyStream` finds it (`policy.continuous`).
+        `partial` (`rollout.partial`): a weight pull does not wait for the rows under way."""
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
@@ -66,6 +73,18 @@ class Policy(Drillable, Actor):
         self.rank = proc_rank()  # read here: endpoints see no rank
         self.weights.owner = f"{self.role}[{self.rank}]"
         self.generator = torch.Generator(device).manual_seed(seed * 1009 + self.rank)
+        self.lengths: tuple[int, float, int] | None = None  # `faults.completion_lengths`
+        self.partial, self.continuous = partial, None
+        if policy_cfg.continuous:
+            self.continuous = ContinuousEngine(
+                self.model,
+                self.pad_id,
+                self.stop_ids,
+                policy_cfg.max_rows,
+                lambda: self.weights.version,
+                policy_cfg.share_prefix,
+            )
+            _streams[role_name] = self
 
     @endpoint
     @observed
@@ -98,16 +117,21 @@ class Policy(Drillable, Actor):
         )
         mask = torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads])
         stats: dict = {}
-        tokens, logprobs, completion_mask = self.engine.generate(
-            ids.to(self.device),
-            mask.to(self.device),
-            prompt_ids,
-            generation,
-            self.generator,
-            stats,
-            seeds,
-            None if images is None else tuple(t.to(self.device) for t in images),
-        )
+        if self.lengths is not None and seeds is None:  # the drill draws lengths from seeds
+            seeds = self.draw_seeds(len(prompt_ids))
+        # (A call beside the running batch, e.g. evaluation's: it runs between its steps.)
+        with self.continuous.paused() if self.continuous else contextlib.nullcontext():
+            tokens, logprobs, completion_mask = self.engine.generate(
+                ids.to(self.device),
+                mask.to(self.device),
+                prompt_ids,
+                generation,
+                self.generator,
+                stats,
+                seeds,
+                None if images is None else tuple(t.to(self.device) for t in images),
+                lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
+            )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         tokens_out = completion_mask.sum().item()
         record("time/policy/tokens_per_s", tokens_out / (time.perf_counter() - started), "mean")
@@ -129,6 +153,71 @@ class Policy(Drillable, Actor):
                 record(key, value, reduce)
         return completions
 
+    def draw_seeds(self, rows: int) -> list[int]:
+        on = self.generator.device
+        return torch.randint(-(2**62), 2**62, (rows,), generator=self.generator, device=on).tolist()
+
+    def submit(
+        self,
+        prompt_ids: list[list[int]],
+        generation: GenerationConfig,
+        seeds: list[int] | None,
+        images: tuple | None,
+        done,
+    ) -> None:
+        """`generate` through the running decode batch (`PolicyStream`): the rows
+        join it; `done(result)` is called from the decode thread when they ended."""
+        self.drill("generate")
+        if images is not None:
+            raise ValueError("config key 'policy.continuous': images are sampled by the batch path")
+        if self.weights.torn:
+            raise RuntimeError("the last weight pull failed: pull a complete version first")
+        self.check_intact()
+        seeds = self.draw_seeds(len(prompt_ids)) if seeds is None else seeds
+        settings = Settings(
+            generation.max_new_tokens,
+            generation.temperature,
+            generation.top_p,
+            generation.min_new_tokens,
+        )
+        lengths = None if self.lengths is None else drilled_lengths(seeds, self.lengths)
+        self.continuous.submit(prompt_ids, seeds, settings, done, lengths)
+
+    def completed(
+        self, prompt_ids: list[list[int]], result: dict, record_batch: bool
+    ) -> Completions:
+        """A `submit`'s answer, as `generate` returns it: each token's version kept."""
+        self.check_intact()
+        width = max(len(p) for p in prompt_ids)
+        pads = [width - len(p) for p in prompt_ids]
+        mask = result["mask"]
+        versions = result["versions"]
+        record("time/policy/tokens_per_s", mask.sum().item() / result["seconds"], "mean")
+        occupancy = self.continuous.occupancy()
+        if occupancy is not None:
+            record("policy/batch_occupancy", occupancy, "mean")
+        completions = Completions(
+            prompt_ids=torch.tensor(
+                [[self.pad_id] * n + list(p) for n, p in zip(pads, prompt_ids, strict=True)]
+            ),
+            prompt_mask=torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads]),
+            completion_ids=result["tokens"],
+            completion_mask=mask,
+            logprobs=result["logprobs"],
+            weight_version=int(versions[mask > 0].min()),
+            token_versions=versions,
+            entropy=result["entropy"],
+        )
+        if record_batch:
+            for key, (value, reduce) in completions.policy_metrics().items():
+                record(key, value, reduce)
+        return completions
+
+    @endpoint
+    def set_lengths(self, lengths: tuple[int, float, int] | None) -> None:
+        """Each row's completion length from now on (`faults.completion_lengths`)."""
+        self.lengths = lengths
+
     def check_intact(self) -> None:
         """Served in place from the trainer's slots: they must still hold this
         replica's version (a replica that missed a pull would otherwise serve
@@ -149,8 +238,16 @@ class Policy(Drillable, Actor):
         it came ('shm' or 'rdma'), and with `serve` the handle from which other
         replicas can pull it from this one (a relay)."""
         skip = self.armed("skip_pull")
-        pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
-        self.engine.weights_changed()
+        if self.continuous is None:
+            pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
+            self.engine.weights_changed()
+            return pulled
+        if not self.partial:  # every row is sampled by one version
+            self.continuous.wait_idle(timeout_s or 600.0)
+        with self.continuous.paused():  # between two decode steps
+            pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
+            self.engine.weights_changed()
+            record("rollout/refilled_rows", self.continuous.refill(), "sum")
         return pulled
 
     @endpoint
@@ -179,3 +276,54 @@ class Policy(Drillable, Actor):
     def parameters(self) -> dict[str, torch.Tensor]:
         """A CPU copy of every parameter (for inspection and tests)."""
         return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+
+_streams: dict[str, Policy] = {}  # this proc's replicas by role (`Policy(role_name=...)`)
+
+
+class PolicyStream(Actor):
+    """`Policy.generate` through the replica's running decode batch
+    (`policy.continuous`), beside the `Policy` of role `role_name` on the same proc.
+
+    Its endpoint is concurrent: calls under way wait here, their rows decoding in
+    one batch on the replica's decode thread, while the replica's own endpoints
+    (a weight pull) go on. A Monarch actor's endpoints are all sync or all async,
+    hence an actor of its own."""
+
+    def __init__(self, role_name: str = "policy"):
+        self.role_name = role_name
+
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt_ids: list[list[int]],
+        generation: GenerationConfig,
+        seeds: list[int] | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        record_batch: bool = True,
+    ) -> Completions:
+        """As `Policy.generate`; the completions carry each token's version."""
+        for _ in range(600):  # the replica's __init__ may still run (spawned just before)
+            policy = _streams.get(self.role_name)
+            if policy is not None:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(
+                f"{self.role_name}: no policy replica with a running batch on this proc"
+            )
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+
+        def settle(result) -> None:
+            if answer.done():
+                return
+            if isinstance(result, BaseException):
+                answer.set_exception(result)
+            else:
+                answer.set_result(result)
+
+        policy.submit(
+            prompt_ids, generation, seeds, images, lambda r: loop.call_soon_threadsafe(settle, r)
+        )
+        return policy.completed(prompt_ids, await answer, record_batch)

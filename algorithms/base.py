@@ -178,10 +178,11 @@ class Algorithm:
         """The policy replicas, spawned from `model` and `policy` the same way by
         every algorithm that samples; each reads its weights from `shm_prefix`'s
         slots (the trainer's of the same prefix) on this host."""
-        from actors.policy import Policy
+        from actors.policy import Policy, PolicyStream
 
         cfg = self.cfg
-        return run.spawn(
+        rollout = getattr(cfg, "rollout", None)
+        policy = run.spawn(
             role,
             Policy,
             cfg.model,
@@ -189,7 +190,12 @@ class Algorithm:
             cfg.policy,
             self.context,
             shm_prefix or run.shm_prefix,
+            role_name=role,
+            partial=bool(rollout and rollout.partial),
         )
+        if cfg.policy.continuous:  # its running batch's endpoint, on the same procs
+            policy.stream = run.spawn(f"{role}_stream", PolicyStream, role, share=role)
+        return policy
 
     def trainers(self) -> list:
         """The trainer meshes `set_lr` and `set_temperature` reach (co-evolution:
@@ -348,6 +354,8 @@ class Algorithm:
         )
         self.ckpt.recover = sup.recover
         sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        if getattr(policy, "stream", None) is not None:
+            sup.on_respawn(policy.stream.name)  # it finds the new replica on its proc
         self.heal_from_peers(trainer, sync)
         self.scaler = Scaler(
             run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
@@ -446,8 +454,10 @@ class Algorithm:
             self.collector,
             policy,
             environment,
-            send=lambda i, ids, seeds, images: policy.slice(procs=i).generate.call_one(
-                ids, cfg.generation, seeds, images, record_batch=False
+            send=lambda i, ids, seeds, images: (
+                (getattr(policy, "stream", None) or policy)
+                .slice(procs=i)
+                .generate.call_one(ids, cfg.generation, seeds, images, record_batch=False)
             ),
             score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
                 prompts, texts

@@ -86,6 +86,16 @@ class RLConfig:
                 "config key 'rollout.dispatch': pull is for single-turn tasks scored by "
                 "the environment (not yet multi-turn episodes or a reward model)"
             )
+        if self.policy.continuous and self.rollout.dispatch != "pull":
+            raise ConfigError(
+                "config key 'policy.continuous': continuous batching takes the pull queue's "
+                "calls (set rollout.dispatch=pull)"
+            )
+        if self.rollout.partial and not (self.policy.continuous and self.max_staleness):
+            raise ConfigError(
+                "config key 'rollout.partial': rows that go on under new weights need "
+                "policy.continuous=true and max_staleness >= 1"
+            )
         self.sandbox.check_task(self.task.name)
         check_routing(self.model, self.policy, self.trainer, make_task(self.task).multi_turn)
         recompute = self.recompute_old_logprobs

@@ -86,6 +86,14 @@ class Completions:
             metrics["policy/entropy"] = (self.entropy.sum().item() / max(tokens, 1), "mean")
         return metrics
 
+    def versions(self) -> torch.Tensor:
+        """[B, T] the weight version of each model token (-1 elsewhere): recorded per
+        token (multi-turn episodes, partial rollouts), else `weight_version`'s."""
+        if self.token_versions is not None:
+            return self.token_versions
+        version = torch.full_like(self.completion_ids, self.weight_version)
+        return torch.where(self.completion_mask > 0, version, -1)
+
     def completion_lists(self) -> list[list[int]]:
         """Completion token ids of each row without padding (a multi-turn
         episode's whole transcript: the environment's replies included)."""
@@ -139,8 +147,8 @@ class Completions:
             completion_attention=torch.cat([pad(p.attention, T, 0, False) for p in parts])
             if multi_turn
             else None,
-            token_versions=torch.cat([pad(p.token_versions, T, -1, False) for p in parts])
-            if multi_turn
+            token_versions=torch.cat([pad(p.versions(), T, -1, False) for p in parts])
+            if any(p.token_versions is not None for p in parts)
             else None,
             prompt_ids=torch.cat([pad(p.prompt_ids, P, pad_token_id, True) for p in parts]),
             prompt_mask=torch.cat([pad(p.prompt_mask, P, 0, True) for p in parts]),

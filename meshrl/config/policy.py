@@ -39,6 +39,15 @@ class PolicyConfig:
     drop_finished: bool = True
     """hf: rows leave the decode batch when they end, so decoding costs what the
     live rows need; the same tokens either way."""
+    continuous: bool = False
+    """hf, `rollout.dispatch: pull`: each replica keeps one running decode batch
+    that every generate call feeds: rows leave when they end and the next calls'
+    rows join at once, each at its own position (`meshrl.model.continuous`); the
+    same tokens as a batch of their own. With `rollout.calls_per_replica` > 1 the
+    calls under way share the batch; `rollout.partial` lets weights change under it."""
+    max_rows: int = 0
+    """continuous: the most rows a replica decodes at once (0: every row it was
+    given); the others wait and join as rows end."""
     dtype: str | None = None
     """hf: the replicas' parameter dtype when it is not `model.dtype` (e.g. a
     bfloat16 sampler for a float32 trainer): each pull casts the published
@@ -77,6 +86,12 @@ class PolicyConfig:
             "policy.dtype",
             "the replicas' own dtype needs policy.engine=hf",
         )
+        _check(
+            not self.continuous or (self.engine == "hf" and not self.record_routes),
+            "policy.continuous",
+            "continuous batching runs on policy.engine=hf without policy.record_routes",
+        )
+        _check(self.max_rows >= 0, "policy.max_rows", "must be >= 0 (0: no cap)")
         _check(
             not (self.record_routes and self.engine != "hf"),
             "policy.record_routes",

@@ -69,6 +69,11 @@ class RolloutConfig:
     mailbox while it runs one, so it never idles between calls (1: strictly pull)."""
     bias_window: int = 256
     """pull: completed groups the bias metrics compare over."""
+    partial: bool = False
+    """pull with `policy.continuous` and `max_staleness` >= 1: a weight pull does not
+    wait for the rows under way; each replica takes the new weights between two
+    decode steps and its rows go on under them (each token keeps the version that
+    sampled it; a group is as old as its oldest token for `max_staleness`)."""
 
     def validate(self) -> None:
         if self.dispatch not in DISPATCH:
@@ -217,8 +222,25 @@ class Dispatcher:
             "time/hand_out_s": self.hand_out_s,
             **self.bias(),
         }
+        if self.cfg.partial:
+            info.update(self.version_metrics(completions))
         self.hand_out_s = 0.0
         return completions, torch.cat([g.rewards for g in taken]), info
+
+    def version_metrics(self, completions: Any) -> dict[str, float]:
+        """Partial rollouts: rows sampled by more than one version, and the trained
+        tokens by how many publishes behind the trainer their version is."""
+        versions, mask = completions.versions(), completions.completion_mask > 0
+        now, at = self.sync.published, self.sync.published_at
+        lag = versions.clone().apply_(lambda v: now - at.get(v, now) if v >= 0 else -1)
+        spans = [len(set(row[m].tolist())) for row, m in zip(versions, mask, strict=True)]
+        lags = lag[mask]
+        return {
+            "rollout/partial_rows": sum(n > 1 for n in spans),
+            "rollout/tokens_lag0": int((lags == 0).sum()),
+            "rollout/tokens_lag1": int((lags == 1).sum()),
+            "rollout/tokens_lag2plus": int((lags >= 2).sum()),
+        }
 
     # --- while the trainer trains -------------------------------------------------------
 
@@ -259,7 +281,7 @@ class Dispatcher:
         group handed back by a lost proc is generated again before the pull, on a
         replica that holds that version (a replacement takes the version served,
         `WeightSync.serving`), so a run with faults trains on the same samples."""
-        if self._thread is None:
+        if self._thread is None or self.cfg.partial:  # (partial: rows take the new weights)
             return
         started = time.monotonic()
         while self._thread.is_alive():  # (an error in it is raised by `pause`)

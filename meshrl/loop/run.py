@@ -87,6 +87,7 @@ class Role:
     def __init__(self, run: Run, name: str, make: Any):
         self.name, self._run, self._make = name, run, make
         self.actors = make()
+        self.stream: Role | None = None  # a policy's running-batch endpoint (`PolicyStream`)
         self.respawns = 0
         self.resizes = 0  # an elastic role's pool changes (`Run.scale`)
         self._slices: dict[tuple, Any] = {}
@@ -213,11 +214,20 @@ class Run:
             )
 
     def spawn(
-        self, role: str, actor_class: type, *args: Any, rendezvous: bool = False, **kwargs: Any
+        self,
+        role: str,
+        actor_class: type,
+        *args: Any,
+        rendezvous: bool = False,
+        share: str | None = None,
+        **kwargs: Any,
     ) -> Role:
         """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
         also `master=(address, port)` of rank 0 for torch.distributed, a fresh
-        one each time the role is spawned again."""
+        one each time the role is spawned again. `share`: `role` is a second actor
+        on the procs of role `share` (spawned, replaced and stopped with them)."""
+        if share is not None:
+            self.meshes.share[role] = self.meshes.share.get(share, share)
 
         if rendezvous:  # its actors form a torch.distributed group over its procs
             if self.meshes.share.get(role, role) in self.meshes.elastic:

@@ -61,8 +61,10 @@ class HFEngine:
         stats: dict,
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lengths: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None."""
+        """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None.
+        `lengths`: each row's exact length (`faults.completion_lengths`), or None."""
         pixels, counts = images if images is not None else (None, None)
         return sample(
             self.model,
@@ -82,6 +84,7 @@ class HFEngine:
             record_routes=self.record_routes,
             images=pixels,
             image_counts=counts,
+            lengths=None if lengths is None else torch.tensor(lengths),
         )
 
     def weights_changed(self) -> None:
@@ -138,6 +141,7 @@ class VLLMEngine:
         stats: dict,
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lengths: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import vllm
 
@@ -152,13 +156,13 @@ class VLLMEngine:
                 n=1,
                 temperature=generation.temperature,
                 top_p=generation.top_p,
-                max_tokens=generation.max_new_tokens,
+                max_tokens=generation.max_new_tokens if length is None else length,
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=list(self.stop_ids),
-                min_tokens=generation.min_new_tokens,
+                min_tokens=generation.min_new_tokens if length is None else length,
                 seed=seed,
             )
-            for seed in seeds
+            for seed, length in zip(seeds, lengths or [None] * len(seeds), strict=True)
         ]
         outputs = self.llm.generate(
             [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False

@@ -49,11 +49,15 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+def row_uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row, a pure function of (the row's seed, step):
     a row samples the same token from the same distribution whatever the batch
-    around it (its size, its order, the rows dropped), on any device."""
-    z = seeds + _signed((step + 1) * _GOLDEN)
+    around it (its size, its order, the rows dropped, the step at which it joined
+    a running batch: `step` may be each row's own [R]), on any device."""
+    if isinstance(step, torch.Tensor):  # int64 products wrap mod 2**64, as _signed does
+        z = seeds + (step.to(seeds.device) + 1) * _GOLDEN
+    else:
+        z = seeds + _signed((step + 1) * _GOLDEN)
     z = (z ^ _shift(z, 30)) * _MIX1
     z = (z ^ _shift(z, 27)) * _MIX2
     z = z ^ _shift(z, 31)
@@ -92,6 +96,11 @@ def _cache_keyword_of(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+def cache_arg(model: torch.nn.Module, cache: object) -> dict:
+    """`cache` as the keyword argument `model`'s forward takes it."""
+    return {_cache_keyword(model): cache}
+
+
 def _cache_of(out) -> object:
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
@@ -125,6 +134,12 @@ class GrowingLayer(DynamicLayer):
         grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.size(-1)))
         grown[..., : self.length, :] = buffer[..., : self.length, :]
         return grown
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold these keys and values [B, H, L, D] (a continuous batch's rows,
+        merged: `meshrl.model.continuous`)."""
+        self.k_buffer, self.v_buffer, self.length = keys, values, keys.size(-2)
+        self.keys, self.values = keys, values
 
     def reorder_cache(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) the batch rows `rows`, room to spare included."""
@@ -242,6 +257,7 @@ def sample(
     record_routes: bool = False,
     images: torch.Tensor | None = None,
     image_counts: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts (and their `images`: `meshrl.model.vision`).
 
@@ -263,7 +279,9 @@ def sample(
     falls within rounding of a boundary between two tokens' probability mass) and
     log-probs equal up to float rounding (other batch shapes, other matmul
     blockings): tests/unit/test_packing.py. `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
-    position's experts (`meshrl.model.routing`); -1 on padding and the unfed last token."""
+    position's experts (`meshrl.model.routing`); -1 on padding and the unfed last token.
+    `lengths` [B]: each row's exact completion length (`faults.completion_lengths`):
+    no stop id is drawn and the row ends there."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
         on = generator.device if generator else "cpu"
@@ -279,6 +297,9 @@ def sample(
         live = torch.arange(B, device=device)  # the original row of each decode row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stop = torch.tensor(eos_token_id, device=device).reshape(-1)
+        if lengths is not None:
+            lengths = lengths.to(device).clamp(1, max_new_tokens)
+            min_new_tokens = max_new_tokens  # no stop id: the rows end at their lengths
         banned_at = _banned(model, stop, min_new_tokens, images is not None)
         tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, max_new_tokens, device=device)
@@ -298,6 +319,8 @@ def sample(
             logprobs[live, step] = torch.where(running, behaviour, 0.0)
             masks[live, step] = running.float()
             finished[live] |= torch.isin(token, stop)
+            if lengths is not None:
+                finished[live] |= lengths[live] <= step + 1
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break  # (the last token's forward would feed nothing)
             if drop_finished and bool(finished[live].any()):
@@ -312,7 +335,7 @@ def sample(
                 attention_mask=attention_mask,
                 position_ids=next_position,
                 use_cache=True,
-                **{_cache_keyword(model): cache},
+                **cache_arg(model, cache),
             )
             logits, cache = out.logits[:, -1], _cache_of(out)
             next_position = next_position + 1

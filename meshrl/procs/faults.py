@@ -42,6 +42,27 @@ _WEIGHTS = re.compile(r"^(corrupt|unmerged|skip_pull:(\d+))@(\d+)$")
 _SLOW = re.compile(r"^(policy|environment):(\d+)x(\d+(?:\.\d+)?)@(\d+)$")
 _LATENCY = re.compile(r"^(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)x(\d+(?:\.\d+)?)$")
 
+_LENGTHS = re.compile(r"^(\d+),(\d+(?:\.\d+)?)x(\d+)$")
+
+
+def drilled_lengths(seeds: list[int], spec: tuple[int, float, int]) -> list[int]:
+    """Each row's completion length under `faults.completion_lengths` (short, share,
+    long): a pure function of its seed, so every engine and placement agrees."""
+    import torch
+
+    from meshrl.model.generation import row_uniforms
+
+    short, share, long = spec
+    seeds_t = torch.tensor(seeds, dtype=torch.long)
+    tail, where = row_uniforms(seeds_t, -2), row_uniforms(seeds_t, -3)  # steps no token uses
+    lengths = torch.where(
+        tail < share,
+        short + 1 + (where * max(long - short, 1)).long(),
+        1 + (where * short).long(),
+    )
+    return lengths.clamp(max=long).tolist()
+
+
 ROLES = ("policy", "environment", "reference", "trainer", "critic")
 DRILLED_ENDPOINTS = {
     "policy": ("generate",),
@@ -82,6 +103,11 @@ class FaultsConfig:
     "0.02,0.05x20": a call sleeps 0.02 s, or 20 times that when one of its
     episodes is among the 5% drawn slow (by a hash of its tokens), as a
     heavy-tailed tool or sandbox would. Empty: none."""
+    completion_lengths: str = ""
+    """Each completion's exact length, as "SHORT,SHARExLONG", e.g. "64,0.1x1024":
+    a row is 1 to SHORT tokens long, or SHORT to LONG tokens for the SHARE drawn
+    long (by its sampling seed), as reasoning completions' heavy tail; no stop id
+    is drawn (the policy's `set_lengths`). Up to generation.max_new_tokens. Empty: none."""
     standby: dict[str, int] = field(default_factory=dict)
     """Spare procs to keep per elastic role, e.g. {policy: 1}: spawned with every
     actor loaded (a policy standby takes each published version), each replaces a
@@ -141,6 +167,11 @@ class FaultsConfig:
                     f"config key 'faults.slow': '{item}' is not role:rank x factor @ step "
                     "(policy:3x4@0; roles policy, environment)"
                 )
+        if self.completion_lengths and not _LENGTHS.match(self.completion_lengths):
+            raise ConfigError(
+                f"config key 'faults.completion_lengths': '{self.completion_lengths}' is not "
+                "SHORT,SHARExLONG (e.g. 64,0.1x1024)"
+            )
         if self.episode_latency and not _LATENCY.match(self.episode_latency):
             raise ConfigError(
                 f"config key 'faults.episode_latency': '{self.episode_latency}' is not "
@@ -189,6 +220,13 @@ class FaultsConfig:
             if int(at) == step:
                 found.append((role, int(rank), float(factor)))
         return found
+
+    def lengths(self) -> tuple[int, float, int] | None:
+        """(short, share, long) of `completion_lengths`, or None."""
+        if not self.completion_lengths:
+            return None
+        short, share, long = _LENGTHS.match(self.completion_lengths).groups()
+        return int(short), float(share), int(long)
 
     def latency(self) -> tuple[float, float, float] | None:
         """(seconds, share, factor) of `episode_latency`, or None."""
