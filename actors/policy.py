@@ -133,6 +133,8 @@ class Policy(Drillable, Actor):
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
             )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
+        if "occupancy" in stats:
+            record("policy/batch_occupancy", stats["occupancy"], "mean")
         tokens_out = completion_mask.sum().item()
         record("time/policy/tokens_per_s", tokens_out / (time.perf_counter() - started), "mean")
         self.check_intact()  # nothing sampled from a slot rewritten meanwhile leaves

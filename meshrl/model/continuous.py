@@ -306,6 +306,9 @@ class ContinuousEngine:
         their keys and values left-padded to the running cache's length."""
         with self.changed:
             room = (self.max_rows or len(self.waiting)) - len(self.rows)
+            # Joining copies the running cache: rows join a few at a time, not one by one.
+            if self.rows and room < min(len(self.waiting), max(1, self.max_rows // 4)):
+                return
             take = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         if not take:
             return

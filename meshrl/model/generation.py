@@ -305,9 +305,10 @@ def sample(
         logprobs = torch.zeros(B, max_new_tokens, device=device)
         masks = torch.zeros(B, max_new_tokens, device=device)
         entropy_rows = torch.zeros(B, device=device)
-        steps = 0
+        steps, rows_decoded = 0, 0
         for step in range(max_new_tokens):
             steps = step + 1
+            rows_decoded += int((~finished[live]).sum()) if not drop_finished else len(live)
             token, behaviour, logp, probs = _next_tokens(
                 logits, step, temperature, banned_at(step), top_p, seeds[live]
             )
@@ -343,6 +344,7 @@ def sample(
                 recorder.put(live, P + step, ~finished[live, None])
     if stats is not None:
         stats["entropy_rows"] = entropy_rows
+        stats["occupancy"] = rows_decoded / steps / B  # the live rows' share of the batch
         if recorder is not None:
             stats["routes"] = recorder.routes[:, : P + steps]
     return tokens[:, :steps], logprobs[:, :steps], masks[:, :steps]

@@ -1,0 +1,154 @@
+"""Continuous batching (meshrl/model/continuous.py) against the batch sampler: rows
+that join a running decode batch mid-decode sample the tokens they sample in a
+batch of their own, and rows that go on under new weights (partial rollouts)
+carry, for each token, the log-prob of the weights that sampled it."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from meshrl.model.continuous import ContinuousEngine, Settings
+from meshrl.model.generation import sample
+from meshrl.model.models import completion_logprobs, load_model
+from meshrl.procs.faults import drilled_lengths
+from tests.unit.test_packing import MODEL, grouped_batch
+
+pytestmark = pytest.mark.unit
+
+STOPS = list(range(10, 30))  # the random model ends rows at different steps
+
+
+def calls(count: int, seed: int = 5) -> list[tuple[list[list[int]], list[int], Settings]]:
+    """`count` calls of two 4-row groups each, prompts of several lengths, each
+    call sampled its own way (lengths, temperature, top-p, min tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    made = []
+    for r in range(count):
+        ids, mask, T = grouped_batch(groups=(4 + r, 7), seed=10 + r)
+        P = ids.size(1) - T
+        prompts = [
+            [t for t, m in zip(row[:P].tolist(), m_row[:P].tolist(), strict=True) if m]
+            for row, m_row in zip(ids, mask, strict=True)
+        ]
+        seeds = torch.randint(-(2**62), 2**62, (len(prompts),), generator=g).tolist()
+        settings = Settings(12 + 3 * r, 1.5, 1.0 if r % 2 else 0.9, r % 3)
+        made.append((prompts, seeds, settings))
+    return made
+
+
+def batch_of_its_own(model, prompts, seeds, s: Settings, lengths=None):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return sample(
+        model,
+        ids,
+        mask,
+        max_new_tokens=s.max_new_tokens,
+        eos_token_id=STOPS,
+        pad_token_id=0,
+        seeds=torch.tensor(seeds),
+        temperature=s.temperature,
+        top_p=s.top_p,
+        min_new_tokens=s.min_new_tokens,
+        lengths=None if lengths is None else torch.tensor(lengths),
+    )
+
+
+def run_engine(engine, work, lengths=None, between=None) -> list[dict]:
+    """Submit every call (a little apart, so that they join a batch under way) and
+    wait for all; `between(i)` runs after call i is submitted."""
+    results: dict[int, dict] = {}
+    finished = threading.Event()
+
+    def done(i):
+        def put(result):
+            results[i] = result
+            if len(results) == len(work):
+                finished.set()
+
+        return put
+
+    for i, (prompts, seeds, settings) in enumerate(work):
+        engine.submit(prompts, seeds, settings, done(i), None if lengths is None else lengths[i])
+        if between is not None:
+            between(i)
+    assert finished.wait(120)
+    engine.close()
+    for result in results.values():
+        if isinstance(result, BaseException):
+            raise result
+    return [results[i] for i in range(len(work))]
+
+
+def test_rows_that_join_mid_decode_sample_what_they_sample_alone():
+    """A 5-row batch that six calls feed (each call's rows wait, then join as rows
+    end, at their own positions): every row's tokens equal those of its call
+    sampled as a batch of its own, log-probs to float rounding, whatever the
+    temperature, top-p and minimum length of the rows beside it."""
+    model = load_model(MODEL, seed=3).eval()
+    work = calls(6)
+    engine = ContinuousEngine(model, 0, STOPS, max_rows=5, version=lambda: 7)
+    got = run_engine(engine, work)
+    for (prompts, seeds, settings), result in zip(work, got, strict=True):
+        tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings)
+        assert torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask)
+        assert torch.allclose(result["logprobs"], logprobs, rtol=0, atol=1e-5)
+        assert set(result["versions"][mask > 0].tolist()) == {7}
+    assert engine.occupancy() > 0.5  # the batch stayed full while calls waited
+
+
+def test_drilled_lengths_are_every_engines_and_exact():
+    """`faults.completion_lengths`: each row ends at the length its seed draws,
+    no stop id before, in the batch sampler and in the running batch alike."""
+    model = load_model(MODEL, seed=3).eval()
+    work = calls(3)
+    lengths = [drilled_lengths(seeds, (3, 0.25, s.max_new_tokens)) for _, seeds, s in work]
+    assert len({n for row in lengths for n in row}) > 3
+    got = run_engine(ContinuousEngine(model, 0, STOPS, 4, lambda: 0), work, lengths)
+    for (prompts, seeds, settings), result, want in zip(work, got, lengths, strict=True):
+        tokens, _, mask = batch_of_its_own(model, prompts, seeds, settings, want)
+        assert mask.sum(1).long().tolist() == want
+        assert torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask)
+        assert not torch.isin(tokens[mask > 0], torch.tensor(STOPS)).any()
+
+
+def test_rows_under_way_take_new_weights_with_each_tokens_own_log_prob():
+    """Partial rollouts: the weights change three times while rows decode (between
+    two steps, `paused`, then `refill`). Rows span versions, and every token's
+    recorded log-prob is the one the weights of its version give it over its
+    whole context (the rows are prefilled again under the new weights, not
+    carried on a cache of the old ones)."""
+    model = load_model(MODEL, seed=3).eval()
+    versions = [load_model(MODEL, seed=s).state_dict() for s in (3, 4, 5, 6)]
+    now = {"version": 0}
+    # One rare stop id and no minimum: the rows run long, under the plain softmax.
+    engine = ContinuousEngine(model, 0, [2], max_rows=6, version=lambda: now["version"])
+    work = [(p, s, Settings(40)) for p, s, _ in calls(4)]
+
+    def swap(i: int) -> None:
+        time.sleep(0.03)  # a few decode steps first
+        with engine.paused():
+            model.load_state_dict(versions[i + 1])
+            now["version"] = i + 1
+            engine.refill()
+
+    got = run_engine(engine, work[:3], between=swap)
+    spans = 0
+    for (prompts, _, _), result in zip(work, got, strict=False):
+        mask, T = result["mask"], result["tokens"].size(1)
+        rows = zip(result["versions"], mask, strict=True)
+        spans += sum(len(set(v[m > 0].tolist())) > 1 for v, m in rows)
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        full = torch.cat([ids, result["tokens"]], 1)
+        attention = torch.cat([ids != 0, mask > 0], 1).float()
+        for version in set(result["versions"][mask > 0].tolist()):
+            model.load_state_dict(versions[version])
+            with torch.no_grad():
+                want = completion_logprobs(model, full, attention, T)
+            mine = (result["versions"] == version) & (mask > 0)
+            assert torch.allclose(result["logprobs"][mine], want[mine], rtol=0, atol=1e-5)
+    assert spans > 0  # rows went on under new weights
