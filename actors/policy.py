@@ -41,12 +41,14 @@ class Policy(Drillable, Actor):
         shm_prefix: str | None = None,
         role_name: str = "policy",
         partial: bool = False,
+        lengths: tuple[int, float, int] | None = None,
     ):
         """`context`: prompt + completion tokens the engine must hold (vllm).
         `shm_prefix`: names this replica's shared-memory files when it relays
         weights (the run's, so the run removes them even if the proc dies).
         `role_name`: its role, by which its `PolicyStream` finds it (`policy.continuous`).
-        `partial` (`rollout.partial`): a weight pull does not wait for the rows under way."""
+        `partial` (`rollout.partial`): a weight pull does not wait for the rows under way.
+        `lengths`: each row's exact length, drawn from its seed (`faults.completion_lengths`)."""
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
@@ -73,7 +75,7 @@ class Policy(Drillable, Actor):
         self.rank = proc_rank()  # read here: endpoints see no rank
         self.weights.owner = f"{self.role}[{self.rank}]"
         self.generator = torch.Generator(device).manual_seed(seed * 1009 + self.rank)
-        self.lengths: tuple[int, float, int] | None = None  # `faults.completion_lengths`
+        self.lengths = lengths
         self.partial, self.continuous = partial, None
         if policy_cfg.continuous:
             self.continuous = ContinuousEngine(
@@ -214,11 +216,6 @@ class Policy(Drillable, Actor):
             for key, (value, reduce) in completions.policy_metrics().items():
                 record(key, value, reduce)
         return completions
-
-    @endpoint
-    def set_lengths(self, lengths: tuple[int, float, int] | None) -> None:
-        """Each row's completion length from now on (`faults.completion_lengths`)."""
-        self.lengths = lengths
 
     def check_intact(self) -> None:
         """Served in place from the trainer's slots: they must still hold this

@@ -192,6 +192,7 @@ class Algorithm:
             shm_prefix or run.shm_prefix,
             role_name=role,
             partial=bool(rollout and rollout.partial),
+            lengths=cfg.faults.lengths() if getattr(cfg, "faults", None) else None,
         )
         if cfg.policy.continuous:  # its running batch's endpoint, on the same procs
             policy.stream = run.spawn(f"{role}_stream", PolicyStream, role, share=role)

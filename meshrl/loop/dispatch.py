@@ -125,6 +125,9 @@ class _Calls:
 
     running: dict[tuple[int, int], list[Group]] = field(default_factory=dict)
     sent: int = 0
+    # The role's respawns when each call was sent: a call that fails on a proc the
+    # role already replaced (several calls under way on one proc) costs no recovery.
+    epochs: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def free(self, size: int, depth: int) -> list[int]:
         """Ranks with fewer than `depth` calls under way, once per call they can take
@@ -398,6 +401,8 @@ class Dispatcher:
         calls = self.generating if role == "policy" else self.scoring
         calls.sent += 1
         calls.running[rank, calls.sent] = groups
+        handle = self.policy if role == "policy" else self.environment
+        calls.epochs[rank, calls.sent] = getattr(handle, "respawns", 0)
         endpoint = "generate" if role == "policy" else "score"
         self.waiter.add((role, rank, calls.sent), future, f"{role}.{endpoint}[{rank}]")
 
@@ -418,8 +423,9 @@ class Dispatcher:
             # A group leaves `running` and lands in the queue as one, for `hand_out`.
             with self._taking:
                 groups = calls.running.pop((rank, number))
+                epoch = calls.epochs.pop((rank, number), 0)
                 if error is not None:
-                    self._failed(role, rank, groups, error)
+                    self._failed(role, rank, groups, error, epoch)
                 elif role == "policy":
                     self._generated(groups, answer)
                 else:
@@ -450,16 +456,23 @@ class Dispatcher:
     def _shape(self, group: Group) -> tuple[float, float]:
         return group.latency_s, group.completions.completion_mask.sum().item() / self.k
 
-    def _failed(self, role: str, rank: int, groups: list[Group], error: RemoteCallError) -> None:
+    def _failed(
+        self, role: str, rank: int, groups: list[Group], error: RemoteCallError, epoch: int = 0
+    ) -> None:
         """A call failed: its groups go back to the queue. A lost proc is replaced
-        and an error raised in the actor retried per `faults.retry_errors`; either
-        way a generation's groups are generated again with the same seeds, counted
-        as redone (`policy_lost`, as the static split counts them)."""
+        (once: a call sent before the role's last replacement finds it done) and
+        an error raised in the actor retried per `faults.retry_errors`; either way
+        a generation's groups are generated again with the same seeds, counted as
+        redone (`policy_lost`, as the static split counts them)."""
+        handle = self.policy if role == "policy" else self.environment
         if role == "policy":
             self.pending.extendleft(reversed(groups))
         else:
             self.to_score.extendleft(reversed(groups))
-        if error.stray:  # its procs answer: the groups are sent again, nothing lost
+        if error.proc_lost and epoch < getattr(handle, "respawns", 0):
+            if role == "policy":
+                self.state.ledger.redo("policy_lost", len(groups) * self.k)
+        elif error.stray:  # its procs answer: the groups are sent again, nothing lost
             self.sup.stray(self.policy if role == "policy" else self.environment, error)
         elif error.proc_lost:
             if role == "policy":

@@ -323,8 +323,6 @@ class Supervisor:
         ]
         if self.faults.episode_latency and "environment" in self.run:  # each step: new procs too
             self.call_all(self.run.roles["environment"], "set_latency", self.faults.latency())
-        if self.faults.completion_lengths and "policy" in self.run:
-            self.call_all(self.run.roles["policy"], "set_lengths", self.faults.lengths())
         for kind, name, target in drills:
             if (kind, name, target, step) in self.drilled:
                 continue

@@ -107,7 +107,7 @@ class FaultsConfig:
     """Each completion's exact length, as "SHORT,SHARExLONG", e.g. "64,0.1x1024":
     a row is 1 to SHORT tokens long, or SHORT to LONG tokens for the SHARE drawn
     long (by its sampling seed), as reasoning completions' heavy tail; no stop id
-    is drawn (the policy's `set_lengths`). Up to generation.max_new_tokens. Empty: none."""
+    is drawn (a benchmark's workload). Up to generation.max_new_tokens. Empty: none."""
     standby: dict[str, int] = field(default_factory=dict)
     """Spare procs to keep per elastic role, e.g. {policy: 1}: spawned with every
     actor loaded (a policy standby takes each published version), each replaces a

@@ -288,6 +288,84 @@ def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs)
     assert step["samples/generated_total"] == ledger
 
 
+CONTINUOUS = (
+    "policy.continuous=true",
+    "rollout.groups_per_call=1",
+    "rollout.calls_per_replica=4",
+    "policy.max_rows=12",
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
+    """Continuous batching, one version ahead: calls join each replica's running
+    batch, and a run stopped after its checkpoint and resumed ends with the
+    weights of the run that never stopped, bit for bit. (Which rows share a
+    decode step is timing; each row's tokens are its seed's alone, and the
+    trainer's own old log-probs make the rest exact.)"""
+    ahead = (
+        *PULL,
+        *CONTINUOUS,
+        "max_staleness=1",
+        "steps=3",
+        "checkpoint.every=2",
+        "checkpoint.keep=1",
+        "warm_start.steps=0",
+        "trainer.recompute_old_logprobs=true",
+        "faults.completion_lengths=2,0.3x8",
+        "generation.max_new_tokens=8",
+    )
+    straight = GRPO(configure(tmp_path, "straight", *ahead))
+    history = straight.run()
+    assert history[-1]["samples/trained_total"] == 3 * 16 * 8
+    assert all(0 < r["policy/batch_occupancy"] <= 1 for r in history)
+    with pytest.raises(KeyboardInterrupt):
+        _StopAfter(configure(tmp_path, "cut", *ahead)).run()
+    resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
+    after = resumed.run()[2:]
+    keys = ("reward/mean", "train/loss", "samples/trained_total", "policy/completion_tokens")
+    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
+    final, again = _final(straight.run_dir), _final(resumed.run_dir)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_procs):
+    """Partial rollouts on a heavy tail of lengths: weight pulls land while rows
+    decode, rows go on under the new weights, and the steps train rows whose
+    tokens come from two versions (each token's version counted by its lag).
+    A replica killed mid-run is replaced (its running batch's endpoint with it)
+    and its calls are made again; every sample is accounted for."""
+    cfg = configure(
+        tmp_path,
+        "partial",
+        *PULL,
+        *CONTINUOUS,
+        "rollout.partial=true",
+        "rollout.overprovision=0.5",
+        "max_staleness=3",
+        "steps=5",
+        "warm_start.steps=0",
+        "faults.completion_lengths=3,0.3x24",
+        "generation.max_new_tokens=24",
+        "faults.kill=[policy:1@3]",
+        "run.save_final=false",
+    )
+    history = GRPO(cfg).run()
+    assert sum(r["rollout/partial_rows"] for r in history) > 0
+    assert sum(r["rollout/tokens_lag1"] + r["rollout/tokens_lag2plus"] for r in history) > 0
+    for r in history:  # every trained token counted once by its lag
+        lags = r["rollout/tokens_lag0"] + r["rollout/tokens_lag1"] + r["rollout/tokens_lag2plus"]
+        assert lags == r["policy/completion_tokens"]
+    last = history[-1]
+    assert last["samples/trained_total"] == 5 * 16 * 8
+    assert last["faults/recoveries"] == 1
+    ledger = last["samples/trained_total"] + last["samples/dropped_total"]
+    assert last["samples/generated_total"] == ledger
+
+
 # --- recovery in seconds ----------------------------------------------------------------
 
 
