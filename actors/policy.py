@@ -19,11 +19,12 @@ from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.loop.checkpoint import read
 from meshrl.model.continuous import ContinuousEngine, Settings
 from meshrl.model.engines import make_engine
+from meshrl.model.generation import drilled_lengths
 from meshrl.model.models import device_for_this_proc, load_model, stop_token_ids
 from meshrl.model.routing import moe_problem, routers
 from meshrl.model.tokenizer import load_tokenizer
 from meshrl.observe.telemetry import observed, proc_rank, record
-from meshrl.procs.faults import Drillable, drilled_lengths
+from meshrl.procs.faults import Drillable
 from meshrl.types import Completions
 from meshrl.weights.publisher import TornWeights, WeightHandle
 from meshrl.weights.receiver import Pulled, WeightReceiver

@@ -64,6 +64,20 @@ def row_uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     return _shift(z, 11).double() * 2.0**-53
 
 
+def drilled_lengths(seeds: list[int], spec: tuple[int, float, int]) -> list[int]:
+    """Each row's completion length under `faults.completion_lengths` (short, share,
+    long): a pure function of its seed, so every engine and placement agrees."""
+    short, share, long = spec
+    seeds_t = torch.tensor(seeds, dtype=torch.long)
+    tail, where = row_uniforms(seeds_t, -2), row_uniforms(seeds_t, -3)  # steps no token uses
+    lengths = torch.where(
+        tail < share,
+        short + 1 + (where * max(long - short, 1)).long(),
+        1 + (where * short).long(),
+    )
+    return lengths.clamp(max=long).tolist()
+
+
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: [n, V] probabilities (any positive total) and [n]
     uniforms -> [n] token ids; a zero-probability token is never drawn."""

@@ -45,24 +45,6 @@ _LATENCY = re.compile(r"^(\d+(?:\.\d+)?),(\d+(?:\.\d+)?)x(\d+(?:\.\d+)?)$")
 _LENGTHS = re.compile(r"^(\d+),(\d+(?:\.\d+)?)x(\d+)$")
 
 
-def drilled_lengths(seeds: list[int], spec: tuple[int, float, int]) -> list[int]:
-    """Each row's completion length under `faults.completion_lengths` (short, share,
-    long): a pure function of its seed, so every engine and placement agrees."""
-    import torch
-
-    from meshrl.model.generation import row_uniforms
-
-    short, share, long = spec
-    seeds_t = torch.tensor(seeds, dtype=torch.long)
-    tail, where = row_uniforms(seeds_t, -2), row_uniforms(seeds_t, -3)  # steps no token uses
-    lengths = torch.where(
-        tail < share,
-        short + 1 + (where * max(long - short, 1)).long(),
-        1 + (where * short).long(),
-    )
-    return lengths.clamp(max=long).tolist()
-
-
 ROLES = ("policy", "environment", "reference", "trainer", "critic")
 DRILLED_ENDPOINTS = {
     "policy": ("generate",),

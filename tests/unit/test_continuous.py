@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from meshrl.model.continuous import ContinuousEngine, Settings
-from meshrl.model.generation import sample
+from meshrl.model.generation import drilled_lengths, sample
 from meshrl.model.models import completion_logprobs, load_model
-from meshrl.procs.faults import drilled_lengths
 from tests.unit.test_packing import MODEL, grouped_batch
 
 pytestmark = pytest.mark.unit
