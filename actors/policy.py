@@ -175,9 +175,10 @@ class Policy(Drillable, Actor):
         self.drill("generate")
         if images is not None:
             raise ValueError("config key 'policy.continuous': images are sampled by the batch path")
-        if self.weights.torn:
-            raise RuntimeError("the last weight pull failed: pull a complete version first")
-        self.check_intact()
+        with self.continuous.paused():  # (not while a pull repoints the weights)
+            if self.weights.torn:
+                raise RuntimeError("the last weight pull failed: pull a complete version first")
+            self.check_intact()
         seeds = self.draw_seeds(len(prompt_ids)) if seeds is None else seeds
         settings = Settings(
             generation.max_new_tokens,
@@ -192,7 +193,8 @@ class Policy(Drillable, Actor):
         self, prompt_ids: list[list[int]], result: dict, record_batch: bool
     ) -> Completions:
         """A `submit`'s answer, as `generate` returns it: each token's version kept."""
-        self.check_intact()
+        with self.continuous.paused():  # (not while a pull repoints the weights)
+            self.check_intact()
         width = max(len(p) for p in prompt_ids)
         pads = [width - len(p) for p in prompt_ids]
         mask = result["mask"]
