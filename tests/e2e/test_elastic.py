@@ -335,12 +335,12 @@ def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
 def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_procs):
     """Partial rollouts on a heavy tail of lengths: weight pulls land while rows
     decode, rows go on under the new weights, and the steps train rows whose
-    tokens come from two versions (each token's version counted by its lag).
-    A replica killed mid-run is replaced (its running batch's endpoint with it)
-    and its calls are made again; every sample is accounted for."""
-    cfg = configure(
-        tmp_path,
-        "partial",
+    tokens come from several versions (each trained token counted by its lag).
+    A checkpoint waits for the rows under way and keeps the complete groups with
+    their tokens' versions; the resumed run trains them first. A replica killed
+    in it, with several calls under way, is replaced once and its calls made
+    again; every sample is accounted for."""
+    partial = (
         *PULL,
         *CONTINUOUS,
         "rollout.partial=true",
@@ -350,10 +350,25 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
         "warm_start.steps=0",
         "faults.completion_lengths=3,0.3x24",
         "generation.max_new_tokens=24",
-        "faults.kill=[policy:1@3]",
+        "checkpoint.every=2",
         "run.save_final=false",
     )
-    history = GRPO(cfg).run()
+    cut = _StopAfter(configure(tmp_path, "partial", *partial))
+    with pytest.raises(KeyboardInterrupt):
+        cut.run()
+    saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
+    complete = saved["loop"]["data"]["rollout_queue"]["complete"]
+    # (Saved as plain values: `checkpoint.to_plain`.)
+    assert complete and all(entry[4]["fields"]["token_versions"] is not None for entry in complete)
+    resumed = GRPO(
+        configure(
+            tmp_path, "partial", *partial, "checkpoint.resume=auto", "faults.kill=[policy:1@3]"
+        )
+    )
+    history = resumed.run()
+    assert [r["step"] for r in history] == [0, 1, 2, 3, 4]
+    late = sum(entry[-1] for entry in complete)  # each group's `late`
+    assert history[2]["rollout/late_groups"] >= min(late, 16) > 0
     assert sum(r["rollout/partial_rows"] for r in history) > 0
     assert sum(r["rollout/tokens_lag1"] + r["rollout/tokens_lag2plus"] for r in history) > 0
     for r in history:  # every trained token counted once by its lag
