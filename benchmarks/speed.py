@@ -241,6 +241,27 @@ def controller_scale(record: dict) -> Cells:
     )
 
 
+def long_tail(record: dict) -> Cells:
+    r = record["result"]
+    step, tokens, occupancy = r["step_s"], r["gen_tokens_per_s"], r["occupancy"]
+
+    def variant(name: str) -> str:
+        return (
+            f"{fixed(step[name], 2)} s, {tokens[name]:.0f} tokens/s, "
+            f"occupancy {percent(occupancy[name], 0)}"
+        )
+
+    reward = r["reward_last20"]
+    return (
+        "`long_tail.py`, GRPO, 16 prompts × 8 on 2 replicas, 10% of rows 65-1,024 tokens",
+        f"partial rollouts: {variant('partial')}; step ÷ split {fixed(r['step_ratio'], 2)}, "
+        f"tokens/s × {fixed(r['speedup_tokens'], 2)}",
+        f"synchronous split {variant('split')}; pull {variant('pull')}; continuous "
+        f"{variant('continuous')}; reward after {r['learn_steps']} steps "
+        f"{fixed(reward['partial'], 3)} vs split's {fixed(reward['split'], 3)}",
+    )
+
+
 @dataclass(frozen=True)
 class Row:
     """One line of the table: `script` with `args` (every setting, given) makes the
@@ -344,6 +365,14 @@ ROWS = [
         "`fanout.py`, 64 MB to 16 replicas on `process` hosts",
         fanout,
         smoke=("--replicas", "1", "2", "--mb", "8", "--fanouts", "2", "--repeats", "1"),
+    ),
+    Row(
+        "long_tail",
+        "long_tail.py",
+        ("--steps", "12", "--skip", "3", "--learn-steps", "120", "--tolerance", "0.05"),
+        "`long_tail.py`, GRPO, 16 prompts × 8 on 2 replicas, 10% of rows 65-1,024 tokens",
+        long_tail,
+        smoke=("--steps", "2", "--skip", "1", "--learn-steps", "2"),
     ),
     Row(
         "controller_scale",
