@@ -108,17 +108,9 @@ class Policy(Drillable, Actor):
         pull computes them from each step's trained groups instead (the calls that
         run during a step are timing there), from the completions' `entropy`."""
         self.drill("generate")
-        if self.weights.torn:
-            raise RuntimeError("the last weight pull failed: pull a complete version first")
-        self.check_intact()
+        self.check_serving()
         started = time.perf_counter()
-        # Left-padded, made in one go (a tensor write per row cost more than a decode step).
-        width = max(len(p) for p in prompt_ids)
-        pads = [width - len(p) for p in prompt_ids]
-        ids = torch.tensor(
-            [[self.pad_id] * n + list(p) for n, p in zip(pads, prompt_ids, strict=True)]
-        )
-        mask = torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads])
+        ids, mask = self.left_padded(prompt_ids)
         stats: dict = {}
         if self.lengths is not None and seeds is None:  # the drill draws lengths from seeds
             seeds = self.draw_seeds(len(prompt_ids))
@@ -158,6 +150,22 @@ class Policy(Drillable, Actor):
                 record(key, value, reduce)
         return completions
 
+    def left_padded(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts as left-padded ids [B, P] and their mask, made in one go (a
+        tensor write per row cost more than a decode step)."""
+        width = max(len(p) for p in prompt_ids)
+        pads = [width - len(p) for p in prompt_ids]
+        ids = torch.tensor(
+            [[self.pad_id] * n + list(p) for n, p in zip(pads, prompt_ids, strict=True)]
+        )
+        return ids, torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads])
+
+    def check_serving(self) -> None:
+        """The weights served are one whole version, still in place."""
+        if self.weights.torn:
+            raise RuntimeError("the last weight pull failed: pull a complete version first")
+        self.check_intact()
+
     def draw_seeds(self, rows: int) -> list[int]:
         on = self.generator.device
         return torch.randint(-(2**62), 2**62, (rows,), generator=self.generator, device=on).tolist()
@@ -176,9 +184,7 @@ class Policy(Drillable, Actor):
         if images is not None:
             raise ValueError("config key 'policy.continuous': images are sampled by the batch path")
         with self.continuous.paused():  # (not while a pull repoints the weights)
-            if self.weights.torn:
-                raise RuntimeError("the last weight pull failed: pull a complete version first")
-            self.check_intact()
+            self.check_serving()
         seeds = self.draw_seeds(len(prompt_ids)) if seeds is None else seeds
         settings = Settings(
             generation.max_new_tokens,
@@ -195,8 +201,7 @@ class Policy(Drillable, Actor):
         """A `submit`'s answer, as `generate` returns it: each token's version kept."""
         with self.continuous.paused():  # (not while a pull repoints the weights)
             self.check_intact()
-        width = max(len(p) for p in prompt_ids)
-        pads = [width - len(p) for p in prompt_ids]
+        ids, prompt_mask = self.left_padded(prompt_ids)
         mask = result["mask"]
         versions = result["versions"]
         record("time/policy/tokens_per_s", mask.sum().item() / result["seconds"], "mean")
@@ -204,10 +209,8 @@ class Policy(Drillable, Actor):
         if occupancy is not None:
             record("policy/batch_occupancy", occupancy, "mean")
         completions = Completions(
-            prompt_ids=torch.tensor(
-                [[self.pad_id] * n + list(p) for n, p in zip(pads, prompt_ids, strict=True)]
-            ),
-            prompt_mask=torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads]),
+            prompt_ids=ids,
+            prompt_mask=prompt_mask,
             completion_ids=result["tokens"],
             completion_mask=mask,
             logprobs=result["logprobs"],

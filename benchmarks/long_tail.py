@@ -33,15 +33,11 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import redirect_stdout
-from io import StringIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from benchmarks.pins import run_grpo  # noqa: E402
 
 TAIL = (
     "faults.completion_lengths=64,0.1x1024",
@@ -71,28 +67,20 @@ VARIANTS = {
 
 def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
     """One GRPO run of the benchmark's config with `overrides`; its history."""
-    cfg = load_config(
-        GRPOConfig,
-        f"{REPO}/algorithms/configs/grpo_default.yaml",
-        [
-            *UNMEASURED,
-            f"steps={steps}",
-            "prompts_per_step=16",
-            "group_size=8",
-            "placement.policy=2",
-            "placement.trainer=1",
-            "placement.environment=1",
-            "placement.colocate=false",
-            "trainer.layout=packed",
-            "warm_start.steps=20",
-            *overrides,
-            f"run.dir={run_dir}",
-            f"run.name={name}",
-            "run.save_final=false",
-        ],
+    return run_grpo(
+        run_dir,
+        name,
+        f"steps={steps}",
+        "prompts_per_step=16",
+        "group_size=8",
+        "placement.policy=2",
+        "placement.trainer=1",
+        "placement.environment=1",
+        "placement.colocate=false",
+        "trainer.layout=packed",
+        "warm_start.steps=20",
+        *overrides,
     )
-    with redirect_stdout(StringIO()):
-        return GRPO(cfg).run()
 
 
 def mean(values: list[float]) -> float:

@@ -32,15 +32,11 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import redirect_stdout
-from io import StringIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from benchmarks.pins import run_grpo  # noqa: E402
 
 SLOW = "faults.slow=[policy:3x4@0]"
 LATENCY = "faults.episode_latency=0.02,0.05x20"
@@ -48,33 +44,24 @@ LATENCY = "faults.episode_latency=0.02,0.05x20"
 
 def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
     """One GRPO run of the benchmark's config with `overrides`; its history."""
-    cfg = load_config(
-        GRPOConfig,
-        f"{REPO}/algorithms/configs/grpo_default.yaml",
-        [
-            *UNMEASURED,
-            f"steps={steps}",
-            "placement.policy=4",
-            "placement.environment=2",
-            "placement.threads_per_proc=1",
-            "rollout.groups_per_call=2",
-            # Generation that costs more with more rows (the default model's calls
-            # are mostly overhead on a CPU), as in tests/e2e/test_elastic.py.
-            "model.hidden_size=256",
-            "model.intermediate_size=1024",
-            "generation.max_new_tokens=16",
-            "generation.min_new_tokens=16",
-            "warm_start.steps=0",
-            LATENCY,
-            *overrides,
-            f"run.dir={run_dir}",
-            f"run.name={name}",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    return run_grpo(
+        run_dir,
+        name,
+        f"steps={steps}",
+        "placement.policy=4",
+        "placement.environment=2",
+        "placement.threads_per_proc=1",
+        "rollout.groups_per_call=2",
+        # Generation that costs more with more rows (the default model's calls
+        # are mostly overhead on a CPU), as in tests/e2e/test_elastic.py.
+        "model.hidden_size=256",
+        "model.intermediate_size=1024",
+        "generation.max_new_tokens=16",
+        "generation.min_new_tokens=16",
+        "warm_start.steps=0",
+        LATENCY,
+        *overrides,
     )
-    with redirect_stdout(StringIO()):
-        return GRPO(cfg).run()
 
 
 def mean(history: list[dict], key: str, skip: int) -> float:
