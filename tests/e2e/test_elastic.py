@@ -19,7 +19,7 @@ from meshrl.loop import checkpoint
 from meshrl.loop.elastic import REQUEST
 from meshrl.procs.pool import ScaleError
 from tests.conftest import REPO
-from tests.support.runs import configure
+from tests.support.runs import configure, undocumented_metrics
 
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:
@@ -374,6 +374,7 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
     for r in history:  # every trained token counted once by its lag
         lags = r["rollout/tokens_lag0"] + r["rollout/tokens_lag1"] + r["rollout/tokens_lag2plus"]
         assert lags == r["policy/completion_tokens"]
+    assert not undocumented_metrics(history, "algorithms/grpo.md")
     last = history[-1]
     assert last["samples/trained_total"] == 5 * 16 * 8
     assert last["faults/recoveries"] == 1
