@@ -202,6 +202,9 @@ class TrainBatch:
     images: torch.Tensor | None = None
     """[B, I, C, H, W] the rows' pixels, as the sampler had them (`meshrl.model.vision`)."""
     image_counts: torch.Tensor | None = None  # [B] images of each row
+    token_versions: torch.Tensor | None = None
+    """[B, T] the weight version that sampled each completion token, -1 elsewhere
+    (`Completions.token_versions`: multi-turn episodes, partial rollouts), or None."""
     paired: bool = False
     """Rows are [first; second] of the same items (DPO's chosen; rejected): a
     split keeps each item's two rows together."""
@@ -226,6 +229,7 @@ class TrainBatch:
             routes=completions.routes,
             images=completions.images,
             image_counts=completions.image_counts,
+            token_versions=completions.token_versions,
         )
 
     def apply(self, fn) -> TrainBatch:

@@ -12,6 +12,7 @@ import torch
 from meshrl.model.continuous import ContinuousEngine, Settings
 from meshrl.model.generation import drilled_lengths, sample
 from meshrl.model.models import completion_logprobs, load_model
+from meshrl.types import Completions, TrainBatch
 from tests.unit.test_packing import MODEL, grouped_batch
 
 pytestmark = pytest.mark.unit
@@ -151,3 +152,26 @@ def test_rows_under_way_take_new_weights_with_each_tokens_own_log_prob():
             mine = (result["versions"] == version) & (mask > 0)
             assert torch.allclose(result["logprobs"][mine], want[mine], rtol=0, atol=1e-5)
     assert spans > 0  # rows went on under new weights
+
+
+def test_each_tokens_version_travels_to_the_trainers_shards():
+    """Rows of two calls, one sampled by versions 3 then 4: the batch the trainer
+    gets keeps each token's version through concatenation and data-parallel shards."""
+
+    def part(versions) -> Completions:
+        versions = torch.tensor(versions)
+        return Completions(
+            torch.ones(2, 2, dtype=torch.long),
+            torch.ones(2, 2),
+            torch.ones(2, 3, dtype=torch.long),
+            (versions >= 0).float(),
+            torch.zeros(2, 3),
+            int(versions[versions >= 0].min()),
+            token_versions=versions,
+        )
+
+    both = Completions.concat([part([[3, 3, 4], [3, 4, -1]]), part([[4, 4, 4], [4, -1, -1]])], 0)
+    assert both.weight_version == 3
+    batch = TrainBatch.from_completions(both)
+    assert batch.shard(1, 2).token_versions.tolist() == [[4, 4, 4], [4, -1, -1]]
+    assert batch.shard(0, 2).token_versions.tolist() == [[3, 3, 4], [3, 4, -1]]
