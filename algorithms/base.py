@@ -194,7 +194,8 @@ class Algorithm:
             partial=bool(rollout and rollout.partial),
             lengths=cfg.faults.lengths() if getattr(cfg, "faults", None) else None,
         )
-        if cfg.policy.continuous:  # its running batch's endpoint, on the same procs
+        if cfg.policy.continuous and rollout is not None and rollout.dispatch == "pull":
+            # The running batch's endpoint, on the same procs: the pull queue's calls.
             policy.stream = run.spawn(f"{role}_stream", PolicyStream, role, share=role)
         return policy
 
