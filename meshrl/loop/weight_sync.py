@@ -27,6 +27,7 @@ version).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,7 @@ class WeightSync:
         self._hosts: dict[int, str] = {}  # replica rank -> host
         self._hosts_of: tuple = ()  # (respawns, resizes) of the mesh those hosts are of
         self._pulls: tuple[Any, Role, int] | None = None
+        self._sending = threading.RLock()
         self.source: Role | None = None  # the trainer role of the newest publish
         self.before_pull: Callable[[], None] = lambda: None
         """Runs as `pull` begins: work by pull hands out its drawn groups first
@@ -215,12 +217,13 @@ class WeightSync:
         this sync runs ahead, `wait=False`), else level by level."""
         self.before_pull()
         self.wait()
-        self.serving = handle or self.handle
-        future = self._send(replicas, self.serving)
-        # Standbys (`faults.standby`) take each version too, unwaited: one that is
-        # still booting takes it late, and the pull as it replaces a replica makes sure.
-        for spare in getattr(getattr(replicas, "actors", None), "spares", list)():
-            spare.load_weights.call_one(handle or self.handle)
+        with self._sending:  # not between a recovery's catch-up send and its check
+            self.serving = handle or self.handle
+            future = self._send(replicas, self.serving)
+            # Standbys (`faults.standby`) take each version too, unwaited: one that is
+            # still booting takes it late, and the pull as it replaces a replica makes sure.
+            for spare in getattr(getattr(replicas, "actors", None), "spares", list)():
+                spare.load_weights.call_one(handle or self.handle)
         if future is not None:
             self._pulls = (future, replicas, replicas.respawns)
             if self.wait_each:
@@ -228,11 +231,13 @@ class WeightSync:
 
     def catch_up(self, replicas: Role) -> None:
         """A respawned replica mesh takes the version the replicas were last sent
-        (`serving`), now."""
-        self._pulls = None
-        future = self._send(replicas, self.serving or self.handle)
-        if future is not None:
-            self._collect(future, replicas)
+        (`serving`), now. (A recovery in the pull queue's thread may run it while the
+        loop sends a pull: the two take turns, `_sending`.)"""
+        with self._sending:
+            self._pulls = None
+            future = self._send(replicas, self.serving or self.handle)
+            if future is not None:
+                self._collect(future, replicas)
 
     @classmethod
     def from_config(cls, supervisor: Any, cfg: WeightsConfig, wait: bool = True) -> WeightSync:
