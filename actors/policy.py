@@ -19,7 +19,7 @@ from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.loop.checkpoint import read
 from meshrl.model.continuous import ContinuousEngine, Settings
 from meshrl.model.engines import make_engine
-from meshrl.model.generation import drilled_lengths
+from meshrl.model.generation import drilled_lengths, left_padded
 from meshrl.model.models import device_for_this_proc, load_model, stop_token_ids
 from meshrl.model.routing import moe_problem, routers
 from meshrl.model.tokenizer import load_tokenizer
@@ -110,7 +110,7 @@ class Policy(Drillable, Actor):
         self.drill("generate")
         self.check_serving()
         started = time.perf_counter()
-        ids, mask = self.left_padded(prompt_ids)
+        ids, mask = left_padded(prompt_ids, self.pad_id)
         stats: dict = {}
         if self.lengths is not None and seeds is None:  # the drill draws lengths from seeds
             seeds = self.draw_seeds(len(prompt_ids))
@@ -149,16 +149,6 @@ class Policy(Drillable, Actor):
             for key, (value, reduce) in completions.policy_metrics().items():
                 record(key, value, reduce)
         return completions
-
-    def left_padded(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts as left-padded ids [B, P] and their mask, made in one go (a
-        tensor write per row cost more than a decode step)."""
-        width = max(len(p) for p in prompt_ids)
-        pads = [width - len(p) for p in prompt_ids]
-        ids = torch.tensor(
-            [[self.pad_id] * n + list(p) for n, p in zip(pads, prompt_ids, strict=True)]
-        )
-        return ids, torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads])
 
     def check_serving(self) -> None:
         """The weights served are one whole version, still in place."""
@@ -201,7 +191,7 @@ class Policy(Drillable, Actor):
         """A `submit`'s answer, as `generate` returns it: each token's version kept."""
         with self.continuous.paused():  # (not while a pull repoints the weights)
             self.check_intact()
-        ids, prompt_mask = self.left_padded(prompt_ids)
+        ids, prompt_mask = left_padded(prompt_ids, self.pad_id)
         mask = result["mask"]
         versions = result["versions"]
         record("time/policy/tokens_per_s", mask.sum().item() / result["seconds"], "mean")

@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from meshrl.model.generation import _cache_of, _growing_cache, _next_tokens, _prefill, cache_arg
+from meshrl.model.generation import (
+    _cache_of,
+    _growing_cache,
+    _next_tokens,
+    _prefill,
+    cache_arg,
+    left_padded,
+)
 
 
 @dataclass
@@ -105,7 +112,7 @@ class ContinuousEngine:
                 "attention (its cache cannot take rows mid-decode); use policy.continuous=false"
             )
         self.model, self.pad_id, self.max_rows = model, pad_id, max_rows
-        self.stop = torch.tensor(stop_ids)
+        self.stop, self.stop_set = torch.tensor(stop_ids), set(stop_ids)
         self.version, self.share_prefix = version, share_prefix
         self.lock = threading.Lock()  # held for each decode step and by `paused`
         self.changed = threading.Condition()  # rows came, or the batch emptied
@@ -244,7 +251,7 @@ class ContinuousEngine:
             row.logprobs.append(lp)
             row.versions.append(version)
             row.entropy += h
-            stopped = row.length is None and t in self.stop.tolist()
+            stopped = row.length is None and t in self.stop_set
             if stopped or len(row.tokens) >= row.limit:
                 self._ended(row)
             else:
@@ -313,12 +320,8 @@ class ContinuousEngine:
         if not take:
             return
         device = next(self.model.parameters()).device
-        sequences = [r.prompt + r.tokens for r in take]
-        width = max(len(s) for s in sequences)
-        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in sequences], device=device)
-        mask = torch.tensor(
-            [[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device
-        )
+        ids, mask = left_padded([r.prompt + r.tokens for r in take], self.pad_id)
+        ids, mask = ids.to(device), mask.long().to(device)
         logits, cache, _, after = _prefill(self.model, ids, mask, self.share_prefix)
         if not self.rows:
             self.rows, self.cache, self.mask, self.positions, self.logits = (

@@ -78,6 +78,15 @@ def drilled_lengths(seeds: list[int], spec: tuple[int, float, int]) -> list[int]
     return lengths.clamp(max=long).tolist()
 
 
+def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as left-padded ids [B, P] and their 0/1 float mask, made in one go
+    (a tensor write per row cost more than a decode step)."""
+    width = max(len(r) for r in rows)
+    pads = [width - len(r) for r in rows]
+    ids = torch.tensor([[pad_id] * n + list(r) for n, r in zip(pads, rows, strict=True)])
+    return ids, torch.tensor([[0.0] * n + [1.0] * (width - n) for n in pads])
+
+
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: [n, V] probabilities (any positive total) and [n]
     uniforms -> [n] token ids; a zero-probability token is never drawn."""
