@@ -39,6 +39,14 @@ The checks:
   resumed from its checkpoint: whether it ends at the same weights (bitwise on
   CPU; a GPU's atomic adds may reorder sums, so there the difference is a figure)
   (needs Monarch).
+- `continuous`: the running decode batch (`policy.continuous`) on the device: six
+  calls' rows join it mid-decode and sample what they sample in a batch of their
+  own; then the weights change three times under rows (partial rollouts) and each
+  token's log-prob is its own version's, recomputed by the trainer.
+- `partial`: a short GRPO run on Monarch meshes with pull dispatch, continuous
+  batching and partial rollouts on 2 replicas and a long tail of lengths: every
+  trained token counted by its version lag; step time, tokens/s, occupancy
+  (needs Monarch).
 """
 
 from __future__ import annotations
@@ -441,45 +449,159 @@ def check_checkpoint(quick: bool) -> dict:
     return {"save_load_s": seconds, "optimizer_tensors": len(restored.state) * 3}
 
 
-def check_grpo(quick: bool) -> dict:
-    if importlib.util.find_spec("monarch") is None:
-        raise Skipped("Monarch (torchmonarch) is not installed: no meshes")
-    from safetensors.torch import load_file
+def check_continuous(quick: bool) -> dict:
+    import threading
 
+    from meshrl.model.continuous import ContinuousEngine, Settings
+
+    on = device()
+    stops = list(range(10, 30))  # the random model ends rows at different steps
+    model = load_model(ModelConfig(), seed=0).to(on).eval()
+    generator = torch.Generator().manual_seed(2)
+    calls = []
+    for r in range(6):
+        lengths = torch.randint(3, 12, (8,), generator=generator).tolist()
+        rows = [torch.randint(5, 40, (n,), generator=generator).tolist() for n in lengths]
+        seeds = torch.randint(-(2**62), 2**62, (8,), generator=generator).tolist()
+        calls.append((rows, seeds, Settings(16 + 4 * r, 1.0, 1.0 if r % 2 else 0.9, r % 3)))
+
+    def alone(rows, seeds, s: Settings):
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in rows], device=on)
+        return sample(
+            model,
+            ids,
+            (ids != 0).long(),
+            max_new_tokens=s.max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=0,
+            seeds=torch.tensor(seeds),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            min_new_tokens=s.min_new_tokens,
+        )
+
+    def through_engine(engine, between=None) -> list[dict]:
+        results: dict[int, dict] = {}
+        finished = threading.Event()
+
+        def done(i):
+            def put(result):
+                results[i] = result
+                if len(results) == len(calls):
+                    finished.set()
+
+            return put
+
+        for i, (rows, seeds, settings) in enumerate(calls):
+            engine.submit(rows, seeds, settings, done(i))
+            if between is not None:
+                between(i)
+        finished.wait(120)
+        engine.close()
+        assert len(results) == len(calls), "the running batch did not answer every call"
+        for result in results.values():
+            if isinstance(result, BaseException):
+                raise result
+        return [results[i] for i in range(len(calls))]
+
+    # Six calls through a 12-row batch: rows join mid-decode at their own positions.
+    engine = ContinuousEngine(model, 0, stops, max_rows=12, version=lambda: 0)
+    started = time.perf_counter()
+    got = through_engine(engine, lambda i: time.sleep(0.02))
+    synchronize()
+    figures: dict = {"engine_s": time.perf_counter() - started, "occupancy": engine.occupancy()}
+    equal, gaps = 0, [0.0]
+    for (rows, seeds, settings), result in zip(calls, got, strict=True):
+        tokens, logprobs, mask = (t.cpu() for t in alone(rows, seeds, settings))
+        if torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask):
+            equal += 1
+            gaps.append(gap(result["logprobs"], logprobs, mask))
+    figures.update(calls_equal=equal, calls=len(calls), logprob_gap=max(gaps))
+
+    # Partial rollouts: the weights change three times under rows; each token's
+    # log-prob is its own version's over its whole context (the rows are refilled).
+    versions = [load_model(ModelConfig(), seed=s).state_dict() for s in (0, 4, 5, 6)]
+    now = {"version": 0}
+    engine = ContinuousEngine(model, 0, [2], max_rows=12, version=lambda: now["version"])
+    calls[:] = [(rows, seeds, Settings(48)) for rows, seeds, _ in calls[:3]]
+
+    def swap(i: int) -> None:
+        time.sleep(0.05)
+        with engine.paused():
+            model.load_state_dict(versions[i + 1])
+            now["version"] = i + 1
+            engine.refill()
+
+    got = through_engine(engine, swap)
+    spanning, refill_gaps = 0, [0.0]
+    for (rows, _, _), result in zip(calls, got, strict=True):
+        mask, T = result["mask"], result["tokens"].size(1)
+        by_row = zip(result["versions"], mask, strict=True)
+        spanning += sum(len(set(v[m > 0].tolist())) > 1 for v, m in by_row)
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in rows])
+        full = torch.cat([ids, result["tokens"]], 1).to(on)
+        attention = torch.cat([ids != 0, mask > 0], 1).float().to(on)
+        for version in set(result["versions"][mask > 0].tolist()):
+            model.load_state_dict(versions[version])
+            with torch.no_grad():
+                want = completion_logprobs(model, full, attention, T).cpu()
+            mine = ((result["versions"] == version) & (mask > 0)).float()
+            refill_gaps.append(gap(result["logprobs"], want, mine))
+    figures.update(rows_spanning_versions=spanning, refill_logprob_gap=max(refill_gaps))
+    # A GPU's kernels may round differently with the batch's size: log-probs agree
+    # to 1e-4 there (1e-5 on the CPU); a draw moved by such rounding fails the check.
+    tolerance = 1e-4 if on.type == "cuda" else 1e-5
+    assert figures["calls_equal"] == figures["calls"], figures
+    assert figures["logprob_gap"] < tolerance and figures["refill_logprob_gap"] < tolerance, figures
+    return figures
+
+
+def _grpo(folder: str, name: str, *more: str) -> list[dict]:
+    """A GRPO run of `grpo_default.yaml` with no warm start, evaluation or console output."""
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.config import load_config
+
+    cfg = load_config(
+        GRPOConfig,
+        os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
+        [
+            "warm_start.steps=0",
+            "eval.every=0",
+            "run.progress=false",
+            "run.console_samples=0",
+            f"run.dir={folder}",
+            f"run.name={name}",
+            *more,
+        ],
+    )
+    return GRPO(cfg).run()
+
+
+def _needs_monarch() -> None:
+    if importlib.util.find_spec("monarch") is None:
+        raise Skipped("Monarch (torchmonarch) is not installed: no meshes")
+
+
+def check_grpo(quick: bool) -> dict:
+    _needs_monarch()
+    from safetensors.torch import load_file
+
     from meshrl.loop.checkpoint import complete, root, step_of
 
     steps = 3 if quick else 20
     half = 2 if quick else 10
-
-    def grpo(folder: str, name: str, *more: str) -> list[dict]:
-        cfg = load_config(
-            GRPOConfig,
-            os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [
-                f"steps={steps}",
-                "warm_start.steps=0",
-                "eval.every=0",
-                f"checkpoint.every={half}",
-                "run.progress=false",
-                "run.console_samples=0",
-                f"run.dir={folder}",
-                f"run.name={name}",
-                *more,
-            ],
-        )
-        return GRPO(cfg).run()
-
+    run = (f"steps={steps}", f"checkpoint.every={half}")
     with tempfile.TemporaryDirectory(prefix="meshrl-gpu-check-") as folder:
-        records = grpo(folder, "straight")
+        records = _grpo(folder, "straight", *run)
         final = os.path.join(folder, "straight", "final", "model.safetensors")
         a = load_file(final)
         kept = complete(root(os.path.join(folder, "straight")))
         checkpoint = next((c for c in kept if step_of(c) == half), None)
         assert checkpoint, f"no checkpoint at step {half} among {kept}"
         # A resumed run goes on in its run's directory: its final weights replace a's.
-        grpo(folder, "straight", f"checkpoint.resume={checkpoint}")
+        _grpo(folder, "straight", *run, f"checkpoint.resume={checkpoint}")
         b = load_file(final)
     timed = records[1:] or records
     seconds = sum(r["time/step_s"] for r in timed)
@@ -494,6 +616,41 @@ def check_grpo(quick: bool) -> dict:
     }
 
 
+def check_partial(quick: bool) -> dict:
+    _needs_monarch()
+    steps = 3 if quick else 8
+    with tempfile.TemporaryDirectory(prefix="meshrl-gpu-check-") as folder:
+        records = _grpo(
+            folder,
+            "partial",
+            f"steps={steps}",
+            "placement.policy=2",
+            "rollout.dispatch=pull",
+            "max_staleness=2",
+            "policy.continuous=true",
+            "policy.max_rows=32",
+            "rollout.groups_per_call=1",
+            "rollout.calls_per_replica=4",
+            "rollout.partial=true",
+            "faults.completion_lengths=8,0.2x96",
+            "generation.max_new_tokens=96",
+            "run.save_final=false",
+        )
+    lag = ("rollout/tokens_lag0", "rollout/tokens_lag1", "rollout/tokens_lag2plus")
+    for r in records:  # every trained token counted once, by its lag
+        assert sum(r[k] for k in lag) == r["policy/completion_tokens"], r
+    timed = records[1:] or records
+    seconds = sum(r["time/step_s"] for r in timed)
+    return {
+        "steps": len(records),
+        "step_s": seconds / len(timed),
+        "tokens_per_s": sum(r["policy/completion_tokens"] for r in timed) / seconds,
+        "partial_rows": sum(r["rollout/partial_rows"] for r in records),
+        "tokens_lagged": sum(r[lag[1]] + r[lag[2]] for r in records),
+        "occupancy": sum(r.get("policy/batch_occupancy", 0.0) for r in timed) / len(timed),
+    }
+
+
 CHECKS: dict[str, Callable[[bool], dict]] = {
     "model": check_model,
     "bf16": check_bf16,
@@ -504,7 +661,9 @@ CHECKS: dict[str, Callable[[bool], dict]] = {
     "vllm": check_vllm,
     "vision": check_vision,
     "checkpoint": check_checkpoint,
+    "continuous": check_continuous,
     "grpo": check_grpo,
+    "partial": check_partial,
 }
 
 

@@ -16,7 +16,7 @@ import torch
 
 from meshrl.model import vision
 from meshrl.model.models import Cache, DynamicLayer, forward_inputs
-from meshrl.model.packing import model_dtype, takes_logits_to_keep
+from meshrl.model.packing import model_device, model_dtype, takes_logits_to_keep
 from meshrl.model.routing import Recorder
 
 
@@ -197,7 +197,7 @@ def _prefill(model, ids, mask, share: bool, images=None, counts=None):
     pixels = {}
     if images is not None:  # (the pixels may be on the CPU, the ids on the model's device)
         pick = rows.to(images.device) if share else rows
-        pixels = vision.inputs(images[pick], counts[pick], model_dtype(model))
+        pixels = vision.inputs(images[pick], counts[pick], model_dtype(model), model_device(model))
     inputs = forward_inputs(model, ids[rows], mask[rows], pixels)  # positions [3, B, P]: M-RoPE
     out = model(
         input_ids=ids[rows],

@@ -41,7 +41,14 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 from meshrl.config import ModelConfig
 from meshrl.model import mrope, vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
-from meshrl.model.packing import hf_config, model_dtype, pack, packed_logits, takes_logits_to_keep
+from meshrl.model.packing import (
+    hf_config,
+    model_device,
+    model_dtype,
+    pack,
+    packed_logits,
+    takes_logits_to_keep,
+)
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -201,7 +208,7 @@ def completion_logprobs(
     laid out padded.
     """
     T = num_completion_tokens
-    pixels = vision.inputs(images, image_counts, model_dtype(model))
+    pixels = vision.inputs(images, image_counts, model_dtype(model), model_device(model))
     if pixels:
         layout = "padded"  # packing would cut rows apart from their images
     if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
@@ -302,7 +309,7 @@ def completion_values(
     prefix that token i + 1 is sampled from (0 on padding unless `layout` is
     padded). With `images` (`meshrl.model.vision`) the rows' pixels go in, padded.
     """
-    pixels = vision.inputs(images, image_counts, model_dtype(model))
+    pixels = vision.inputs(images, image_counts, model_dtype(model), model_device(model))
     if layout == "padded" or not len(input_ids) or pixels:
         return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")

@@ -232,3 +232,7 @@ def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) ->
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

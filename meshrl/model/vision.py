@@ -398,11 +398,17 @@ def unstack(images: tuple | None, rows: int) -> list[torch.Tensor | None]:
     return [pixels[b, :n] if n else None for b, n in enumerate(counts.tolist())]
 
 
-def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None) -> dict:
+def inputs(
+    images: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> dict:
     """The model's image arguments for rows with `images` and `image_counts`:
     `pixel_values` [N, C, H, W], every row's images in row order (the order of
     the image tokens in the ids), or a Qwen-VL's patches and `image_grid_thw`
-    (`meshrl.model.mrope.unpatched`); {} when the rows have none."""
+    (`meshrl.model.mrope.unpatched`); {} when the rows have none. Each on
+    `device` (the model's: pixels are made on the CPU) when it is given."""
     if images is None or counts is None or int(counts.sum()) == 0:
         return {}
     present = torch.arange(images.size(1), device=counts.device) < counts[:, None]
@@ -410,12 +416,14 @@ def inputs(images: torch.Tensor | None, counts: torch.Tensor | None, dtype=None)
     if pixels.dim() == 3:  # patch lists with their grids
         from meshrl.model.mrope import unpatched
 
-        return unpatched(pixels, dtype)
-    if pixels.dim() == 5:  # tiles, after their image's size (`tiles`)
+        made = unpatched(pixels, dtype)
+    elif pixels.dim() == 5:  # tiles, after their image's size (`tiles`)
         sizes = pixels[:, 0].flatten(1)[:, :2].round().long()  # (read before a cast)
         tiled = pixels[:, 1:]
-        return {"pixel_values": tiled if dtype is None else tiled.to(dtype), "image_sizes": sizes}
-    return {"pixel_values": pixels if dtype is None else pixels.to(dtype)}
+        made = {"pixel_values": tiled if dtype is None else tiled.to(dtype), "image_sizes": sizes}
+    else:
+        made = {"pixel_values": pixels if dtype is None else pixels.to(dtype)}
+    return made if device is None else {k: v.to(device) for k, v in made.items()}
 
 
 def row_keys(images: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

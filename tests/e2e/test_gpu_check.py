@@ -35,3 +35,6 @@ def test_every_gpu_check_runs_on_the_cpu(no_stray_procs):
     assert checks["grpo"]["resumed_at"] == 2 and checks["grpo"]["resume_equal"]
     assert checks["checkpoint"]["optimizer_tensors"] > 0
     assert checks["vision"]["qwen2_vl_logprob_gap"] < 1e-4
+    assert checks["continuous"]["calls_equal"] == checks["continuous"]["calls"] == 6
+    assert checks["continuous"]["rows_spanning_versions"] > 0
+    assert checks["partial"]["steps"] == 3 and checks["partial"]["partial_rows"] > 0

@@ -106,6 +106,22 @@ def test_the_sampler_and_the_trainer_agree_on_rows_with_images(arch):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("arch", [LLAVA, QWEN], ids=["llava", "qwen2_vl"])
+def test_pixels_made_on_the_cpu_go_to_the_models_device(arch):
+    """The environment makes pixels on the CPU; the sampler and the trainer hand
+    the model its image arguments on the model's device (an H200 run failed with
+    CPU pixels into a CUDA patch embedding). The meta device stands in for a GPU."""
+    fmt = vision_format(arch)
+    _, pixels = fmt.prompts(_prompts(2))
+    images, counts = stack(pixels)
+    on = torch.device("meta")
+    made = vision.inputs(images, counts, torch.bfloat16, on)
+    assert made and all(v.device == on for v in made.values())
+    assert made["pixel_values"].dtype == torch.bfloat16
+    assert all(v.device.type == "cpu" for v in vision.inputs(images, counts).values())
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "arch, processor_class, tower",
     [
