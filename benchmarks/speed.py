@@ -162,6 +162,26 @@ def grpo_vs_trl(record: dict) -> Cells:
 
 def prefix_training(record: dict) -> Cells:
     r = record["result"]
+    cells = sorted((k for k in r if re.fullmatch(r"c\d+", k)), key=lambda k: int(k[1:]))
+    if cells:  # `--cells`: tree against padded at each completion length, time and peak
+        return (
+            f"`prefix_training.py --cells`, trainer step, {r['prompts']} prompts of "
+            f"{r['prompt_tokens']} tokens × {r['group']} completions of "
+            f"{' / '.join(c[1:] for c in cells)}, {millions(r['params'])} Llama",
+            "`trainer.layout: tree` "
+            + " / ".join(
+                f"{fixed(r[c]['tree_step_s'], 2)} s, {fixed(r[c]['tree_peak_mb'], 0)} MB"
+                for c in cells
+            ),
+            "padded "
+            + " / ".join(
+                f"{fixed(r[c]['padded_step_s'], 2)} s, {fixed(r[c]['padded_peak_mb'], 0)} MB"
+                for c in cells
+            )
+            + " (tree ÷ padded: "
+            + " / ".join(fixed(r[c]["tree_step_s"] / r[c]["padded_step_s"], 2) for c in cells)
+            + ")",
+        )
     return (
         f"`prefix_training.py`, trainer step, {r['prompts']} prompts of {r['prompt_tokens']} "
         f"tokens × {r['group']} completions of {r['completion_tokens']}, "
@@ -337,6 +357,16 @@ ROWS = [
         smoke=("--prompts", "1", "--group", "2", "--prompt", "16", "--completion", "8")
         + SMALL_MODEL
         + ("--steps", "2"),
+    ),
+    Row(
+        "prefix_training_long",
+        "prefix_training.py",
+        ("--cells", "1024,4096", "--prompts", "1", "--group", "8", "--prompt", "512")
+        + ("--hidden", "256", "--layers", "4", "--steps", "3"),
+        "`prefix_training.py --cells`, trainer step, 1 prompt of 512 tokens × 8 completions "
+        "of 1024 / 4096",
+        prefix_training,
+        smoke=("--cells", "16", "--prompt", "16", "--group", "2") + SMALL_MODEL + ("--steps", "2"),
     ),
     Row(
         "generation",

@@ -53,8 +53,9 @@ class TrainerConfig:
     layout: str = "tree"
     """How the trainer, reference and critic lay a batch out for their forward
     pass (meshrl.model.packing): tree (no padding, and the completions of one prompt
-    share one forward of it), packed (no padding), padded (the rectangular
-    batch). The same math; padded for sliding-window attention models."""
+    share one forward of it: under one dense mask for trees of up to 2,048 tokens,
+    over the prompt's KV cache for larger ones, meshrl.model.tree), packed (no
+    padding), padded (the rectangular batch). The same math."""
     routing_replay: bool = False
     """Mixture-of-experts models: the trainer's forward sends each token to the
     experts the sampler chose for it (routing replay, "R3"; meshrl.model.routing),

@@ -31,14 +31,8 @@ from typing import Any
 
 import torch
 
-from meshrl.model.generation import (
-    _cache_of,
-    _growing_cache,
-    _next_tokens,
-    _prefill,
-    cache_arg,
-    left_padded,
-)
+from meshrl.model.generation import _growing_cache, _next_tokens, _prefill, left_padded
+from meshrl.model.packing import _cache_of, cache_arg
 
 
 @dataclass

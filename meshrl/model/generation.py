@@ -9,14 +9,17 @@ compared token for token.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
 from meshrl.model import vision
 from meshrl.model.models import Cache, DynamicLayer, forward_inputs
-from meshrl.model.packing import model_device, model_dtype, takes_logits_to_keep
+from meshrl.model.packing import (
+    _cache_of,
+    cache_arg,
+    model_device,
+    model_dtype,
+    takes_logits_to_keep,
+)
 from meshrl.model.routing import Recorder
 
 
@@ -109,25 +112,6 @@ def distinct_prompts(
     return first, inverse
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x); take either."""
-    return _cache_keyword_of(type(model))
-
-
-@functools.cache  # asked at every decode step: the signature is read once per class
-def _cache_keyword_of(cls: type) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def cache_arg(model: torch.nn.Module, cache: object) -> dict:
-    """`cache` as the keyword argument `model`'s forward takes it."""
-    return {_cache_keyword(model): cache}
-
-
-def _cache_of(out) -> object:
-    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-
-
 class GrowingLayer(DynamicLayer):
     """A KV-cache layer that writes each step's keys and values in place into a
     buffer with room to spare (doubled when full), where HF's dynamic layer
@@ -182,7 +166,7 @@ def _growing_cache(model) -> dict:
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         return {}
-    return {_cache_keyword(model): Cache(layer_class_to_replicate=GrowingLayer)}
+    return cache_arg(model, Cache(layer_class_to_replicate=GrowingLayer))
 
 
 def _prefill(model, ids, mask, share: bool, images=None, counts=None):

@@ -42,6 +42,7 @@ from meshrl.config import ModelConfig
 from meshrl.model import mrope, vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
 from meshrl.model.packing import (
+    cache_arg,
     hf_config,
     model_device,
     model_dtype,
@@ -49,6 +50,7 @@ from meshrl.model.packing import (
     packed_logits,
     takes_logits_to_keep,
 )
+from meshrl.model.tree import takes_kv_tree, tree, tree_outputs
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -211,6 +213,30 @@ def completion_logprobs(
     pixels = vision.inputs(images, image_counts, model_dtype(model), model_device(model))
     if pixels:
         layout = "padded"  # packing would cut rows apart from their images
+    if layout == "tree" and takes_kv_tree(model, input_ids, attention_mask, T):
+        laid = tree(input_ids, attention_mask, T)
+
+        def run(ids, mask, positions, cache, last):
+            keep = {"logits_to_keep": 1} if last and takes_logits_to_keep(model) else {}
+            return model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **cache_arg(model, cache),
+                **keep,
+            ).logits
+
+        first, rest = tree_outputs(laid, run, lambda r: _routed(replay, r, lambda x: x), routes)
+        targets = input_ids[:, -T:]
+        picked = torch.cat(
+            [
+                token_logprobs(first.unsqueeze(1), targets[:, :1], temperature),
+                token_logprobs(rest, targets[:, 1:], temperature),
+            ],
+            1,
+        )
+        return torch.where(laid.scored, picked, 0.0)
     if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
         packed = pack(input_ids, attention_mask, T, share=layout == "tree")
         with _routed(replay, routes, packed.gather):
@@ -276,15 +302,22 @@ class ValueModel(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        cache: Cache | None = None,
         **pixels: torch.Tensor,
     ) -> torch.Tensor:
         """[B, L] values; a 2D mask with `position_ids` None, or a packed layout's
-        4D mask with its positions; `pixels`: a VLM's image inputs (`meshrl.model.vision`)."""
+        4D mask with its positions, or the KV-cache tree's 2D mask, positions and
+        `cache` (filled in place); `pixels`: a VLM's image inputs (`meshrl.model.vision`)."""
         given = {"position_ids": position_ids}  # (a packed layout's, without images)
         if position_ids is None:
             given = forward_inputs(self.backbone, input_ids, attention_mask, pixels)
+        if cache is not None:
+            given.update(cache_arg(self.backbone, cache))
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **given
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=cache is not None,
+            **given,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
@@ -312,6 +345,14 @@ def completion_values(
     pixels = vision.inputs(images, image_counts, model_dtype(model), model_device(model))
     if layout == "padded" or not len(input_ids) or pixels:
         return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
+    if layout == "tree" and takes_kv_tree(model, input_ids, attention_mask, T):
+        laid = tree(input_ids, attention_mask, T)
+        first, rest = tree_outputs(
+            laid,
+            lambda ids, mask, positions, cache, last: model(ids, mask, positions, cache),
+            lambda r: contextlib.nullcontext(),
+        )
+        return torch.where(laid.scored, torch.cat([first.unsqueeze(1), rest], 1), 0.0)
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)

@@ -1,4 +1,5 @@
-"""The training-side forward pass without padding, each prompt once per group.
+"""The training-side forward pass without padding, each prompt once per group
+(trees past 2,048 tokens run over a KV cache instead: `meshrl.model.tree`).
 
 A training batch is rectangular: [B, P + T], prompts left-padded, completions
 right-padded, and GRPO's G completions of a prompt repeat that prompt G times.
@@ -198,14 +199,34 @@ def hf_config(model: torch.nn.Module) -> object:
     )
 
 
-def takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the HF model computes logits at chosen positions only
-    (`logits_to_keep`). DDP wraps it (`module`); peft passes keyword arguments
-    through to it (`get_base_model`); FSDP2 keeps its forward."""
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under DDP (`module`) and peft (`get_base_model`), which pass
+    keyword arguments through to it; FSDP2 keeps the class's forward."""
     model = getattr(model, "module", model)
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    return _takes_logits_to_keep(type(model))
+    return model
+
+
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the HF model computes logits at chosen positions only (`logits_to_keep`)."""
+    return _takes_logits_to_keep(type(_unwrapped(model)))
+
+
+@functools.cache  # asked at every decode step: the signature is read once per class
+def _cache_keyword_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_arg(model: torch.nn.Module, cache: object) -> dict:
+    """`cache` as the keyword argument `model`'s forward takes it: transformers
+    renamed `past_key_values` to `cache` (5.2x)."""
+    return {_cache_keyword_of(type(_unwrapped(model))): cache}
+
+
+def _cache_of(out) -> object:
+    """The KV cache a forward returned, under either name."""
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
 def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,8 @@ from meshrl.config import ModelConfig
 from meshrl.model.generation import draw, row_uniforms, sample
 from meshrl.model.models import completion_logprobs, completion_values, load_model, load_value_model
 from meshrl.model.packing import pack
+from meshrl.model.tree import DENSE_TREE_TOKENS, largest_tree, takes_kv_tree
+from tests.support.layouts import LAYOUTS, laid_out
 
 pytestmark = pytest.mark.unit
 
@@ -60,12 +62,13 @@ def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups
     with torch.no_grad():
         want = completion_logprobs(model, ids, mask, T, 0.7) * scored
         want_values = completion_values(values_model, ids, mask, T) * scored
-        for layout in ("packed", "tree"):
-            got = completion_logprobs(model, ids, mask, T, 0.7, layout)
-            assert torch.allclose(got, want, atol=1e-5), layout
+        for name in LAYOUTS:
+            with laid_out(name) as layout:
+                got = completion_logprobs(model, ids, mask, T, 0.7, layout)
+                values = completion_values(values_model, ids, mask, T, layout)
+            assert torch.allclose(got, want, atol=1e-5), name
             assert torch.all(got[scored == 0] == 0)  # nothing computed on padding
-            values = completion_values(values_model, ids, mask, T, layout)
-            assert torch.allclose(values, want_values, atol=1e-5), layout
+            assert torch.allclose(values, want_values, atol=1e-5), name
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
@@ -89,15 +92,32 @@ def test_every_layout_gives_the_padded_gradient(aggregation):
     loss_fn = HookLoss(GRPO(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1)))
     model = load_model(MODEL, seed=2)
     grads = {}
-    for layout in ("padded", "packed", "tree"):
+    for name in ("padded", *LAYOUTS):
         model.zero_grad()
-        loss, _ = loss_fn(completion_logprobs(model, ids, mask, T, 1.0, layout), batch)
+        with laid_out(name) as layout:
+            loss, _ = loss_fn(completion_logprobs(model, ids, mask, T, 1.0, layout), batch)
         loss.backward()
-        grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = grads["padded"]
-    for layout in ("packed", "tree"):
-        error = ((grads[layout] - want).norm() / want.norm()).item()
-        assert error < 1e-5, f"{layout}: relative error {error:.1e}"
+    for name in LAYOUTS:
+        error = ((grads[name] - want).norm() / want.norm()).item()
+        assert error < 1e-5, f"{name}: relative error {error:.1e}"
+
+
+def test_the_tree_layout_takes_the_kv_cache_past_its_dense_limit():
+    """A tree is a distinct prompt and its rows' completion tokens but the last; the
+    dense mask serves trees up to DENSE_TREE_TOKENS, the KV cache larger ones (a
+    512-token prompt with 8 completions of 1,024 tokens: 8,704)."""
+    ids, mask, T = grouped_batch(groups=(3, 5, 2), T=6, empty=(4,))
+    fed = (mask[:, -T:].sum(1) - 1).clamp(min=0)
+    want = max(p + int(fed[4 * i : 4 * i + 4].sum()) for i, p in enumerate((3, 5, 2)))
+    assert largest_tree(ids, mask, T) == want
+    model = load_model(MODEL)
+    assert not takes_kv_tree(model, ids, mask, T)
+    assert takes_kv_tree(model, ids, mask, T, limit=want - 1)
+    assert not takes_kv_tree(model, ids, mask, T, limit=want)
+    long = torch.ones(8, 512 + 1024, dtype=torch.long)
+    assert largest_tree(long, torch.ones_like(long), 1024) == 512 + 8 * 1023 > DENSE_TREE_TOKENS
 
 
 def test_tree_layout_computes_each_prompt_once_and_no_padding():

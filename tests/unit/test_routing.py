@@ -16,6 +16,7 @@ from meshrl.model.models import completion_logprobs, load_model
 from meshrl.model.packing import pack
 from meshrl.model.routing import Replay, routers
 from meshrl.types import Completions, TrainBatch
+from tests.support.layouts import LAYOUTS, laid_out
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -84,9 +85,10 @@ def test_routes_cover_every_fed_token_and_nothing_else(sampled):
 
 def test_replay_removes_the_routing_mismatch_and_shrinks_the_gap(sampled):
     model, completions = sampled
-    for layout in ("padded", "tree"):
-        own, own_gap = trainer_pass(model, completions, layout, replay_on=False)
-        replayed, replay_gap = trainer_pass(model, completions, layout, replay_on=True)
+    for name in ("padded", "tree", "kv_tree"):
+        with laid_out(name) as layout:
+            own, own_gap = trainer_pass(model, completions, layout, replay_on=False)
+            replayed, replay_gap = trainer_pass(model, completions, layout, replay_on=True)
         # The same tokens counted both ways; the router's own choice differs on some.
         assert own["routing/tokens"] == replayed["routing/tokens"] > 0
         assert own["routing/router_mismatch"] > 0
@@ -100,9 +102,10 @@ def test_replay_removes_the_routing_mismatch_and_shrinks_the_gap(sampled):
 def test_packed_layouts_replay_what_the_padded_one_does(sampled):
     model, completions = sampled
     _, padded = trainer_pass(model, completions, "padded", True)
-    for layout in ("packed", "tree"):
-        _, other = trainer_pass(model, completions, layout, True)
-        assert torch.allclose(other, padded, atol=1e-5)
+    for name in LAYOUTS:
+        with laid_out(name) as layout:
+            _, other = trainer_pass(model, completions, layout, True)
+        assert torch.allclose(other, padded, atol=1e-5), name
     # Each packed token's route is its own (b, column)'s.
     batch = TrainBatch.from_completions(completions)
     T = batch.num_completion_tokens

@@ -84,6 +84,31 @@ def test_rows_render_from_saved_records_and_the_rest_say_not_measured(tmp_path):
     )
 
 
+def test_prefix_training_renders_its_layouts_and_its_cells():
+    from benchmarks.speed import prefix_training
+
+    common = {"prompts": 1, "group": 8, "prompt_tokens": 512, "params": 1234567}
+    layouts = {
+        **common,
+        "completion_tokens": 64,
+        "padded_step_s": 4.0,
+        "packed_step_s": 4.2,
+        "tree_step_s": 1.0,
+        "speedup_tree": 4.0,
+    }
+    assert prefix_training({"result": layouts})[1] == "`trainer.layout: tree` 1.00 s"
+    cell = {"padded_step_s": 2.0, "tree_step_s": 1.5, "padded_peak_mb": 900.4}
+    cells = {
+        **common,
+        "c1024": {**cell, "tree_peak_mb": 800.0},
+        "c4096": cell | {"tree_step_s": 2.0, "tree_peak_mb": 700.0},
+    }
+    title, tree, padded = prefix_training({"result": cells})
+    assert title.endswith("8 completions of 1024 / 4096, 1.2M Llama")
+    assert tree == "`trainer.layout: tree` 1.50 s, 800 MB / 2.00 s, 700 MB"
+    assert padded == "padded 2.00 s, 900 MB / 2.00 s, 900 MB (tree ÷ padded: 0.75 / 1.00)"
+
+
 def test_rows_from_other_commits_and_machines_say_each(tmp_path):
     write(tmp_path, "proc_start", record("proc_start", PROC_START, "abc1234", "machine A"))
     write(tmp_path, "generation", record("generation", GENERATION, "def5678", "machine B"))
