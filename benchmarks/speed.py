@@ -165,7 +165,8 @@ def prefix_training(record: dict) -> Cells:
     cells = sorted((k for k in r if re.fullmatch(r"c\d+", k)), key=lambda k: int(k[1:]))
     if cells:  # `--cells`: tree against padded at each completion length, time and peak
         return (
-            f"`prefix_training.py --cells`, trainer step, {r['prompts']} prompts of "
+            f"`prefix_training.py --cells`, trainer step, {r['prompts']} "
+            f"prompt{'s' if r['prompts'] != 1 else ''} of "
             f"{r['prompt_tokens']} tokens × {r['group']} completions of "
             f"{' / '.join(c[1:] for c in cells)}, {millions(r['params'])} Llama",
             "`trainer.layout: tree` "

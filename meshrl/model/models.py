@@ -50,7 +50,15 @@ from meshrl.model.packing import (
     packed_logits,
     takes_logits_to_keep,
 )
-from meshrl.model.tree import takes_kv_tree, tree, tree_outputs
+from meshrl.model.tree import (
+    Tree,
+    by_prompt_length,
+    lower_right,
+    lower_right_applies,
+    takes_kv_tree,
+    tree,
+    tree_outputs,
+)
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -214,7 +222,6 @@ def completion_logprobs(
     if pixels:
         layout = "padded"  # packing would cut rows apart from their images
     if layout == "tree" and takes_kv_tree(model, input_ids, attention_mask, T):
-        laid = tree(input_ids, attention_mask, T)
 
         def run(ids, mask, positions, cache, last):
             keep = {"logits_to_keep": 1} if last and takes_logits_to_keep(model) else {}
@@ -227,16 +234,21 @@ def completion_logprobs(
                 **keep,
             ).logits
 
-        first, rest = tree_outputs(laid, run, lambda r: _routed(replay, r, lambda x: x), routes)
-        targets = input_ids[:, -T:]
-        picked = torch.cat(
-            [
-                token_logprobs(first.unsqueeze(1), targets[:, :1], temperature),
-                token_logprobs(rest, targets[:, 1:], temperature),
-            ],
-            1,
-        )
-        return torch.where(laid.scored, picked, 0.0)
+        def part(rows: torch.Tensor, laid: Tree, context) -> torch.Tensor:
+            mine = None if routes is None else routes[rows.to(routes.device)]
+            routed = lambda r: _routed(replay, r, lambda x: x)  # noqa: E731
+            first, rest = tree_outputs(laid, run, routed, mine, context)
+            targets = input_ids[rows, -T:]
+            picked = torch.cat(
+                [
+                    token_logprobs(first.unsqueeze(1), targets[:, :1], temperature),
+                    token_logprobs(rest, targets[:, 1:], temperature),
+                ],
+                1,
+            )
+            return torch.where(laid.scored, picked, 0.0)
+
+        return _over_trees(model, input_ids, attention_mask, T, part)
     if layout != "padded" and len(input_ids):  # (an empty micro-batch runs padded)
         packed = pack(input_ids, attention_mask, T, share=layout == "tree")
         with _routed(replay, routes, packed.gather):
@@ -264,6 +276,23 @@ def completion_logprobs(
     logits[..., placed] = -float("inf")
     picked = token_logprobs(logits, targets, temperature)
     return picked.masked_fill(torch.isin(targets, placed), 0.0)
+
+
+def _over_trees(model, input_ids, attention_mask, T: int, part) -> torch.Tensor:
+    """The KV-cache tree layout's [B, T] outputs (`meshrl.model.tree`), from
+    `part(rows, laid, context)`: one call per group of rows whose prompts have one
+    length, their completions run with `lower_right` attention (no mask), where the
+    model takes it; else one call for every row, its prompts left-padded under a
+    2D mask."""
+    if not lower_right_applies(model):
+        rows = torch.arange(len(input_ids), device=input_ids.device)
+        return part(rows, tree(input_ids, attention_mask, T), contextlib.nullcontext)
+    groups = by_prompt_length(attention_mask, T)
+    pieces = [
+        part(rows, tree(input_ids[rows], attention_mask[rows], T), lambda: lower_right(model))
+        for rows in groups
+    ]
+    return torch.cat(pieces)[torch.cat(groups).argsort()]
 
 
 def _routed(replay: Replay | None, routes: torch.Tensor | None, layout):
@@ -346,13 +375,17 @@ def completion_values(
     if layout == "padded" or not len(input_ids) or pixels:
         return model(input_ids, attention_mask, **pixels)[:, -T - 1 : -1]
     if layout == "tree" and takes_kv_tree(model, input_ids, attention_mask, T):
-        laid = tree(input_ids, attention_mask, T)
-        first, rest = tree_outputs(
-            laid,
-            lambda ids, mask, positions, cache, last: model(ids, mask, positions, cache),
-            lambda r: contextlib.nullcontext(),
-        )
-        return torch.where(laid.scored, torch.cat([first.unsqueeze(1), rest], 1), 0.0)
+
+        def part(rows: torch.Tensor, laid: Tree, context) -> torch.Tensor:
+            first, rest = tree_outputs(
+                laid,
+                lambda ids, mask, positions, cache, last: model(ids, mask, positions, cache),
+                lambda r: contextlib.nullcontext(),
+                completions_context=context,
+            )
+            return torch.where(laid.scored, torch.cat([first.unsqueeze(1), rest], 1), 0.0)
+
+        return _over_trees(model, input_ids, attention_mask, T, part)
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)

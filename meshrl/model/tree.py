@@ -22,17 +22,74 @@ dense tree, up to the order of float sums (tests/unit/test_packing.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import AttentionMaskInterface
 
 from meshrl.model.packing import _spans, hf_config
 
 DENSE_TREE_TOKENS = 2048
 """The most tokens one tree of the dense layout holds (its mask is the square of it:
 16 MB of float32 at 2,048); a micro-batch with a larger tree runs the KV-cache path."""
+
+
+LOWER_RIGHT = "meshrl_lower_right"
+"""The attention the completions' forward runs with when no row of it has padding
+before its last real token: each query attends to every key up to its own position,
+the queries being the last positions of the keys (`causal_lower_right`), with no
+mask tensor; SDPA's flash and memory-efficient kernels take it where they run."""
+
+
+def _lower_right_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_
+):
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bias = causal_lower_right(query.size(2), key.size(2))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, dropout_p=0.0, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(LOWER_RIGHT, _lower_right_attention)
+# No mask is built for it: the rows hold no padding that a key must be hidden from.
+AttentionMaskInterface.register(LOWER_RIGHT, lambda *args, **kwargs: None)
+
+
+def lower_right_applies(model: torch.nn.Module) -> bool:
+    """Whether `model` can run its completions with `LOWER_RIGHT`: it attends through
+    SDPA with full attention in every layer (a sliding window needs its mask)."""
+    config = hf_config(model)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return getattr(config, "_attn_implementation", None) == "sdpa" and kinds == {"full_attention"}
+
+
+@contextlib.contextmanager
+def lower_right(model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s forwards run with `LOWER_RIGHT` attention during the block."""
+    config = hf_config(model)
+    saved = config._attn_implementation
+    config._attn_implementation = LOWER_RIGHT
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def by_prompt_length(attention_mask: torch.Tensor, T: int) -> list[torch.Tensor]:
+    """The batch's rows grouped by their prompt's length (each group's prompts then
+    need no left padding), in row order within each group."""
+    lengths = attention_mask[:, : attention_mask.size(1) - T].sum(1).long()
+    return [(lengths == n).nonzero().flatten() for n in lengths.unique().tolist()]
 
 
 def largest_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> int:
@@ -139,6 +196,7 @@ def tree_outputs(
     run: Callable[..., torch.Tensor],
     routed: Callable[[torch.Tensor | None], object],
     routes: torch.Tensor | None = None,
+    completions_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs that predict each completion token: ([B, ...] at each row's
     last prompt token, for its token 0; [B, T - 1, ...] at its completion tokens
@@ -147,7 +205,8 @@ def tree_outputs(
     `run(ids, mask, positions, cache, last)` is one forward filling `cache` and
     returning [R, L or 1, ...] per-position outputs (`last`: only the last
     position's are read). `routed(token_routes)` is the context that measures
-    and replays MoE routes ([N, layers, k] in the forward's token order, or None)."""
+    and replays MoE routes ([N, layers, k] in the forward's token order, or None);
+    `completions_context()` is entered around the completions' forward (`lower_right`)."""
     # Full-attention layers for every kind: HF applies a sliding window through
     # the mask it builds from the cache positions, as in the sampler.
     cache = Cache(layer_class_to_replicate=DynamicLayer)
@@ -160,6 +219,6 @@ def tree_outputs(
     if not laid.completion_ids.size(1):
         return first, first.new_zeros(len(first), 0, *first.shape[1:])
     cache.reorder_cache(laid.inverse)
-    with routed(completion_routes):
+    with routed(completion_routes), completions_context():
         rest = run(laid.completion_ids, laid.mask, laid.completion_positions, cache, False)
     return first, rest

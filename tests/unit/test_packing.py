@@ -11,7 +11,7 @@ from meshrl.config import ModelConfig
 from meshrl.model.generation import draw, row_uniforms, sample
 from meshrl.model.models import completion_logprobs, completion_values, load_model, load_value_model
 from meshrl.model.packing import pack
-from meshrl.model.tree import DENSE_TREE_TOKENS, largest_tree, takes_kv_tree
+from meshrl.model.tree import DENSE_TREE_TOKENS, largest_tree, lower_right_applies, takes_kv_tree
 from tests.support.layouts import LAYOUTS, laid_out
 
 pytestmark = pytest.mark.unit
@@ -116,6 +116,10 @@ def test_the_tree_layout_takes_the_kv_cache_past_its_dense_limit():
     assert not takes_kv_tree(model, ids, mask, T)
     assert takes_kv_tree(model, ids, mask, T, limit=want - 1)
     assert not takes_kv_tree(model, ids, mask, T, limit=want)
+    # Llama's completions run over their prompt's cache with no mask (rows grouped by
+    # prompt length); Gemma 2's sliding window needs its mask (one 2D-mask forward).
+    assert lower_right_applies(model)
+    assert not lower_right_applies(load_model(ModelConfig(arch="gemma2")))
     long = torch.ones(8, 512 + 1024, dtype=torch.long)
     assert largest_tree(long, torch.ones_like(long), 1024) == 512 + 8 * 1023 > DENSE_TREE_TOKENS
 

@@ -104,7 +104,7 @@ def test_prefix_training_renders_its_layouts_and_its_cells():
         "c4096": cell | {"tree_step_s": 2.0, "tree_peak_mb": 700.0},
     }
     title, tree, padded = prefix_training({"result": cells})
-    assert title.endswith("8 completions of 1024 / 4096, 1.2M Llama")
+    assert title.endswith("1 prompt of 512 tokens × 8 completions of 1024 / 4096, 1.2M Llama")
     assert tree == "`trainer.layout: tree` 1.50 s, 800 MB / 2.00 s, 700 MB"
     assert padded == "padded 2.00 s, 900 MB / 2.00 s, 900 MB (tree ÷ padded: 0.75 / 1.00)"
 
