@@ -579,6 +579,17 @@ def _grpo(folder: str, name: str, *more: str) -> list[dict]:
     return GRPO(cfg).run()
 
 
+def _timing(records: list[dict], tokens: str) -> dict:
+    """Steps, mean step seconds and `tokens` per second of a run, its first step left out."""
+    timed = records[1:] or records
+    seconds = sum(r["time/step_s"] for r in timed)
+    return {
+        "steps": len(records),
+        "step_s": seconds / len(timed),
+        "tokens_per_s": sum(r[tokens] for r in timed) / seconds,
+    }
+
+
 def _needs_monarch() -> None:
     if importlib.util.find_spec("monarch") is None:
         raise Skipped("Monarch (torchmonarch) is not installed: no meshes")
@@ -603,12 +614,8 @@ def check_grpo(quick: bool) -> dict:
         # A resumed run goes on in its run's directory: its final weights replace a's.
         _grpo(folder, "straight", *run, f"checkpoint.resume={checkpoint}")
         b = load_file(final)
-    timed = records[1:] or records
-    seconds = sum(r["time/step_s"] for r in timed)
     return {
-        "steps": len(records),
-        "step_s": seconds / len(timed),
-        "tokens_per_s": sum(r["tokens/generated"] for r in timed) / seconds,
+        **_timing(records, "tokens/generated"),
         "reward_last": records[-1]["reward/mean"],
         "resumed_at": step_of(checkpoint),
         "resume_equal": all(torch.equal(a[k], b[k]) for k in a),
@@ -640,11 +647,8 @@ def check_partial(quick: bool) -> dict:
     for r in records:  # every trained token counted once, by its lag
         assert sum(r[k] for k in lag) == r["policy/completion_tokens"], r
     timed = records[1:] or records
-    seconds = sum(r["time/step_s"] for r in timed)
     return {
-        "steps": len(records),
-        "step_s": seconds / len(timed),
-        "tokens_per_s": sum(r["policy/completion_tokens"] for r in timed) / seconds,
+        **_timing(records, "policy/completion_tokens"),
         "partial_rows": sum(r["rollout/partial_rows"] for r in records),
         "tokens_lagged": sum(r[lag[1]] + r[lag[2]] for r in records),
         "occupancy": sum(r.get("policy/batch_occupancy", 0.0) for r in timed) / len(timed),

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv
@@ -42,9 +41,9 @@ DENSE_TREE_TOKENS = 2048
 
 LOWER_RIGHT = "meshrl_lower_right"
 """The attention the completions' forward runs with when no row of it has padding
-before its last real token: each query attends to every key up to its own position,
-the queries being the last positions of the keys (`causal_lower_right`), with no
-mask tensor; SDPA's flash and memory-efficient kernels take it where they run."""
+before its last real token: the queries are the last positions of the keys, and
+each attends to every key up to its own position (lower-right causal), with no
+mask tensor."""
 
 
 def _lower_right_attention(
@@ -53,10 +52,15 @@ def _lower_right_attention(
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    bias = causal_lower_right(query.size(2), key.size(2))
+    # Zero queries stand in for the keys' first positions, so that SDPA's own causal
+    # mode (top-left, the one its kernels skip masked blocks in) lines the real
+    # queries up with the last keys; their outputs are dropped. An explicit
+    # lower-right mask made the CPU kernel compute every block (1.2x padded's step).
+    extra = key.size(2) - query.size(2)
+    padded = torch.cat([query.new_zeros(*query.shape[:2], extra, query.size(3)), query], 2)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=bias, dropout_p=0.0, scale=scaling
-    )
+        padded, key, value, is_causal=True, dropout_p=0.0, scale=scaling
+    )[:, :, extra:]
     return out.transpose(1, 2).contiguous(), None
 
 
