@@ -16,6 +16,7 @@ from meshrl.model.models import Cache, DynamicLayer, forward_inputs
 from meshrl.model.packing import (
     _cache_of,
     cache_arg,
+    distinct_prompts,
     model_device,
     model_dtype,
     takes_logits_to_keep,
@@ -96,20 +97,6 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(-1)
     target = (uniforms * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.size(-1) - 1)
-
-
-def distinct_prompts(
-    ids: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct prompt [U], each row's distinct prompt [B]);
-    `extra` [B]: rows differ also where it does (their images)."""
-    keys = torch.where(mask.bool(), ids, -1)
-    if extra is not None:
-        keys = torch.cat([keys, extra[:, None].to(keys)], 1)
-    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), ids.size(0), dtype=torch.long, device=ids.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(ids.size(0), device=ids.device), "amin")
-    return first, inverse
 
 
 class GrowingLayer(DynamicLayer):

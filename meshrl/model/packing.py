@@ -251,6 +251,20 @@ def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) ->
     return logits.reshape(-1, logits.size(-1))[index]
 
 
+def distinct_prompts(
+    ids: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt [U], each row's distinct prompt [B]);
+    `extra` [B]: rows differ also where it does (their images)."""
+    keys = torch.where(mask.bool(), ids, -1)
+    if extra is not None:
+        keys = torch.cat([keys, extra[:, None].to(keys)], 1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), ids.size(0), dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(ids.size(0), device=ids.device), "amin")
+    return first, inverse
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from meshrl.model.packing import _spans, hf_config
+from meshrl.model.packing import _spans, distinct_prompts, hf_config
 
 DENSE_TREE_TOKENS = 2048
 """The most tokens one tree of the dense layout holds (its mask is the square of it:
@@ -101,8 +101,7 @@ def largest_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) 
     and all its rows' completion tokens but their last."""
     P = input_ids.size(1) - T
     mask = attention_mask.bool()
-    prompts = torch.where(mask[:, :P], input_ids[:, :P], -1)
-    _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    _, inverse = distinct_prompts(input_ids[:, :P], mask[:, :P])
     fed = (mask[:, P:].sum(1) - 1).clamp(min=0)
     per_tree = torch.zeros(int(inverse.max()) + 1, dtype=torch.long, device=fed.device)
     per_tree.index_add_(0, inverse, fed)
@@ -171,11 +170,8 @@ def tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> Tree:
     mask = attention_mask.bool()
     _spans(mask, P)  # refuses holes, naming the key
     prompt_len = mask[:, :P].sum(1)
-    keys = torch.where(mask[:, :P], input_ids[:, :P], -1)
-    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first, inverse = distinct_prompts(input_ids[:, :P], mask[:, :P])
     rows = torch.arange(B, device=input_ids.device)
-    first = torch.full((int(inverse.max()) + 1,), B, dtype=torch.long, device=input_ids.device)
-    first = first.scatter_reduce(0, inverse, rows, "amin")
     Q = int(prompt_len.max())  # every row's prompt ends at column P
     columns = torch.arange(P - Q, P, device=input_ids.device)
     prompt_mask = mask[first][:, P - Q : P]
