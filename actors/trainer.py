@@ -69,6 +69,7 @@ class Trainer(PeerState, Drillable, Actor):
         micro_batches: int = 1,
         layout: str = "padded",
         routing_replay: bool = False,
+        tp: int = 1,
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
         meshrl.model.packing). `routing_replay` (MoE models): a batch's recorded routes
@@ -92,6 +93,7 @@ class Trainer(PeerState, Drillable, Actor):
             master,
             sizes.get("procs"),
             sharding,
+            tp,
         )
         self.sharded = is_sharded(self.model)
         self.optim_cfg = optim_cfg
@@ -100,10 +102,16 @@ class Trainer(PeerState, Drillable, Actor):
         self.micro_batches = micro_batches
         self.layout = layout
         self.temperature = temperature
-        # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards.
+        # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards
+        # (of what tensor parallelism keeps whole on every rank: rank 0).
         owns = self.rank == 0 or self.sharded
         self.publisher = (
-            WeightPublisher(self.model, shm_prefix, parameters=self.served_parameters)
+            WeightPublisher(
+                self.model,
+                shm_prefix,
+                parameters=self.served_parameters,
+                owns_whole=self.rank == 0,
+            )
             if owns
             else None
         )

@@ -155,7 +155,7 @@ class Algorithm:
 
         cfg = self.cfg
         temperature = cfg.generation.temperature if hasattr(cfg, "generation") else 1.0
-        return run.spawn(
+        trainer = run.spawn(
             role,
             Trainer,
             cfg.model,
@@ -165,12 +165,15 @@ class Algorithm:
             temperature=temperature,
             seed=cfg.run.seed if seed is None else seed,
             sharding=cfg.placement.sharding,
+            tp=cfg.placement.trainer_tp,
             shm_prefix=shm_prefix or run.shm_prefix,
             micro_batches=cfg.trainer.micro_batches,
             layout=cfg.trainer.layout,
             routing_replay=cfg.trainer.routing_replay,
             rendezvous=True,
         )
+        trainer.tensor_parallel = cfg.placement.trainer_tp  # its groups take the same rows
+        return trainer
 
     def spawn_policy(
         self, run: Any, role: str = "policy", seed: int | None = None, shm_prefix: str = ""

@@ -261,7 +261,7 @@ class Coevolve(Algorithm):
         started = {}
         for name, batch in batches.items():
             trainer = self.players[name].trainer
-            shards = [(batch.shard(i, trainer.size),) for i in range(trainer.size)]
+            shards = [(shard,) for shard in trainer.shards(batch)]
             started[name] = (shards, start_each(trainer, "train_step", shards), trainer.respawns)
         metrics: dict[str, float] = {}
         for name, (shards, futures, respawns) in started.items():

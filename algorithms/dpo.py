@@ -211,13 +211,16 @@ class DPO(Algorithm):
     # --- the meshes -------------------------------------------------------------------
 
     def pairs_step(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
-        """`endpoint` on every trainer rank with whole pairs: rank i takes pairs
-        i, i + n, ... (its chosen rows, then the same pairs' rejected rows)."""
-        n, half = self.trainer.size, len(batch) // 2
-        shards = []
-        for i in range(n):
-            rows = torch.arange(i, half, n)
-            shards.append((batch.shard(i, n, torch.cat([rows, rows + half])),))
+        """`endpoint` on every trainer rank with whole pairs: data-parallel rank i
+        takes pairs i, i + n, ... (its chosen rows, then the same pairs' rejected
+        rows)."""
+        n, half = self.trainer.data_parallel, len(batch) // 2
+
+        def rows(i: int) -> torch.Tensor:
+            picked = torch.arange(i, half, n)
+            return torch.cat([picked, picked + half])
+
+        shards = [(shard,) for shard in self.trainer.shards(batch, rows)]
         results, _ = self.sup.call(self.trainer, endpoint, shards)
         return mean_metrics(results)
 

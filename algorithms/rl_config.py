@@ -19,7 +19,7 @@ from meshrl.config import (
     TaskConfig,
     TrainerConfig,
     WarmStartConfig,
-    check_lora_placement,
+    check_placement,
     validate_sections,
 )
 from meshrl.envs import make_task
@@ -128,7 +128,7 @@ class RLConfig:
             raise ConfigError("config key 'kl_coef': must be >= 0")
         if self.max_staleness < 0:
             raise ConfigError("config key 'max_staleness': must be >= 0")
-        check_lora_placement(self.model, self.placement)
+        check_placement(self.model, self.placement)
         if self.max_staleness and make_task(self.task).multi_turn:
             raise ConfigError(
                 f"config key 'max_staleness': multi-turn episodes ({self.task.name}) "
@@ -222,7 +222,7 @@ class OfflineConfig:
 
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
-        check_lora_placement(self.model, self.placement)
+        check_placement(self.model, self.placement)
         for key in ("steps", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")

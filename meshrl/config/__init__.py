@@ -28,6 +28,8 @@ from meshrl.config.trainer import TrainerConfig  # noqa: F401
 from meshrl.config.vision import VisionConfig
 from meshrl.model.architectures import ARCHITECTURES, VISION_ARCHITECTURES
 
+SHARDINGS = ("ddp", "fsdp", "tp", "fsdp_tp")
+
 # --- shared sections -------------------------------------------------------------
 
 
@@ -264,7 +266,7 @@ class PlacementConfig:
     policy: int = 1
     """Policy replicas (one per proc)."""
     trainer: int = 1
-    """Trainer procs: data-parallel ranks (DDP or FSDP2, `sharding`)."""
+    """Trainer procs, laid out by `sharding`."""
     environment: int = 1
     """Environment procs: rewards and episode steps, split over them."""
     reference: int = 1
@@ -282,9 +284,15 @@ class PlacementConfig:
     """Run the policy replicas in the trainer's procs (one per trainer proc,
     time-shared with training) instead of a policy mesh of their own."""
     sharding: str = "ddp"
-    """How the trainer's procs split the work: ddp (a full replica each) or fsdp
-    (parameters, gradients and optimizer state sharded with FSDP2; checkpoints
-    sharded through torch.distributed.checkpoint). The critic runs ddp."""
+    """The trainer's layout over its procs: ddp (a full replica each); fsdp
+    (parameters, gradients and optimizer state sharded with FSDP2); tp (the
+    decoder's linear layers split over every proc with tensor parallelism, the
+    plan transformers ships for llama, mistral, qwen2, qwen3 and gemma2); or
+    fsdp_tp (groups of `tp` procs tensor-parallel, FSDP2 across the groups).
+    Every layout but ddp checkpoints sharded, through
+    torch.distributed.checkpoint. The critic runs ddp."""
+    tp: int = 2
+    """fsdp_tp only: procs per tensor-parallel group; it divides `trainer`."""
 
     def validate(self) -> None:
         roles = ("policy", "trainer", "environment", "reference", "critic", "reward_model")
@@ -292,10 +300,21 @@ class PlacementConfig:
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
         _check(self.threads_per_proc >= 0, "placement.threads_per_proc", "must be >= 0")
         _check(
-            self.sharding in ("ddp", "fsdp"),
+            self.sharding in SHARDINGS,
             "placement.sharding",
-            f"'{self.sharding}' is not one of ddp, fsdp",
+            f"'{self.sharding}' is not one of {', '.join(SHARDINGS)}",
         )
+        if self.sharding == "fsdp_tp":
+            _check(
+                self.tp >= 2 and self.trainer % self.tp == 0,
+                "placement.tp",
+                f"{self.tp} must be >= 2 and divide placement.trainer ({self.trainer})",
+            )
+
+    @property
+    def trainer_tp(self) -> int:
+        """Procs per tensor-parallel group of the trainer (1: none)."""
+        return {"tp": self.trainer, "fsdp_tp": self.tp}.get(self.sharding, 1)
 
 
 @dataclass
@@ -496,12 +515,41 @@ class RunConfig:
         )
 
 
-def check_lora_placement(model: ModelConfig, placement: PlacementConfig) -> None:
+def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
+    """The trainer's layout against the model: LoRA trains with ddp; tensor
+    parallelism needs a model whose layers it can split."""
     _check(
         not model.lora.rank or placement.sharding == "ddp",
         "model.lora.rank",
-        "LoRA trains with placement.sharding=ddp (fsdp with LoRA is not supported)",
+        f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
     )
+    tp = placement.trainer_tp
+    if tp == 1:
+        return
+    from meshrl.procs.tensor_parallel import refusal
+
+    if model.path is None:
+        from meshrl.model.architectures import tiny_config
+
+        config = tiny_config(
+            model.arch,
+            vocab_size=64,
+            hidden_size=model.hidden_size,
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            intermediate_size=model.intermediate_size,
+            max_positions=model.max_positions,
+        )
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model.path)
+        except (OSError, ValueError):  # a run directory: the trainer checks when it loads
+            return
+    key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
+    why = refusal(config, tp, key)
+    _check(why is None, "placement.sharding", f"{placement.sharding}: {why}")
 
 
 # --- loading ---------------------------------------------------------------------

@@ -90,11 +90,28 @@ class Role:
         self.stream: Role | None = None  # a policy's running-batch endpoint (`PolicyStream`)
         self.respawns = 0
         self.resizes = 0  # an elastic role's pool changes (`Run.scale`)
+        self.tensor_parallel = 1
+        """Procs per tensor-parallel group: they take the same rows (`shards`)."""
         self._slices: dict[tuple, Any] = {}
 
     @property
     def size(self) -> int:
         return self._run.meshes.size(self.name)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: groups of `tensor_parallel` procs."""
+        return self.size // self.tensor_parallel
+
+    def shards(self, batch: Any, rows: Any = None) -> list:
+        """Per proc, its data-parallel shard of `batch` (`TrainBatch.shard`), the
+        procs of one tensor-parallel group the same one. `rows(i)`: the rows of
+        data-parallel rank i (default: contiguous blocks)."""
+        tp, dp = self.tensor_parallel, self.data_parallel
+        return [
+            batch.shard(i // tp, dp, None if rows is None else rows(i // tp))
+            for i in range(self.size)
+        ]
 
     def slice(self, **where: Any) -> Any:
         """A slice of the actors, kept: the loop slices every replica every step, and

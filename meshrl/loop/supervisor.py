@@ -134,7 +134,7 @@ class Supervisor:
         with its data-parallel shard of `batch` (contiguous row blocks); each role's ranks'
         metrics averaged, the roles' merged (a policy and a value step together)."""
         roles = roles if isinstance(roles, tuple) else (roles,)
-        shards = {r.name: [(batch.shard(i, r.size), *args) for i in range(r.size)] for r in roles}
+        shards = {r.name: [(shard, *args) for shard in r.shards(batch)] for r in roles}
         started = [(r, start_each(r, endpoint, shards[r.name]), r.respawns) for r in roles]
         metrics: dict = {}
         for role, futures, respawns in started:
@@ -145,10 +145,13 @@ class Supervisor:
     def call_rows(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs (as
         even as the rows allow), concatenated in row order (reference and
-        trainer log-probs, critic values)."""
-        blocks = torch.arange(len(batch)).tensor_split(role.size)
-        parts, _ = self.call(role, endpoint, [(batch.rows(b), *args) for b in blocks])
-        return torch.cat(parts)
+        trainer log-probs, critic values). The procs of a tensor-parallel group
+        take the same block; the first one's answer is kept."""
+        tp = getattr(role, "tensor_parallel", 1)
+        blocks = torch.arange(len(batch)).tensor_split(role.size // tp)
+        calls = [(batch.rows(blocks[i // tp]), *args) for i in range(role.size)]
+        parts, _ = self.call(role, endpoint, calls)
+        return torch.cat(parts[::tp])
 
     # --- faults ---------------------------------------------------------------------------
 

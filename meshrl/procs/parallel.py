@@ -1,11 +1,19 @@
-"""Data parallelism inside one role's mesh (trainer, critic).
+"""Data and tensor parallelism inside one role's mesh (trainer, critic).
 
 Each proc of the mesh is one rank; the process group is local to the mesh
-(gloo on CPU, NCCL when every rank has a GPU of its own). `ddp` keeps a full
-replica per rank and averages gradients; `fsdp` shards parameters, gradients
-and optimizer state over the ranks with FSDP2 (`fully_shard`, one unit per
-decoder layer plus the root), and checkpoints go through
-torch.distributed.checkpoint, each rank writing its own shards.
+(gloo on CPU, NCCL when every rank has a GPU of its own). The layouts
+(`placement.sharding`; `meshrl.procs.reshard.Layout` describes each):
+
+- `ddp` keeps a full replica per rank and averages gradients;
+- `fsdp` shards parameters, gradients and optimizer state over the ranks with
+  FSDP2 (`fully_shard`, one unit per decoder layer plus the root);
+- `tp` splits the decoder's linear layers over the ranks with DTensor
+  (`meshrl.procs.tensor_parallel`), every rank seeing the same rows;
+- `fsdp_tp` is both on a 2-D device mesh (dp, tp): tensor parallelism inside
+  each group of `tp` ranks, FSDP2 across the groups.
+
+Every layout but `ddp` checkpoints through torch.distributed.checkpoint, each
+rank writing its own shards.
 """
 
 from __future__ import annotations
@@ -65,12 +73,13 @@ def data_parallel(
     master: tuple[str, int],
     ranks_per_host: int | None = None,
     sharding: str = "ddp",
+    tp: int = 1,
 ) -> torch.nn.Module:
-    """`model` made data-parallel over this mesh's procs: wrapped in DDP, or
-    sharded in place with FSDP2 (`sharding="fsdp"`); itself when there is one
-    proc. `master` is rank 0's (address, port): from `Rendezvous` (whose store
-    rank 0 takes), or any free port of the caller's choosing. Returns the
-    module to call."""
+    """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
+    place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
+    group); itself when there is one proc. `master` is rank 0's (address,
+    port): from `Rendezvous` (whose store rank 0 takes), or any free port of
+    the caller's choosing. Returns the module to call."""
     if world_size == 1:
         return model
     address, port = master
@@ -90,15 +99,27 @@ def data_parallel(
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    if sharding == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    if sharding == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
+    from meshrl.procs.reshard import Layout
+
+    layout = Layout.named(sharding, world_size, tp)
+    dp = None  # FSDP2's own mesh over every rank
+    if layout.tp > 1:
+        from meshrl.procs.tensor_parallel import tensor_parallel
+
+        mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"])
+        dp = mesh["dp"]
+    if layout.fsdp:
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module)
-        fully_shard(model)
-        return model
-    return torch.nn.parallel.DistributedDataParallel(model)
+                fully_shard(module, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return model
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -106,6 +127,17 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def tensor_parallel(model: torch.nn.Module) -> bool:
+    """True when some parameter of `model` is split over a tensor-parallel mesh
+    dim (a DTensor whose mesh names `tp`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(
+        isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+        for p in model.parameters()
+    )
 
 
 def full_parameters(model: torch.nn.Module):
@@ -246,7 +278,14 @@ def accumulated_step(
     skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
     total, metrics = backward_each(parts, loss_of)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    if tensor_parallel(model):  # parameters on several meshes, plain tensors among them
+        from meshrl.procs.tensor_parallel import clip_gradients
+
+        grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_grad_norm or float("inf")
+        )
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
         grad_norm = grad_norm.full_tensor()
     bad = (~torch.isfinite(total) | ~torch.isfinite(grad_norm.cpu())).float().reshape(1)

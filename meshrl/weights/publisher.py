@@ -82,19 +82,26 @@ class WeightMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class ParamPiece:
-    """Where (a dim-0 block of) one parameter lives in a source's slots."""
+    """Where (a block of) one parameter lives in a source's slots: the whole
+    parameter, an FSDP2 shard of dim 0, a tensor-parallel shard of dim 0 or 1,
+    or both (FSDP2 over tensor parallelism), laid out row-major."""
 
     name: str
     offset: int  # bytes into the slot's data
     shape: tuple[int, ...]  # of this piece
     dtype: torch.dtype
-    row: int  # first dim-0 row of the full parameter this piece holds
+    start: tuple[int, ...]  # per dim, where this piece starts in the full parameter
     full_shape: tuple[int, ...]
 
     @property
     def num_bytes(self) -> int:
         n = torch.Size(self.shape).numel()
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block(self) -> tuple[tuple[int, int], ...]:
+        """[start, stop) per dim (`meshrl.procs.reshard.Block`)."""
+        return tuple((a, a + n) for a, n in zip(self.start, self.shape, strict=True))
 
 
 @dataclass
@@ -143,20 +150,36 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This proc's part of `param` and its first dim-0 row: the whole tensor, or
-    an FSDP2 shard (`Shard(0)`, split like `torch.chunk`)."""
-    from torch.distributed.tensor import DTensor
+def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """This proc's part of `param`, where it starts in the full parameter (per
+    dim), and whether this proc publishes it: the whole tensor (published by
+    the owner of whole tensors), or a DTensor's local block (FSDP2, tensor
+    parallelism, both), published by the proc whose coordinate is 0 on every
+    mesh dim that replicates it (`meshrl.procs.reshard.owns`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
-        return param.detach(), 0
+        return param.detach(), (0,) * param.dim(), True
     local = param.to_local().detach()
     mesh = param.device_mesh
-    rows = param.shape[0]
-    chunk = -(-rows // mesh.size())
-    row = min(mesh.get_local_rank() * chunk, rows)
-    assert local.shape[0] == max(0, min(chunk, rows - row)), (name, local.shape, row)
-    return local, row
+    shape, start = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
+    assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+    # Coordinate 0 on the dims of its mesh that replicate it, and on the dims of the
+    # whole trainer mesh that its mesh leaves out (FSDP2's dp mesh beside tp).
+    coordinate = mesh.get_coordinate() or []
+    owned = all(
+        c == 0
+        for c, placement in zip(coordinate, param.placements, strict=True)
+        if isinstance(placement, Replicate)
+    )
+    root = mesh._get_root_mesh()
+    names = mesh.mesh_dim_names or ()
+    if root is not mesh and root.mesh_dim_names:
+        for dim, other in enumerate(root.mesh_dim_names):
+            if other not in names:
+                owned = owned and root.get_coordinate()[dim] == 0
+    return local, tuple(start), owned
 
 
 def _map_file(path: str, size: int) -> torch.Tensor:
@@ -226,19 +249,28 @@ class WeightPublisher:
         prefix: str | None = None,
         rdma: bool = True,
         parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        owns_whole: bool = True,
     ):
         """`parameters` gives the (name, tensor) pairs to publish, called at each
-        publish (default: the model's parameters; LoRA: the merged weights)."""
-        self.parameters = parameters or model.named_parameters
-        self.pieces, offset = [], 0
-        for name, param in self.parameters():
-            local, row = _local_piece(name, param)
+        publish (default: the model's parameters; LoRA: the merged weights).
+        `owns_whole`: this proc publishes the parameters it holds whole (plain
+        tensors); a DTensor's block is published by its owner (`_local_piece`)."""
+        from torch.distributed.tensor import DTensor
+
+        source = parameters or model.named_parameters
+        self.pieces, offset, published = [], 0, set()
+        for name, param in source():
+            local, start, owned = _local_piece(name, param)
+            if not (owned if isinstance(param, DTensor) else owns_whole):
+                continue
             piece = ParamPiece(
-                name, offset, tuple(local.shape), local.dtype, row, tuple(param.shape)
+                name, offset, tuple(local.shape), local.dtype, start, tuple(param.shape)
             )
             self.pieces.append(piece)
+            published.add(name)
             offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
         self.data_bytes = offset
+        self.parameters = lambda: ((n, p) for n, p in source() if n in published)
         prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.paths = [f"{SHM_DIR}/{prefix}-{uuid.uuid4().hex[:6]}-slot{i}" for i in range(SLOTS)]
         self.slots = []
@@ -286,7 +318,7 @@ class WeightPublisher:
         self.held[slot] = self.held_sequence[slot] = None
         self.header(slot).fill_(2 * version + 1)  # writing
         for i, (piece, (_, param)) in enumerate(zip(self.pieces, self.parameters(), strict=True)):
-            local, _ = _local_piece(piece.name, param)
+            local, _, _ = _local_piece(piece.name, param)
             source = _as_bytes(local)
             if source.device != last.device:
                 # A GPU trainer's piece: copied to the host once, then compared with

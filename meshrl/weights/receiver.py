@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrl.procs.reshard import relative
 from meshrl.weights.checksum import checksum, copy_summed
 from meshrl.weights.publisher import (
     HEADER_BYTES,
@@ -173,7 +174,6 @@ class WeightReceiver:
         return (
             self.zero_copy
             and param is not None
-            and piece.row == 0
             and piece.shape == piece.full_shape == tuple(param.shape)
             and param.dtype == piece.dtype
             and param.device.type == "cpu"
@@ -190,7 +190,7 @@ class WeightReceiver:
                 target = self._target_now(piece)
                 if target is None:
                     continue
-                key = (piece.name, piece.row)
+                key = (piece.name, piece.start)
                 held = self._held.get(key)
                 held = checksum(target) if held is None else int(held) % 2**64
                 self._held[key] = held
@@ -207,11 +207,13 @@ class WeightReceiver:
         return True
 
     def _target_now(self, piece: ParamPiece) -> torch.Tensor | None:
-        """What this receiver serves of `piece` now (a view or its own memory)."""
+        """What this receiver serves of `piece` now (a view or its own memory): the
+        part of its parameter that the piece's block is (this receiver holds whole
+        parameters: it reads every owner's block whole)."""
         param = self.params.get(piece.name)
         if param is None:
             return None
-        return param.data[piece.row : piece.row + piece.shape[0]] if piece.shape else param.data
+        return param.data[relative(piece.block, tuple((0, n) for n in param.shape))]
 
     def serve(
         self, shm_prefix: str | None = None, verify: bool = True, delta: bool = False
@@ -266,7 +268,7 @@ class WeightReceiver:
         unchanged = self._unchanged(source, lineage)
         moved = 0
         for i, piece in enumerate(source.pieces):
-            key = (piece.name, piece.row)
+            key = (piece.name, piece.start)
             published = data[piece.offset : piece.offset + piece.num_bytes]
             if view_of is not None and self._viewable(piece):
                 param = self.params[piece.name]
@@ -281,9 +283,9 @@ class WeightReceiver:
             target = self._target(piece)
             if target is None:
                 continue
-            if target.dtype == piece.dtype:
+            if target.dtype == piece.dtype and target.is_contiguous():
                 summed = copy_summed(_as_bytes(target), published, self._summed)
-            else:  # a replica in its own dtype: the bytes checked as they came, then cast
+            else:  # its own dtype, or a block of columns: the bytes checked as they came
                 summed = copy_summed(published, None, self._summed)
                 target.copy_(published.view(piece.dtype).view(piece.shape))
             self._held[key] = summed

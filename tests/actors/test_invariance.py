@@ -1,5 +1,6 @@
 """Same math at any placement and layout: one fixed batch, the gradient of one
-optimizer step under trainer 1 / 2 procs, DDP / FSDP2, micro-batches 1 / 2,
+optimizer step under trainer 1 / 2 procs, DDP / FSDP2 / tensor parallelism (2
+procs) / FSDP2 x tensor parallelism (2 x 2 procs), micro-batches 1 / 2,
 critic 1 / 2 procs, and batch layouts padded / tree / packed
 (`trainer.layout`: padded against tree), on real trainer and critic meshes (gloo). Each must equal
 the single-proc padded gradient within 1e-5 relative (float sums in another
@@ -70,7 +71,7 @@ def meshes():
     """Trainers: 1 proc, padded; 2 procs DDP with 2 micro-batches, tree; 2 procs
     FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py). Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
     with 2 micro-batches, tree."""
-    meshes = RoleMeshes({"one": 1, "ddp": 2, "fsdp": 2, "critic": 2})
+    meshes = RoleMeshes({"one": 1, "ddp": 2, "fsdp": 2, "critic": 2, "tp": 2, "fsdp_tp": 4})
     optim = OptimConfig(lr=1e-2)
     try:
 
@@ -97,6 +98,8 @@ def meshes():
             "one": trainer("one", layout="padded"),
             "ddp": trainer("ddp", micro_batches=2, layout="tree"),
             "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
+            "tp": trainer("tp", sharding="tp", tp=2, layout="tree"),
+            "fsdp_tp": trainer("fsdp_tp", sharding="fsdp_tp", tp=2, micro_batches=2),
             "critic_one": critic("one", layout="padded"),
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }
@@ -107,9 +110,18 @@ def meshes():
         meshes.stop()
 
 
-def gradient(actors, procs: int, batch: TrainBatch, rows=None) -> torch.Tensor:
-    """The gradient the mesh would step with, every rank given its shard, flattened."""
-    shards = [(batch.shard(i, procs, None if rows is None else rows(i)),) for i in range(procs)]
+TP = {"tp": 2, "fsdp_tp": 2}  # procs per tensor-parallel group
+PROCS = {"one": 1, "ddp": 2, "fsdp": 2, "tp": 2, "fsdp_tp": 4}
+PLACEMENTS = ("ddp", "fsdp", "tp", "fsdp_tp")
+
+
+def gradient(actors, procs: int, batch: TrainBatch, rows=None, tp: int = 1) -> torch.Tensor:
+    """The gradient the mesh would step with, every data-parallel rank given its
+    shard (the `tp` procs of a tensor-parallel group the same one), flattened."""
+    dp = procs // tp
+    shards = [
+        (batch.shard(i // tp, dp, None if rows is None else rows(i // tp)),) for i in range(procs)
+    ]
     grads = call_each(actors, "gradients", shards, "gradients", TIMEOUT)
     assert all(g.keys() == grads[0].keys() for g in grads)
     for g in grads[1:]:  # every rank holds the same, reduced gradient
@@ -124,19 +136,19 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_policy_gradient_is_the_same_at_any_placement(meshes, aggregation):
-    for name in ("one", "ddp", "fsdp"):
+    for name in ("one", *PLACEMENTS):
         call_all(
             meshes[name], "set_loss", grpo_loss(aggregation), what="set_loss", timeout_s=TIMEOUT
         )
     batch = fixed_batch()
     want = gradient(meshes["one"], 1, batch)
-    for name in ("ddp", "fsdp"):
-        error = relative_error(gradient(meshes[name], 2, batch), want)
+    for name in PLACEMENTS:
+        error = relative_error(gradient(meshes[name], PROCS[name], batch, tp=TP.get(name, 1)), want)
         assert error < TOLERANCE, f"{aggregation} on {name}: relative error {error:.2e}"
 
 
 def test_dpo_gradient_is_the_same_at_any_placement(meshes):
-    for name in ("one", "ddp", "fsdp"):
+    for name in ("one", *PLACEMENTS):
         call_all(meshes[name], "set_loss", dpo_loss_hook(), what="set_loss", timeout_s=TIMEOUT)
     batch = fixed_batch()  # rows [chosen; rejected] of the same 4 pairs
     batch.paired = True  # (so the 2 micro-batches of DDP keep pairs whole)
@@ -147,8 +159,10 @@ def test_dpo_gradient_is_the_same_at_any_placement(meshes):
         return torch.tensor(ranks_pairs[i] + [p + half for p in ranks_pairs[i]])
 
     want = gradient(meshes["one"], 1, batch)
-    for name in ("ddp", "fsdp"):
-        error = relative_error(gradient(meshes[name], 2, batch, uneven), want)
+    for name in PLACEMENTS:
+        tp = TP.get(name, 1)
+        rows = uneven if PROCS[name] // tp == 2 else None  # one data-parallel rank: all rows
+        error = relative_error(gradient(meshes[name], PROCS[name], batch, rows, tp), want)
         assert error < TOLERANCE, f"dpo on {name}: relative error {error:.2e}"
 
 
@@ -164,3 +178,50 @@ def test_value_gradient_is_the_same_with_one_or_two_critic_procs(meshes):
     want = gradient(meshes["critic_one"], 1, batch)
     error = relative_error(gradient(meshes["critic_two"], 2, batch), want)
     assert error < TOLERANCE, f"value loss on 2 critic procs: relative error {error:.2e}"
+
+
+def test_tensor_parallel_steps_end_where_one_proc_does_and_sync_whole_weights(meshes):
+    """Three optimizer steps on 2 tensor-parallel procs end at the 1-proc
+    trainer's weights; the version they publish (each rank its blocks, as the
+    reshard plan says) pulls into a whole model equal to them. Runs last: it
+    moves the 1-proc trainer's weights."""
+    from meshrl.model.models import load_model
+    from meshrl.procs.reshard import Layout, sources
+    from meshrl.procs.tensor_parallel import parameter_styles
+    from meshrl.weights.publisher import WeightHandle
+    from meshrl.weights.receiver import WeightReceiver
+
+    for name in ("one", "tp"):
+        call_all(meshes[name], "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
+    batch = fixed_batch()
+    for _ in range(3):
+        call_each(meshes["one"], "train_step", [(batch.shard(0, 1),)], "step", TIMEOUT)
+        call_each(meshes["tp"], "train_step", [(batch.shard(0, 1),)] * 2, "step", TIMEOUT)
+    want = call_all(meshes["one"], "parameters", what="one", timeout_s=TIMEOUT)[0]
+    got = call_all(meshes["tp"], "parameters", what="tp", timeout_s=TIMEOUT)[0]
+    assert got.keys() == want.keys()
+    start = call_all(meshes["fsdp"], "parameters", what="fsdp", timeout_s=TIMEOUT)[0]
+    for name in want:
+        assert not torch.equal(want[name], start[name]) or "norm" in name, name  # they moved
+        error = relative_error(got[name], want[name])
+        assert error < 1e-4, f"{name} after 3 tp steps: relative error {error:.2e}"
+
+    model = load_model(MODEL)
+    styles = parameter_styles(model)
+    assert {"colwise", "rowwise", "replicate"} == set(styles.values())
+    for name, tp, whole in (("tp", 2, got), ("fsdp_tp", 2, None)):
+        if whole is None:
+            whole = call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
+        handles = call_all(meshes[name], "publish", what="publish", timeout_s=TIMEOUT)
+        layout = Layout.named(name, PROCS[name], tp)
+        published: dict[str, dict[int, tuple]] = {}
+        for rank, source in enumerate(h.sources[0] for h in handles):
+            for piece in source.pieces:
+                published.setdefault(piece.name, {})[rank] = piece.block
+        for key, param in model.named_parameters():  # the blocks the plan says, by their owners
+            want_blocks = sources(layout, tuple(param.shape), styles[key])
+            assert published[key] == want_blocks, (name, key)
+        pulled = WeightReceiver(model).pull(WeightHandle.merge(handles))
+        assert pulled.verified
+        for key, param in model.named_parameters():
+            assert torch.equal(param.detach(), whole[key]), (name, key)

@@ -97,6 +97,15 @@ def metrics(path):
             ["steps=6", "placement.trainer=2", "placement.sharding=fsdp"],
             3,
         ),
+        # Tensor parallelism: DCP shards of column and row blocks, exported whole.
+        (
+            CountingGRPO,
+            StopAtStep,
+            GRPOConfig,
+            "grpo_default.yaml",
+            ["steps=6", "placement.trainer=2", "placement.sharding=tp"],
+            3,
+        ),
         # Images in every batch (the tiny LLaVA), with a reference: the resumed
         # batches carry their pixels and the final weights are the same bits.
         (
@@ -108,7 +117,13 @@ def metrics(path):
             3,
         ),
     ],
-    ids=["grpo_reference_one_version_ahead", "ppo_with_critic", "grpo_fsdp_sharded", "grpo_vision"],
+    ids=[
+        "grpo_reference_one_version_ahead",
+        "ppo_with_critic",
+        "grpo_fsdp_sharded",
+        "grpo_tp_sharded",
+        "grpo_vision",
+    ],
 )
 def test_resumed_run_equals_uninterrupted_run(
     algorithm, interrupted, schema, config, overrides, stop, tmp_path, no_stray_procs
