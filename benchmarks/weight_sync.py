@@ -27,6 +27,22 @@ actor's process shares the cores with Monarch's runtime, and the ratios to it
 (`sync_over_actor_memcpy`) compare like with like.
 Prints a table, then one JSON object whose keys are the sizes, each with
 `sync_s`, `sync_over_memcpy` and `sync_over_gloo` (and the other timings).
+
+    python benchmarks/weight_sync.py --reshard --sizes   # the resharding cells only
+
+`--reshard` adds cells that move a real model (the embedded Llama,
+`--reshard-width` wide and deep, float32) from a trainer of another layout to a
+1-proc replica, each role on a `process` job host of its own (so over Monarch
+RDMA buffers, its TCP fallback here): the trainer's owners publish their blocks
+and the replica reads each owner's block straight from it (the reshard plan),
+against gathering the model on the trainer's rank 0 (`full_tensor`, a
+collective) and the replica reading it from there. Layouts: FSDP2 over 2 procs,
+TP over 2, FSDP2 x TP over 2 x 2. Each cell (`reshard_<layout>_to_1proc`) has
+`sync_s` (publish and pull, from the controller, best of `--repeats`),
+`gather_sync_s` (gather, publish from rank 0, pull), their ratio,
+`bytes_read_over_share` (the bytes the replica proc read over the model's bytes,
+which a 1-proc replica must hold whole) and the replica's weights checked equal
+to the trainer's after each way.
 """
 
 from __future__ import annotations
@@ -241,9 +257,146 @@ def monarch_timings(total_mb: int, repeats: int, few: float) -> dict:
     return figures
 
 
+# --- resharding: a trainer of another layout to a 1-proc replica ------------------------
+
+RESHARD_LAYOUTS = {"fsdp2": ("fsdp", 2, 1), "tp2": ("tp", 2, 2), "fsdp2xtp2": ("fsdp_tp", 4, 2)}
+
+
+def reshard_model(width: int):
+    from meshrl.config import ModelConfig
+
+    return ModelConfig.sized(width, max(2, width // 64), 64)
+
+
+def _gathering_trainer():
+    """The real trainer, plus its model gathered on rank 0 (`full_tensor` of every
+    parameter, a collective) and published from there: the way to compare with."""
+    from actors.trainer import Trainer
+    from meshrl.procs.parallel import full_parameters
+
+    class Gathering(Trainer):
+        @endpoint
+        def publish_gathered(self) -> tuple[WeightHandle | None, float]:
+            started = time.perf_counter()
+            whole = {name: t.detach().clone() for name, t in full_parameters(self.model)}
+            gathered = time.perf_counter() - started
+            if self.rank != 0:
+                return None, gathered
+            self.whole = whole
+            if getattr(self, "gathered_publisher", None) is None:
+                self.gathered_publisher = WeightPublisher(
+                    None, parameters=lambda: iter(self.whole.items())
+                )
+            return self.gathered_publisher.publish(self.version), gathered
+
+        @endpoint
+        def bump(self) -> None:
+            """A new version of the same weights (nothing trains here)."""
+            self.version += 1
+
+    return Gathering
+
+
+class ReshardReplica(Actor):
+    """A 1-proc policy replica's receiver of the whole model."""
+
+    def __init__(self, width: int):
+        from meshrl.model.models import load_model
+
+        self.model = load_model(reshard_model(width), seed=1)  # other weights than the trainer's
+        self.receivers = {}
+
+    @endpoint
+    def pull(self, handle: WeightHandle, way: str) -> tuple[float, int, int]:
+        receiver = self.receivers.setdefault(way, WeightReceiver(self.model))
+        started = time.perf_counter()
+        pulled = receiver.pull(handle)
+        assert pulled.path == "rdma" and pulled.verified, (pulled.path, pulled.verified)
+        share = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return time.perf_counter() - started, pulled.rdma_bytes, share
+
+    @endpoint
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+def reshard_timings(width: int, repeats: int) -> dict:
+    from algorithms.base import HookLoss
+    from algorithms.grpo import GRPO, GRPOConfig
+    from meshrl.config import OptimConfig
+    from meshrl.procs.job import JobConfig
+    from meshrl.procs.mesh import call_all
+
+    counts = {name: procs for name, (_, procs, _) in RESHARD_LAYOUTS.items()}
+    job = JobConfig(kind="process", hosts={**dict.fromkeys(counts, 1), "replica": 1})
+    cells = {}
+    with RoleMeshes({**counts, "replica": 1}, job, threads_per_proc=1) as meshes:
+        replica = meshes.spawn("replica", "replica", ReshardReplica, width)
+        trainers = {
+            name: meshes.spawn(
+                name,
+                f"trainer_{name}",
+                _gathering_trainer(),
+                reshard_model(width),
+                OptimConfig(),
+                HookLoss(GRPO(GRPOConfig())),
+                10,
+                master=meshes.rendezvous(name),
+                sharding=sharding,
+                tp=tp,
+            )
+            for name, (sharding, _, tp) in RESHARD_LAYOUTS.items()
+        }
+        for name, trainer in trainers.items():
+
+            def direct(trainer=trainer, name=name):
+                wait(trainer.bump.call(), "bump", TIMEOUT)
+                started = time.perf_counter()
+                handles = call_all(trainer, "publish", what="publish", timeout_s=TIMEOUT)
+                handle = WeightHandle.merge(handles)
+                _, read, share = wait(replica.pull.call_one(handle, name), "pull", TIMEOUT)
+                return time.perf_counter() - started, read, share, len(handle.sources)
+
+            def gathered(trainer=trainer, name=name):
+                wait(trainer.bump.call(), "bump", TIMEOUT)
+                started = time.perf_counter()
+                answers = call_all(trainer, "publish_gathered", what="gather", timeout_s=TIMEOUT)
+                way = f"{name}_gathered"
+                _, read, share = wait(replica.pull.call_one(answers[0][0], way), "pull", TIMEOUT)
+                return time.perf_counter() - started, read, share, 1
+
+            whole = call_all(trainer, "parameters", what="params", timeout_s=TIMEOUT)[0]
+            ways = {}
+            for way, sync in (("direct", direct), ("gathered", gathered)):
+                sync()  # warm-up: slots made, buffers registered
+                ways[way] = min((sync() for _ in range(repeats)), key=lambda t: t[0])
+                got = wait(replica.parameters.call_one(), "params", TIMEOUT)
+                assert all(torch.equal(got[k], whole[k]) for k in whole), (name, way)
+            (sync_s, read, share, sources), (gather_s, gread, _, _) = (
+                ways["direct"],
+                ways["gathered"],
+            )
+            cells[f"reshard_{name}_to_1proc"] = {
+                "sync_s": round(sync_s, 4),
+                "gather_sync_s": round(gather_s, 4),
+                "sync_over_gather": round(sync_s / gather_s, 3),
+                "bytes_read_over_share": round(read / share, 4),
+                "gather_bytes_read_over_share": round(gread / share, 4),
+                "sources": sources,
+                "model_bytes": share,
+            }
+            print(f"reshard {name} -> 1 proc: {cells[f'reshard_{name}_to_1proc']}", flush=True)
+    return cells
+
+
+TIMEOUT = 600
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 500], help="MB")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[100, 500], help="MB")
+    parser.add_argument("--reshard", action="store_true", help="add the resharding cells")
+    parser.add_argument("--reshard-width", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--few", type=float, default=0.1, help="share of the tensors a 'few changed' step moves"
@@ -307,6 +460,8 @@ def main() -> int:
                 f"{d['full_s'] * 1e3:.1f} ms full, {d['delta_bytes'] / 1e6:.1f} MB in "
                 f"{d['delta_s'] * 1e3:.1f} ms delta"
             )
+    if args.reshard:
+        figures.update(reshard_timings(args.reshard_width, args.repeats))
     print(json.dumps(figures))
     return 0
 
