@@ -43,18 +43,34 @@ class Policy(Drillable, Actor):
         role_name: str = "policy",
         partial: bool = False,
         lengths: tuple[int, float, int] | None = None,
+        tp: int = 1,
+        masters: list[tuple[str, int]] | None = None,
+        leader: bool = True,
     ):
         """`context`: prompt + completion tokens the engine must hold (vllm).
         `shm_prefix`: names this replica's shared-memory files when it relays
         weights (the run's, so the run removes them even if the proc dies).
         `role_name`: its role, by which its `PolicyStream` finds it (`policy.continuous`).
         `partial` (`rollout.partial`): a weight pull does not wait for the rows under way.
-        `lengths`: each row's exact length, drawn from its seed (`faults.completion_lengths`)."""
+        `lengths`: each row's exact length, drawn from its seed (`faults.completion_lengths`).
+        `tp` > 1 (`placement.policy_tp`): this replica's model is split over `tp` procs
+        with tensor parallelism: a `leader` (the proc the controller calls, rank i of
+        its role) and `tp - 1` followers (procs of the role `<role>_tp`, which
+        `follow` hands it), meeting at `masters[i]` (`RoleMeshes.rendezvous_each`).
+        The leader runs each call on its followers too, with the same seeds: every
+        proc computes the same logits, so samples the same tokens."""
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
         if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: weights.publisher)
             self.model.to(getattr(torch, policy_cfg.dtype))
+        self.followers = None  # a tensor-parallel leader's: `follow`
+        if tp > 1:
+            from meshrl.procs.parallel import data_parallel
+
+            rank = proc_rank()
+            group, tp_rank = (rank, 0) if leader else (rank // (tp - 1), 1 + rank % (tp - 1))
+            data_parallel(self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp)
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id = tokenizer.pad_token_id
         # One stop set for every engine: the tokenizer's EOS and the model's own.
@@ -112,8 +128,10 @@ class Policy(Drillable, Actor):
         started = time.perf_counter()
         ids, mask = left_padded(prompt_ids, self.pad_id)
         stats: dict = {}
-        if self.lengths is not None and seeds is None:  # the drill draws lengths from seeds
+        # The drill draws lengths from seeds; a tensor-parallel group samples by them alike.
+        if seeds is None and (self.lengths is not None or self.followers is not None):
             seeds = self.draw_seeds(len(prompt_ids))
+        following = self._lead("generate", prompt_ids, generation, seeds, images, False)
         # (A call beside the running batch, e.g. evaluation's: it runs between its steps.)
         with self.continuous.paused() if self.continuous else contextlib.nullcontext():
             tokens, logprobs, completion_mask = self.engine.generate(
@@ -127,6 +145,7 @@ class Policy(Drillable, Actor):
                 None if images is None else tuple(t.to(self.device) for t in images),
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
             )
+        self._followed(following, "generate")
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:
             record("policy/batch_occupancy", stats["occupancy"], "mean")
@@ -149,6 +168,27 @@ class Policy(Drillable, Actor):
             for key, (value, reduce) in completions.policy_metrics().items():
                 record(key, value, reduce)
         return completions
+
+    @endpoint
+    def follow(self, followers) -> None:
+        """The other procs of this tensor-parallel replica (a slice of `Policy`s
+        of the role `<role>_tp`): from now on each call that runs the model or
+        moves its weights runs on them too."""
+        self.followers = followers
+
+    def _lead(self, endpoint_name: str, *args):
+        """The same call on this leader's followers, under way (None: none)."""
+        if self.followers is None:
+            return None
+        return getattr(self.followers, endpoint_name).call(*args)
+
+    def _followed(self, pending, what: str) -> None:
+        """Wait for the followers' part of a call (`_lead`): an error there is this
+        call's error."""
+        if pending is not None:
+            from meshrl.procs.mesh import wait
+
+            wait(pending, f"{self.weights.owner}'s tensor-parallel followers: {what}", 600)
 
     def check_serving(self) -> None:
         """The weights served are one whole version, still in place."""
@@ -234,7 +274,9 @@ class Policy(Drillable, Actor):
         replicas can pull it from this one (a relay)."""
         skip = self.armed("skip_pull")
         if self.continuous is None:
+            following = self._lead("load_weights", handle, False, timeout_s)
             pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
+            self._followed(following, "load_weights")
             self.engine.weights_changed()
             return pulled
         if not self.partial:  # every row is sampled by one version
@@ -269,8 +311,13 @@ class Policy(Drillable, Actor):
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of every parameter (for inspection and tests)."""
-        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        """A CPU copy of every parameter, whole (for inspection and tests)."""
+        from meshrl.procs.parallel import full_parameters
+
+        following = self._lead("parameters")
+        whole = {name: p.detach().cpu().clone() for name, p in full_parameters(self.model)}
+        self._followed(following, "parameters")
+        return whole
 
 
 _streams: dict[str, Policy] = {}  # this proc's replicas by role (`Policy(role_name=...)`)

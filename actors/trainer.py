@@ -3,9 +3,11 @@ publishes weights by version.
 
 With `placement.sharding=ddp` every proc of the trainer mesh holds a full
 replica and gradients are averaged through DDP; with `fsdp` parameters,
-gradients and optimizer state are sharded over the procs (FSDP2) and
-checkpoints are written shard by shard (torch.distributed.checkpoint). Either
-way torch.distributed runs gloo on CPU, NCCL on GPU. The loss is the
+gradients and optimizer state are sharded over the procs (FSDP2); `tp` and
+`fsdp_tp` split the decoder's linear layers with tensor parallelism (and FSDP2
+over groups of it): meshrl/procs/parallel.py. Every layout but ddp writes
+checkpoints shard by shard (torch.distributed.checkpoint). torch.distributed
+runs gloo on CPU, NCCL on GPU. The loss is the
 algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
 given at construction, so this actor has no algorithm branches.
 
@@ -45,6 +47,7 @@ from meshrl.procs.parallel import (
     save_sharded,
     shutdown,
 )
+from meshrl.procs.reshard import replica_parts
 from meshrl.types import TrainBatch
 from meshrl.weights.peer_state import PeerState
 from meshrl.weights.publisher import WeightHandle, WeightPublisher
@@ -70,16 +73,22 @@ class Trainer(PeerState, Drillable, Actor):
         layout: str = "padded",
         routing_replay: bool = False,
         tp: int = 1,
+        replica_tp: int = 1,
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
         meshrl.model.packing). `routing_replay` (MoE models): a batch's recorded routes
-        are replayed in its forwards, not only measured (meshrl.model.routing)."""
+        are replayed in its forwards, not only measured (meshrl.model.routing).
+        `sharding` and `tp`: the layout over this mesh's procs (`placement.sharding`,
+        meshrl.procs.parallel). `replica_tp`: procs per policy replica
+        (`placement.policy_tp`); the weights are published in the parts each of
+        their procs holds (meshrl.procs.reshard)."""
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
         self.device = device_for_this_proc()
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
+        split = replica_parts(self.model, replica_tp) if replica_tp > 1 else None
         if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
             frozen = None if model_cfg.vision.train else FROZEN_VISION  # no adapters there
             self.model = lora.wrap(self.model, model_cfg.lora, seed, frozen)
@@ -111,6 +120,7 @@ class Trainer(PeerState, Drillable, Actor):
                 shm_prefix,
                 parameters=self.served_parameters,
                 owns_whole=self.rank == 0,
+                split=split,
             )
             if owns
             else None

@@ -36,7 +36,7 @@ from meshrl.loop.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - Non
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import mismatch_metrics, mismatch_weights
 from meshrl.model.tokenizer import context_length, load_tokenizer, vision_format
-from meshrl.procs.mesh import RemoteCallError
+from meshrl.procs.mesh import RemoteCallError, wait
 from meshrl.types import Completions, TrainBatch
 
 DROP_REASONS = ("stale", "trainer_rewind")
@@ -83,6 +83,8 @@ class Algorithm:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         start_from(cfg.model, "model.path")
+        if getattr(cfg.placement, "policy_tp", 1) > 1:  # its replicas' procs form groups
+            self.elastic = tuple(role for role in self.elastic if role != "policy")
         self.state = LoopState(seed=cfg.run.seed)
         self.meshes: Any = None  # the `Run`, once spawned
         self.ready = False  # the meshes spawned and set up (`steps` says so)
@@ -166,6 +168,7 @@ class Algorithm:
             seed=cfg.run.seed if seed is None else seed,
             sharding=cfg.placement.sharding,
             tp=cfg.placement.trainer_tp,
+            replica_tp=cfg.placement.policy_tp,
             shm_prefix=shm_prefix or run.shm_prefix,
             micro_batches=cfg.trainer.micro_batches,
             layout=cfg.trainer.layout,
@@ -185,18 +188,26 @@ class Algorithm:
 
         cfg = self.cfg
         rollout = getattr(cfg, "rollout", None)
-        policy = run.spawn(
-            role,
-            Policy,
-            cfg.model,
-            cfg.run.seed if seed is None else seed,
-            cfg.policy,
-            self.context,
-            shm_prefix or run.shm_prefix,
+        # Tensor-parallel replicas: where the run gave the role its followers' procs.
+        tp = cfg.placement.policy_tp if run.meshes.counts.get(f"{role}_tp") else 1
+        masters = run.meshes.rendezvous_each(role) if tp > 1 else None
+        args = (cfg.model, cfg.run.seed if seed is None else seed, cfg.policy, self.context)
+        kwargs = dict(
             role_name=role,
             partial=bool(rollout and rollout.partial),
             lengths=cfg.faults.lengths() if getattr(cfg, "faults", None) else None,
+            tp=tp,
+            masters=masters,
         )
+        policy = run.spawn(role, Policy, *args, shm_prefix or run.shm_prefix, **kwargs)
+        if tp > 1:
+            followers = run.spawn(
+                f"{role}_tp", Policy, *args, shm_prefix or run.shm_prefix, **kwargs, leader=False
+            )
+            run.meshes.grouped_roles |= {role, f"{role}_tp"}
+            for i in range(policy.size):
+                group = followers.actors.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
+                wait(policy.slice(procs=i).follow.call_one(group), f"{role}.follow", 600)
         if cfg.policy.continuous and rollout is not None and rollout.dispatch == "pull":
             # The running batch's endpoint, on the same procs: the pull queue's calls.
             policy.stream = run.spawn(f"{role}_stream", PolicyStream, role, share=role)
@@ -312,15 +323,18 @@ class Algorithm:
         procs = {"trainer": cfg.placement.trainer, "environment": cfg.placement.environment}
         if not cfg.placement.colocate:
             procs["policy"] = cfg.placement.policy
+        if cfg.placement.policy_tp > 1:  # each replica's other tensor-parallel procs
+            procs["policy_tp"] = cfg.placement.policy * (cfg.placement.policy_tp - 1)
         if cfg.kl_coef > 0:
             procs["reference"] = cfg.placement.reference
         if cfg.reward_model.path:
             procs["reward_model"] = cfg.placement.reward_model
         if cfg.eval.every and cfg.eval.mesh:
             procs["eval"] = cfg.eval.procs
-        busy = [(role,) for role in procs]
+        sampler = ("policy", "policy_tp") if "policy_tp" in procs else ("policy",)
+        busy = [(role,) for role in procs if role != "policy_tp"] + [sampler]
         if cfg.max_staleness:
-            busy.append(("policy", "trainer"))
+            busy.append((*sampler, "trainer"))
         if "eval" in procs:  # it samples while the next step trains
             busy.append(("eval", "trainer"))
         return procs, {"policy": "trainer"} if cfg.placement.colocate else {}, busy
@@ -358,7 +372,8 @@ class Algorithm:
             collector=self.collector,
         )
         self.ckpt.recover = sup.recover
-        sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        if cfg.placement.policy_tp == 1:  # (a tensor-parallel group is lost whole: RoleLost)
+            sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
         if getattr(policy, "stream", None) is not None:
             sup.on_respawn(policy.stream.name)  # it finds the new replica on its proc
         self.heal_from_peers(trainer, sync)

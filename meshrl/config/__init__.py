@@ -293,6 +293,11 @@ class PlacementConfig:
     torch.distributed.checkpoint. The critic runs ddp."""
     tp: int = 2
     """fsdp_tp only: procs per tensor-parallel group; it divides `trainer`."""
+    policy_tp: int = 1
+    """Procs per policy replica: above 1, each replica's model is split over that
+    many procs with tensor parallelism (the trainer's plan, `sharding`), for a
+    model that one proc cannot hold; `policy` counts replicas. The `hf` engine's
+    batch path only (not `policy.continuous`, vllm or `colocate`)."""
 
     def validate(self) -> None:
         roles = ("policy", "trainer", "environment", "reference", "critic", "reward_model")
@@ -303,6 +308,12 @@ class PlacementConfig:
             self.sharding in SHARDINGS,
             "placement.sharding",
             f"'{self.sharding}' is not one of {', '.join(SHARDINGS)}",
+        )
+        _check(self.policy_tp >= 1, "placement.policy_tp", "must be >= 1")
+        _check(
+            self.policy_tp == 1 or not self.colocate,
+            "placement.policy_tp",
+            "tensor-parallel replicas have procs of their own (placement.colocate=false)",
         )
         if self.sharding == "fsdp_tp":
             _check(
@@ -523,8 +534,12 @@ def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
         "model.lora.rank",
         f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
     )
-    tp = placement.trainer_tp
-    if tp == 1:
+    checks = [("placement.policy_tp", placement.policy_tp)]
+    if placement.trainer_tp > 1:
+        key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
+        checks.append((key, placement.trainer_tp))
+    checks = [(key, tp) for key, tp in checks if tp > 1]
+    if not checks:
         return
     from meshrl.procs.tensor_parallel import refusal
 
@@ -547,9 +562,14 @@ def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
             config = AutoConfig.from_pretrained(model.path)
         except (OSError, ValueError):  # a run directory: the trainer checks when it loads
             return
-    key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
-    why = refusal(config, tp, key)
-    _check(why is None, "placement.sharding", f"{placement.sharding}: {why}")
+    for key, tp in checks:
+        why = refusal(config, tp, key)
+        where = "placement.policy_tp" if key == "placement.policy_tp" else "placement.sharding"
+        _check(
+            why is None,
+            where,
+            why if where != "placement.sharding" else f"{placement.sharding}: {why}",
+        )
 
 
 # --- loading ---------------------------------------------------------------------

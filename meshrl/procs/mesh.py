@@ -294,6 +294,9 @@ class RoleMeshes:
         theirs), for the pid watch on this machine (`meshrl.procs.pool.Detector`)."""
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.process_group_roles: set[str] | None = None
+        self.grouped_roles: set[str] = set()
+        """Roles whose procs, however few, joined a process group (a tensor-parallel
+        policy replica's leader and followers): never pooled for reuse."""
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
         are never pooled); None: unknown, so only single-proc meshes are."""
         self.elastic = set(elastic) & set(self.counts)
@@ -339,6 +342,8 @@ class RoleMeshes:
         if proc_pool.pool is None or self.job_cfg.kind != "local" or self.observe:
             return None
         if count > 1 and (self.process_group_roles is None or role in self.process_group_roles):
+            return None
+        if role in self.grouped_roles:  # a process group with another role's procs
             return None
         return (threads, count, device_offset, self.job_cfg.fork_server)
 
@@ -539,6 +544,16 @@ class RoleMeshes:
         loopback = self.job_cfg.kind in ("local", "process")
         answer = probe.slice(procs=0).address.call_one(loopback)
         return tuple(wait(answer, f"{role}.rendezvous", timeout_s))
+
+    def rendezvous_each(self, role: str, timeout_s: float = 60.0) -> list[tuple[str, int]]:
+        """`rendezvous` on every proc of `role`: one store per proc, for process
+        groups that each proc leads (a tensor-parallel policy replica's)."""
+        from meshrl.procs.parallel import Rendezvous
+
+        probe = self.spawn(role, "rendezvous_each", Rendezvous)
+        loopback = self.job_cfg.kind in ("local", "process")
+        answers = wait(probe.address.call(loopback), f"{role}.rendezvous", timeout_s)
+        return [tuple(address) for _, address in answers.items()]
 
     def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
         """Stop `role`'s actors and give its procs to the pool, if they are poolable

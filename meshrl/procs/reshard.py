@@ -136,3 +136,19 @@ def plan(
 def relative(inner: Block, outer: Block) -> tuple[slice, ...]:
     """`inner`'s index within a tensor that holds `outer` (inner ⊆ outer)."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer, strict=True))
+
+
+def replica_parts(model, tp: int):
+    """`split` for a `WeightPublisher` whose replicas are tensor-parallel over
+    `tp` procs: per parameter of `model` (by its HF name), the blocks those procs
+    hold, by the model's tp plan (`meshrl.procs.tensor_parallel`)."""
+    from meshrl.procs.tensor_parallel import parameter_styles
+
+    styles = parameter_styles(model)
+    layout = Layout(tp=tp)
+
+    def parts(name: str, shape: tuple[int, ...]) -> list[Block]:
+        style = styles.get(name, "replicate")
+        return [block(layout, rank, shape, style) for rank in range(tp)]
+
+    return parts

@@ -33,6 +33,10 @@ def refusal(config, tp: int, key: str = "placement.tp") -> str | None:
     text = _text_config(config)
     plan = getattr(text, "base_model_tp_plan", None) or {}
     kind = getattr(text, "model_type", "?")
+    if getattr(config, "vision_config", None) is not None:
+        return (
+            f"{key}: vision-language models ({config.model_type}) are not split (text models only)"
+        )
     if not plan:
         return f"{key}: model type '{kind}' has no tensor-parallel plan (llama, mistral, qwen2, qwen3 and gemma2 have)"
     other = sorted({style for style in plan.values() if style not in SUPPORTED})

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from meshrl.procs.mesh import HOST_TAG_ENV, debugging
+from meshrl.procs.reshard import Block, intersect, relative
 from meshrl.weights.checksum import copy_summed
 
 HEADER_BYTES = 64
@@ -250,25 +251,40 @@ class WeightPublisher:
         rdma: bool = True,
         parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
         owns_whole: bool = True,
+        split: Callable[[str, tuple[int, ...]], list[Block]] | None = None,
     ):
         """`parameters` gives the (name, tensor) pairs to publish, called at each
         publish (default: the model's parameters; LoRA: the merged weights).
         `owns_whole`: this proc publishes the parameters it holds whole (plain
-        tensors); a DTensor's block is published by its owner (`_local_piece`)."""
+        tensors); a DTensor's block is published by its owner (`_local_piece`).
+        `split(name, shape)`: the blocks the replicas' procs hold (tensor-parallel
+        replicas, `meshrl.procs.reshard.block`); each owned block is laid out as its
+        parts within them, each part contiguous, so a replica proc reads exactly
+        the parts it holds. None: one piece per owned block."""
         from torch.distributed.tensor import DTensor
 
         source = parameters or model.named_parameters
         self.pieces, offset, published = [], 0, set()
+        self._cuts: list[tuple[slice, ...]] = []  # each piece's part of its local block
         for name, param in source():
             local, start, owned = _local_piece(name, param)
             if not (owned if isinstance(param, DTensor) else owns_whole):
                 continue
-            piece = ParamPiece(
-                name, offset, tuple(local.shape), local.dtype, start, tuple(param.shape)
-            )
-            self.pieces.append(piece)
+            mine = tuple((a, a + n) for a, n in zip(start, local.shape, strict=True))
+            parts = []
+            for theirs in split(name, tuple(param.shape)) if split else [mine]:
+                common = intersect(mine, theirs)
+                if common is not None and common not in parts:
+                    parts.append(common)
+            for part in parts or [mine]:  # (an empty shard: one empty piece)
+                shape = tuple(b - a for a, b in part)
+                start = tuple(a for a, _ in part)
+                piece = ParamPiece(name, offset, shape, local.dtype, start, tuple(param.shape))
+                self.pieces.append(piece)
+                self._cuts.append(relative(part, mine))
+                offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
             published.add(name)
-            offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
+        self.split = split is not None
         self.data_bytes = offset
         self.parameters = lambda: ((n, p) for n, p in source() if n in published)
         prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -317,9 +333,16 @@ class WeightPublisher:
         last_sequence, in_slot = self.held_sequence[1 - slot], self.held_sequence[slot]
         self.held[slot] = self.held_sequence[slot] = None
         self.header(slot).fill_(2 * version + 1)  # writing
-        for i, (piece, (_, param)) in enumerate(zip(self.pieces, self.parameters(), strict=True)):
-            local, _, _ = _local_piece(piece.name, param)
-            source = _as_bytes(local)
+        blocks: dict[str, torch.Tensor] = {}
+        params = self.parameters()
+        for i, (piece, cut) in enumerate(zip(self.pieces, self._cuts, strict=True)):
+            while piece.name not in blocks:
+                name, param = next(params)
+                blocks = {name: _local_piece(name, param)[0]}
+            part = blocks[piece.name][cut]
+            if not part.is_contiguous():  # a block of columns: its rows gathered once
+                part = part.contiguous()
+            source = _as_bytes(part)
             if source.device != last.device:
                 # A GPU trainer's piece: copied to the host once, then compared with
                 # the slot (torch.equal needs both on one device) and written from there.
@@ -346,7 +369,7 @@ class WeightPublisher:
         self.header(slot).fill_(2 * version + 2)  # complete
         self.held[slot], self.held_sequence[slot] = version, self.sequence
         self.next_slot = 1 - slot
-        self._register(delta)
+        self._register(delta or self.split)
         source = WeightSource(
             self.host,
             self.paths,
@@ -358,7 +381,7 @@ class WeightPublisher:
             slot,
             self.sequence,
             list(self.changed_at) if delta else None,
-            self._piece_buffers if delta else None,
+            self._piece_buffers if delta or self.split else None,
         )
         return WeightHandle(version, [source])
 

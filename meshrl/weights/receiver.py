@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.procs.reshard import relative
+from meshrl.procs.reshard import Block, intersect, relative
 from meshrl.weights.checksum import checksum, copy_summed
 from meshrl.weights.publisher import (
     HEADER_BYTES,
@@ -22,10 +22,17 @@ from meshrl.weights.publisher import (
     WeightPublisher,
     WeightSource,
     _as_bytes,
+    _local_piece,
     _map_file,
     host_id,
     without_cuda_probe_line,
 )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 @dataclass
@@ -67,6 +74,16 @@ class WeightReceiver:
         self.zero_copy = zero_copy
         self.partial = prefix is not None
         self.params = {f"{prefix or ''}{n}": p for n, p in model.named_parameters()}
+        # The block of each parameter held here: all of it, or a tensor-parallel
+        # replica's part (a DTensor's local block); only the pieces in it are read.
+        self.held: dict[str, Block] = {}
+        for name, param in self.params.items():
+            local, start, _ = _local_piece(name, param)
+            self.held[name] = tuple((a, a + n) for a, n in zip(start, local.shape, strict=True))
+        self.whole = all(
+            block == tuple((0, n) for n in self.params[name].shape)
+            for name, block in self.held.items()
+        )
         self.owner = "replica"  # named in errors; actors set their role and rank
         self.version = -1
         self.torn = False
@@ -174,6 +191,7 @@ class WeightReceiver:
         return (
             self.zero_copy
             and param is not None
+            and not _is_dtensor(param)
             and piece.shape == piece.full_shape == tuple(param.shape)
             and param.dtype == piece.dtype
             and param.device.type == "cpu"
@@ -211,16 +229,24 @@ class WeightReceiver:
         part of its parameter that the piece's block is (this receiver holds whole
         parameters: it reads every owner's block whole)."""
         param = self.params.get(piece.name)
-        if param is None:
+        common = self._overlap(piece)
+        if common is None:
             return None
-        return param.data[relative(piece.block, tuple((0, n) for n in param.shape))]
+        local = param.to_local() if _is_dtensor(param) else param.data
+        return local[relative(common, self.held[piece.name])]
+
+    def _overlap(self, piece: ParamPiece) -> Block | None:
+        """The part of `piece` this receiver holds (`reshard.intersect`); None: none."""
+        if piece.name not in self.params:
+            return None
+        return intersect(piece.block, self.held[piece.name])
 
     def serve(
         self, shm_prefix: str | None = None, verify: bool = True, delta: bool = False
     ) -> WeightHandle:
         """Publish the version this replica holds from its own slots (a relay),
         with checksums of what it holds when `verify`."""
-        if self.partial:
+        if self.partial or not self.whole:
             raise ValueError("a receiver of part of the model cannot relay the whole")
         if self.torn:
             raise TornWeights("this replica holds no complete version to relay")
@@ -283,11 +309,13 @@ class WeightReceiver:
             target = self._target(piece)
             if target is None:
                 continue
-            if target.dtype == piece.dtype and target.is_contiguous():
+            common = self._overlap(piece)
+            if common == piece.block and target.dtype == piece.dtype and target.is_contiguous():
                 summed = copy_summed(_as_bytes(target), published, self._summed)
-            else:  # its own dtype, or a block of columns: the bytes checked as they came
+            else:  # its own dtype, a block of columns, a part: the bytes checked as they came
                 summed = copy_summed(published, None, self._summed)
-                target.copy_(published.view(piece.dtype).view(piece.shape))
+                whole = published.view(piece.dtype).view(piece.shape)
+                target.copy_(whole[relative(common, piece.block)])
             self._held[key] = summed
             moved += piece.num_bytes
         if torn_check and int(header.item()) != 2 * version + 2:
@@ -314,7 +342,12 @@ class WeightReceiver:
             if i not in self._staging or self._staging[i].numel() != size:
                 self._staging[i] = torch.empty(size, dtype=torch.uint8, device=device)
             staging = self._staging[i]
-            unchanged = self._unchanged(source, lineage)
+            changed = self._unchanged(source, lineage)
+
+            def unchanged(j: int, source=source, changed=changed) -> bool:
+                """Not to be read: unchanged since the version held, or not held here."""
+                return changed(j) or self._overlap(source.pieces[j]) is None
+
             partial = source.piece_buffers is not None and not self._views
             if not partial or not any(unchanged(j) for j in range(len(source.pieces))):
                 action.read_remote(staging, source.buffers[source.slot])

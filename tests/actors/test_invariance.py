@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from actors.critic import Critic
+from actors.policy import Policy
 from actors.trainer import Trainer
 from algorithms.base import HookLoss
 from algorithms.dpo import DPO, DPOConfig
@@ -71,7 +72,18 @@ def meshes():
     """Trainers: 1 proc, padded; 2 procs DDP with 2 micro-batches, tree; 2 procs
     FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py). Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
     with 2 micro-batches, tree."""
-    meshes = RoleMeshes({"one": 1, "ddp": 2, "fsdp": 2, "critic": 2, "tp": 2, "fsdp_tp": 4})
+    meshes = RoleMeshes(
+        {
+            "one": 1,
+            "ddp": 2,
+            "fsdp": 2,
+            "critic": 2,
+            "tp": 2,
+            "fsdp_tp": 4,
+            "replica": 1,
+            "replica_tp": 1,
+        }
+    )
     optim = OptimConfig(lr=1e-2)
     try:
 
@@ -97,12 +109,19 @@ def meshes():
         spawned = {
             "one": trainer("one", layout="padded"),
             "ddp": trainer("ddp", micro_batches=2, layout="tree"),
-            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree"),
-            "tp": trainer("tp", sharding="tp", tp=2, layout="tree"),
+            "fsdp": trainer("fsdp", sharding="fsdp", layout="tree", replica_tp=2),
+            "tp": trainer("tp", sharding="tp", tp=2, layout="tree", replica_tp=2),
             "fsdp_tp": trainer("fsdp_tp", sharding="fsdp_tp", tp=2, micro_batches=2),
             "critic_one": critic("one", layout="padded"),
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }
+        # A policy replica split over 2 procs (leader and follower), and one of 1 proc.
+        masters = meshes.rendezvous_each("replica")
+        kwargs = dict(tp=2, masters=masters)
+        spawned["replica"] = meshes["replica"].spawn("replica", Policy, MODEL, **kwargs)
+        follower = meshes["replica_tp"].spawn("follower", Policy, MODEL, **kwargs, leader=False)
+        call_all(spawned["replica"], "follow", follower, what="follow", timeout_s=TIMEOUT)
+        spawned["replica_one"] = meshes["one"].spawn("replica_one", Policy, MODEL)
         for name, actors in spawned.items():
             call_all(actors, "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
         yield spawned
@@ -225,3 +244,47 @@ def test_tensor_parallel_steps_end_where_one_proc_does_and_sync_whole_weights(me
         assert pulled.verified
         for key, param in model.named_parameters():
             assert torch.equal(param.detach(), whole[key]), (name, key)
+
+
+def test_a_tensor_parallel_replica_reads_its_share_and_samples_the_one_proc_tokens(meshes):
+    """An FSDP2 trainer of 2 procs publishes its row blocks in the parts a TP2
+    replica's procs hold (a row block of a row-split layer in two column parts):
+    the replica's leader copies its half of each split parameter and no more,
+    and, with the same seeds, samples the tokens a 1-proc replica of the same
+    version samples."""
+    from meshrl.config import GenerationConfig
+    from meshrl.model.models import load_model
+    from meshrl.procs.tensor_parallel import parameter_styles
+    from meshrl.weights.publisher import WeightHandle
+
+    trainer = meshes["fsdp"]
+    call_all(trainer, "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
+    batch = fixed_batch()
+    call_each(trainer, "train_step", [(batch.shard(i, 2),) for i in range(2)], "step", TIMEOUT)
+    handle = WeightHandle.merge(call_all(trainer, "publish", what="pub", timeout_s=TIMEOUT))
+    pulled = call_all(meshes["replica"], "load_weights", handle, what="pull", timeout_s=TIMEOUT)[0]
+    call_all(meshes["replica_one"], "load_weights", handle, what="pull", timeout_s=TIMEOUT)
+    assert pulled.verified and pulled.version == handle.version
+    model = load_model(MODEL)
+    styles = parameter_styles(model)
+    share = sum(  # half of each split parameter; the rest whole (FSDP's halves: copied)
+        p.numel() * p.element_size() // (1 if styles[name] == "replicate" else 2)
+        for name, p in model.named_parameters()
+    )
+    assert pulled.bytes_moved == share
+    trained = call_all(trainer, "parameters", what="fsdp", timeout_s=TIMEOUT)[0]
+    whole = call_all(meshes["replica"], "parameters", what="replica", timeout_s=TIMEOUT)[0]
+    assert all(torch.equal(whole[k], trained[k]) for k in trained)
+
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    generation = GenerationConfig(max_new_tokens=10)
+    seeds = [101, 202, 303]
+    got = call_all(
+        meshes["replica"], "generate", prompts, generation, seeds, what="gen", timeout_s=TIMEOUT
+    )[0]
+    want = call_all(
+        meshes["replica_one"], "generate", prompts, generation, seeds, what="gen", timeout_s=TIMEOUT
+    )[0]
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask)
+    assert (got.logprobs - want.logprobs).abs().max() < 1e-5

@@ -82,6 +82,12 @@ def test_saved_config_loads_back_identically(tmp_path):
             "placement.trainer=4",
         ),
         (["placement.sharding=fsdp_tp", "placement.trainer=4", "placement.tp=3"], "placement.tp"),
+        (["placement.policy_tp=3"], "placement.policy_tp"),  # 4 heads
+        (["placement.policy_tp=2", "model.arch=gpt2"], "placement.policy_tp"),
+        (["placement.policy_tp=2", "placement.colocate=true"], "placement.policy_tp"),
+        (["placement.policy_tp=2", "policy.continuous=true"], "policy.continuous"),
+        (["placement.policy_tp=2", "placement.policy=3"], "weights.fanout"),
+        (["placement.policy_tp=2", "pool.schedule=[policy=2@3]"], "pool.schedule"),
         (["policy.engine=trt"], "policy.engine"),
         (["trainer.correction=magic"], "trainer.correction"),
         (["trainer.correction=icepop", "trainer.correction_low=6"], "trainer.correction_low"),
