@@ -31,23 +31,25 @@ Prints a table, then one JSON object whose keys are the sizes, each with
     python benchmarks/weight_sync.py --reshard --sizes   # the resharding cells only
 
 `--reshard` adds cells that move a real model (the embedded Llama,
-`--reshard-width` wide and deep, float32) from a trainer of another layout to a
-1-proc replica, each role on a `process` job host of its own (so over Monarch
-RDMA buffers, its TCP fallback here): the trainer's owners publish their blocks
-and the replica reads each owner's block straight from it (the reshard plan),
-against gathering the model on the trainer's rank 0 (`full_tensor`, a
-collective) and the replica reading it from there. Layouts: FSDP2 over 2 procs,
-TP over 2, FSDP2 x TP over 2 x 2. Each cell (`reshard_<layout>_to_1proc`) has
-`sync_s` (publish and pull, from the controller, best of `--repeats`),
-`gather_sync_s` (gather, publish from rank 0, pull), their ratio,
-`bytes_read_over_share` (the bytes the replica proc read over the model's bytes,
-which a 1-proc replica must hold whole) and the replica's weights checked equal
-to the trainer's after each way.
+`--reshard-width` wide and deep, float32) from a trainer of one layout to a
+replica of another, each role on a `process` job host of its own (so over
+Monarch RDMA buffers, its TCP fallback here): the trainer's owners publish their
+blocks in the parts the replicas' procs hold and each replica proc reads its
+parts straight from their owners (the reshard plan), against gathering the
+model on the trainer's rank 0 (`full_tensor`, a collective) and the replica
+reading it from there. Trainers: FSDP2 over 2 procs, TP over 2, FSDP2 x TP over
+2 x 2; replicas: 1 proc, TP over 2. Each cell
+(`reshard_<trainer>_to_<replica>`) has `sync_s` (publish and every replica
+proc's pull, from the controller, best of `--repeats`), `gather_sync_s`
+(gather, publish from rank 0, pull), their ratio, `bytes_read_over_share` (the
+most any replica proc read over RDMA, over the bytes it holds) and the
+replica's weights checked equal to the trainer's after each way.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -257,9 +259,10 @@ def monarch_timings(total_mb: int, repeats: int, few: float) -> dict:
     return figures
 
 
-# --- resharding: a trainer of another layout to a 1-proc replica ------------------------
+# --- resharding: a trainer of one layout to replicas of another -----------------------
 
 RESHARD_LAYOUTS = {"fsdp2": ("fsdp", 2, 1), "tp2": ("tp", 2, 2), "fsdp2xtp2": ("fsdp_tp", 4, 2)}
+REPLICA_TP = 2  # the tensor-parallel replica's procs
 
 
 def reshard_model(width: int):
@@ -270,9 +273,11 @@ def reshard_model(width: int):
 
 def _gathering_trainer():
     """The real trainer, plus its model gathered on rank 0 (`full_tensor` of every
-    parameter, a collective) and published from there: the way to compare with."""
+    parameter, a collective) and published from there: the way to compare with.
+    Rank 0 lays it out in the parts the tensor-parallel replicas' procs hold too."""
     from actors.trainer import Trainer
     from meshrl.procs.parallel import full_parameters
+    from meshrl.procs.reshard import replica_parts
 
     class Gathering(Trainer):
         @endpoint
@@ -285,7 +290,9 @@ def _gathering_trainer():
             self.whole = whole
             if getattr(self, "gathered_publisher", None) is None:
                 self.gathered_publisher = WeightPublisher(
-                    None, parameters=lambda: iter(self.whole.items())
+                    None,
+                    parameters=lambda: iter(self.whole.items()),
+                    split=replica_parts(self.model, REPLICA_TP),
                 )
             return self.gathered_publisher.publish(self.version), gathered
 
@@ -298,26 +305,41 @@ def _gathering_trainer():
 
 
 class ReshardReplica(Actor):
-    """A 1-proc policy replica's receiver of the whole model."""
+    """A policy replica's receivers: of 1 proc (the whole model), or one proc of a
+    tensor-parallel replica (`master` given: its blocks)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, tp: int = 1, master: tuple[str, int] | None = None):
+        from monarch.actor import current_rank
+
         from meshrl.model.models import load_model
+        from meshrl.procs.parallel import data_parallel
 
         self.model = load_model(reshard_model(width), seed=1)  # other weights than the trainer's
+        if tp > 1:
+            rank = current_rank().rank
+            data_parallel(self.model, torch.device("cpu"), rank, tp, master, None, "tp", tp)
         self.receivers = {}
 
     @endpoint
     def pull(self, handle: WeightHandle, way: str) -> tuple[float, int, int]:
+        """Seconds, bytes read over RDMA, and this proc's share (the bytes it holds)."""
         receiver = self.receivers.setdefault(way, WeightReceiver(self.model))
         started = time.perf_counter()
         pulled = receiver.pull(handle)
         assert pulled.path == "rdma" and pulled.verified, (pulled.path, pulled.verified)
-        share = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        share = sum(
+            t.numel() * t.element_size()
+            for _, t in (
+                (n, getattr(p, "_local_tensor", p)) for n, p in self.model.named_parameters()
+            )
+        )
         return time.perf_counter() - started, pulled.rdma_bytes, share
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        from meshrl.procs.parallel import full_parameters
+
+        return {n: p.detach().clone() for n, p in full_parameters(self.model)}
 
 
 def reshard_timings(width: int, repeats: int) -> dict:
@@ -328,10 +350,22 @@ def reshard_timings(width: int, repeats: int) -> dict:
     from meshrl.procs.mesh import call_all
 
     counts = {name: procs for name, (_, procs, _) in RESHARD_LAYOUTS.items()}
-    job = JobConfig(kind="process", hosts={**dict.fromkeys(counts, 1), "replica": 1})
+    targets = {"1proc": 1, f"tp{REPLICA_TP}": REPLICA_TP}
+    roles = {**counts, **{f"replica_{t}": n for t, n in targets.items()}}
+    job = JobConfig(kind="process", hosts=dict.fromkeys(roles, 1))
     cells = {}
-    with RoleMeshes({**counts, "replica": 1}, job, threads_per_proc=1) as meshes:
-        replica = meshes.spawn("replica", "replica", ReshardReplica, width)
+    with RoleMeshes(roles, job, threads_per_proc=1) as meshes:
+        replicas = {
+            t: meshes.spawn(
+                f"replica_{t}",
+                "replica",
+                ReshardReplica,
+                width,
+                n,
+                meshes.rendezvous(f"replica_{t}") if n > 1 else None,
+            )
+            for t, n in targets.items()
+        }
         trainers = {
             name: meshes.spawn(
                 name,
@@ -344,48 +378,57 @@ def reshard_timings(width: int, repeats: int) -> dict:
                 master=meshes.rendezvous(name),
                 sharding=sharding,
                 tp=tp,
+                replica_tp=REPLICA_TP,
             )
             for name, (sharding, _, tp) in RESHARD_LAYOUTS.items()
         }
-        for name, trainer in trainers.items():
 
-            def direct(trainer=trainer, name=name):
+        def pull(replica, handle, way: str) -> tuple[int, int]:
+            """Every proc of the replica pulls: the most any read, over its share."""
+            answers = call_all(replica, "pull", handle, way, what="pull", timeout_s=TIMEOUT)
+            return max(read / share for _, read, share in answers), len(answers)
+
+        for (name, trainer), (target, replica) in itertools.product(
+            trainers.items(), replicas.items()
+        ):
+
+            def direct(trainer=trainer, replica=replica, way=name):
                 wait(trainer.bump.call(), "bump", TIMEOUT)
                 started = time.perf_counter()
                 handles = call_all(trainer, "publish", what="publish", timeout_s=TIMEOUT)
                 handle = WeightHandle.merge(handles)
-                _, read, share = wait(replica.pull.call_one(handle, name), "pull", TIMEOUT)
-                return time.perf_counter() - started, read, share, len(handle.sources)
+                over_share, _ = pull(replica, handle, way)
+                return time.perf_counter() - started, over_share, len(handle.sources)
 
-            def gathered(trainer=trainer, name=name):
+            def gathered(trainer=trainer, replica=replica, way=f"{name}_gathered"):
                 wait(trainer.bump.call(), "bump", TIMEOUT)
                 started = time.perf_counter()
                 answers = call_all(trainer, "publish_gathered", what="gather", timeout_s=TIMEOUT)
-                way = f"{name}_gathered"
-                _, read, share = wait(replica.pull.call_one(answers[0][0], way), "pull", TIMEOUT)
-                return time.perf_counter() - started, read, share, 1
+                over_share, _ = pull(replica, answers[0][0], way)
+                return time.perf_counter() - started, over_share, 1
 
             whole = call_all(trainer, "parameters", what="params", timeout_s=TIMEOUT)[0]
             ways = {}
             for way, sync in (("direct", direct), ("gathered", gathered)):
                 sync()  # warm-up: slots made, buffers registered
                 ways[way] = min((sync() for _ in range(repeats)), key=lambda t: t[0])
-                got = wait(replica.parameters.call_one(), "params", TIMEOUT)
-                assert all(torch.equal(got[k], whole[k]) for k in whole), (name, way)
-            (sync_s, read, share, sources), (gather_s, gread, _, _) = (
+                got = call_all(replica, "parameters", what="params", timeout_s=TIMEOUT)[0]
+                assert all(torch.equal(got[k], whole[k]) for k in whole), (name, target, way)
+            (sync_s, over_share, sources), (gather_s, gather_over, _) = (
                 ways["direct"],
                 ways["gathered"],
             )
-            cells[f"reshard_{name}_to_1proc"] = {
+            cell = f"reshard_{name}_to_{target}"
+            cells[cell] = {
                 "sync_s": round(sync_s, 4),
                 "gather_sync_s": round(gather_s, 4),
                 "sync_over_gather": round(sync_s / gather_s, 3),
-                "bytes_read_over_share": round(read / share, 4),
-                "gather_bytes_read_over_share": round(gread / share, 4),
+                "bytes_read_over_share": round(over_share, 4),
+                "gather_bytes_read_over_share": round(gather_over, 4),
                 "sources": sources,
-                "model_bytes": share,
+                "replica_procs": targets[target],
             }
-            print(f"reshard {name} -> 1 proc: {cells[f'reshard_{name}_to_1proc']}", flush=True)
+            print(f"{cell}: {cells[cell]}", flush=True)
     return cells
 
 
