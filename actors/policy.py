@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
+from datetime import timedelta
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -70,7 +71,12 @@ class Policy(Drillable, Actor):
 
             rank = proc_rank()
             group, tp_rank = (rank, 0) if leader else (rank // (tp - 1), 1 + rank % (tp - 1))
-            data_parallel(self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp)
+            # A call that fails on one proc of the group leaves the others waiting in a
+            # collective: they fail too after this long, instead of half an hour.
+            wait_s = timedelta(seconds=300)
+            data_parallel(
+                self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp, wait_s
+            )
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id = tokenizer.pad_token_id
         # One stop set for every engine: the tokenizer's EOS and the model's own.

@@ -111,6 +111,10 @@ def one_line(error: BaseException) -> str:
 
 # --- faults --------------------------------------------------------------------------
 
+LOST_STOP_S = 35.0
+"""How long the stop of a mesh whose node is gone is waited for: Monarch gives up
+after 30 s and reports the failure then."""
+
 faults: list[str] = []
 """Mesh failures Monarch reported with no handler, oldest first (for inspection)."""
 
@@ -288,6 +292,7 @@ class RoleMeshes:
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
         self.metric_prefix: dict[str, str] = {}
         self.carried: list[dict] = []
+        self._stopping: list[threading.Thread] = []  # failed meshes' stops still under way
         """Metrics of procs replaced while they lived on (a heal), for the next report."""
         self.pids: dict[str, list[int]] = {}
         """A role's own procs' pids by rank (not an elastic role's: its members have
@@ -477,10 +482,16 @@ class RoleMeshes:
         # the old one's processes, so no answer to a stop can come; Monarch gives up on
         # it after 30 s, and nothing waits for that (twice per requeue before).
         gone = self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role)
+        # Waited for past Monarch's own 30 s: the stop's failure then reaches the fault
+        # hook while the run is up (`stop` joins this thread), not after its client
+        # has stopped, where it ended a finished run's process with exit code 1.
         stopping = threading.Thread(
-            target=self._stop_failed, args=(role, old, timeout_s), daemon=True
+            target=self._stop_failed,
+            args=(role, old, LOST_STOP_S if gone else timeout_s),
+            daemon=True,
         )
         stopping.start()
+        self._stopping.append(stopping)
         if gone:
             self._hosts[role] = self.job.reallocate(role)
         else:  # its live procs (on the same hosts) go before new ones start
@@ -595,6 +606,11 @@ class RoleMeshes:
         if meshes:
             with ThreadPoolExecutor(len(meshes), thread_name_prefix="meshrl-stop") as pool:
                 list(pool.map(stop_one, meshes))
+        # A failed mesh's stop (a lost node's: no answer comes) must end before the
+        # job and Monarch's runtime do (see `respawn`).
+        stopping, self._stopping = self._stopping, []
+        for thread in stopping:
+            thread.join(LOST_STOP_S + 5)
         job, self.job = self.job, None
         if job is not None:
             try:

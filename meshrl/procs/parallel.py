@@ -74,12 +74,14 @@ def data_parallel(
     ranks_per_host: int | None = None,
     sharding: str = "ddp",
     tp: int = 1,
+    timeout: timedelta | None = None,
 ) -> torch.nn.Module:
     """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
     place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
     group); itself when there is one proc. `master` is rank 0's (address,
     port): from `Rendezvous` (whose store rank 0 takes), or any free port of
-    the caller's choosing. Returns the module to call."""
+    the caller's choosing. `timeout`: how long a collective waits for the other
+    ranks before it fails (default: torch's). Returns the module to call."""
     if world_size == 1:
         return model
     address, port = master
@@ -96,9 +98,11 @@ def data_parallel(
     backend = "nccl" if own_gpus else "gloo"
     if store is None:  # rank 0 of a master the caller chose: it opens the store itself
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     if sharding == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
