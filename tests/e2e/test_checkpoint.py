@@ -97,13 +97,15 @@ def metrics(path):
             ["steps=6", "placement.trainer=2", "placement.sharding=fsdp"],
             3,
         ),
-        # Tensor parallelism: DCP shards of column and row blocks, exported whole.
+        # Tensor parallelism in the trainer (DCP shards of column and row blocks,
+        # exported whole) and in the policy replica (a leader and a follower, each
+        # pulling its parts of the weights).
         (
             CountingGRPO,
             StopAtStep,
             GRPOConfig,
             "grpo_default.yaml",
-            ["steps=6", "placement.trainer=2", "placement.sharding=tp"],
+            ["steps=6", "placement.trainer=2", "placement.sharding=tp", "placement.policy_tp=2"],
             3,
         ),
         # Images in every batch (the tiny LLaVA), with a reference: the resumed
@@ -152,6 +154,13 @@ def test_resumed_run_equals_uninterrupted_run(
     assert metrics(tmp_path / "cut" / "metrics.jsonl") == metrics(
         tmp_path / "straight" / "metrics.jsonl"
     )
+    if "placement.policy_tp=2" in overrides:
+        # The replica's parts in place: it samples what the trainer scores (a part in
+        # the wrong place would move the log-probs by far more).
+        diffs = [
+            r["sampling/logprob_abs_diff"] for r in metrics(tmp_path / "cut" / "metrics.jsonl")
+        ]
+        assert len(diffs) == 6 and max(diffs) < 1e-4, diffs
 
     # `meshrl export RUN_DIR OUT`: its newest checkpoint (the last step's; FSDP
     # shards gathered in this process) as an HF directory, equal to the final model.

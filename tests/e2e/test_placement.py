@@ -85,28 +85,3 @@ def test_old_logprobs_from_the_trainer_with_a_correction(tmp_path, no_stray_proc
         assert record["sampling/logprob_abs_diff"] < 1e-5  # trainer vs its own old log-probs
         assert record["policy/clip_fraction"] == 0
         assert record["time/old_logprobs_s"] > 0
-
-
-def test_tensor_parallel_trainer_and_replicas_sample_what_the_trainer_scores(
-    tmp_path, no_stray_procs
-):
-    """A trainer of 2 tensor-parallel procs and a policy replica split over 2 procs
-    (a leader and a follower): each replica proc pulls only its parts of the
-    weights, and every step's sampled log-probs are the trainer's own (a part
-    in the wrong place would move them by far more)."""
-    algo, history = run(
-        tmp_path,
-        "tp",
-        "steps=3",
-        "placement.trainer=2",
-        "placement.sharding=tp",
-        "placement.policy_tp=2",
-        "eval.every=0",
-    )
-    assert [r["step"] for r in history] == [0, 1, 2]
-    procs = algo.placement()[0]
-    assert procs["policy"] == 1 and procs["policy_tp"] == 1
-    assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history), [
-        r["sampling/logprob_abs_diff"] for r in history
-    ]
-    assert history[-1]["train/loss"] == history[-1]["train/loss"]  # finite, trained
