@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
 
 TIMEOUT = 120
 MODEL = ModelConfig()
+QWEN3 = ModelConfig(arch="qwen3")
 TOLERANCE = 1e-5
 
 
@@ -70,8 +71,11 @@ def fixed_batch(rows: int = 8, prompt: int = 3, completion: int = 6) -> TrainBat
 @pytest.fixture(scope="module")
 def meshes():
     """Trainers: 1 proc, padded; 2 procs DDP with 2 micro-batches, tree; 2 procs
-    FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py). Critics: 1 proc (beside the 1-proc trainer), padded; 2 procs
-    with 2 micro-batches, tree."""
+    FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py); 2 procs
+    TP, tree; 2 x 2 procs FSDP2 x TP, padded, 2 micro-batches; Qwen3 on 1 proc and
+    on 2 TP procs (its per-head norms). Critics: 1 proc (beside the 1-proc
+    trainer), padded; 2 procs with 2 micro-batches, tree. A TP2 policy replica and
+    a 1-proc one."""
     meshes = RoleMeshes(
         {
             "one": 1,
@@ -82,16 +86,17 @@ def meshes():
             "fsdp_tp": 4,
             "replica": 1,
             "replica_tp": 1,
+            "tp_qwen3": 2,
         }
     )
     optim = OptimConfig(lr=1e-2)
     try:
 
-        def trainer(mesh, **kw):
+        def trainer(mesh, model=MODEL, name=None, **kw):
             return meshes[mesh].spawn(
-                f"trainer_{mesh}",
+                name or f"trainer_{mesh}",
                 Trainer,
-                MODEL,
+                model,
                 optim,
                 grpo_loss("token-mean"),
                 10,
@@ -112,6 +117,8 @@ def meshes():
             "fsdp": trainer("fsdp", sharding="fsdp", layout="tree", replica_tp=2),
             "tp": trainer("tp", sharding="tp", tp=2, layout="tree", replica_tp=2),
             "fsdp_tp": trainer("fsdp_tp", sharding="fsdp_tp", tp=2, micro_batches=2),
+            "qwen3_one": trainer("one", QWEN3, "trainer_qwen3"),
+            "qwen3_tp": trainer("tp_qwen3", QWEN3, sharding="tp", tp=2),
             "critic_one": critic("one", layout="padded"),
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }
@@ -164,6 +171,15 @@ def test_policy_gradient_is_the_same_at_any_placement(meshes, aggregation):
     for name in PLACEMENTS:
         error = relative_error(gradient(meshes[name], PROCS[name], batch, tp=TP.get(name, 1)), want)
         assert error < TOLERANCE, f"{aggregation} on {name}: relative error {error:.2e}"
+
+
+def test_qwen3_gradient_is_the_same_with_tensor_parallelism(meshes):
+    """Qwen3 normalises q and k per head: on 2 TP procs each normalises its own
+    heads, and the norms' gradients are summed over the procs."""
+    batch = fixed_batch()
+    want = gradient(meshes["qwen3_one"], 1, batch)
+    error = relative_error(gradient(meshes["qwen3_tp"], 2, batch, tp=2), want)
+    assert error < TOLERANCE, f"qwen3 on tp: relative error {error:.2e}"
 
 
 def test_dpo_gradient_is_the_same_at_any_placement(meshes):
