@@ -255,6 +255,16 @@ class TrainBatch:
         part = self.rows(rows)
         return replace(part, scale=scale, paired=self.paired and rows is not None)
 
+    def shards(self, procs: int, tp: int = 1, rows=None) -> list[TrainBatch]:
+        """Per proc of a mesh of `procs` in groups of `tp` (tensor parallelism),
+        its data-parallel shard: proc i takes shard i // tp of procs // tp, so the
+        procs of one group take the same rows. `rows(r)`: the rows of data-parallel
+        rank r (default: contiguous blocks)."""
+        dp = procs // tp
+        return [
+            self.shard(i // tp, dp, None if rows is None else rows(i // tp)) for i in range(procs)
+        ]
+
     def split(self, parts: int) -> list[TrainBatch]:
         """`parts` consecutive micro-batches (gradient accumulation), each keeping
         the batch's scale: their losses add up to the batch's. Always `parts` of

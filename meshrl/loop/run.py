@@ -107,11 +107,7 @@ class Role:
         """Per proc, its data-parallel shard of `batch` (`TrainBatch.shard`), the
         procs of one tensor-parallel group the same one. `rows(i)`: the rows of
         data-parallel rank i (default: contiguous blocks)."""
-        tp, dp = self.tensor_parallel, self.data_parallel
-        return [
-            batch.shard(i // tp, dp, None if rows is None else rows(i // tp))
-            for i in range(self.size)
-        ]
+        return batch.shards(self.size, self.tensor_parallel, rows)
 
     def slice(self, **where: Any) -> Any:
         """A slice of the actors, kept: the loop slices every replica every step, and

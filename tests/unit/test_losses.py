@@ -29,6 +29,7 @@ from meshrl.model.losses import (
     value_loss,
     whiten,
 )
+from meshrl.types import TrainBatch
 
 pytestmark = pytest.mark.unit
 
@@ -518,3 +519,24 @@ def test_pass_at_k_is_chen_et_al_unbiased_estimator():
     for bad in ((3, 4, 1), (3, 1, 0), (3, 1, 4), (3, -1, 1)):
         with pytest.raises(ValueError, match="pass@k needs"):
             pass_at_k(*bad)
+
+
+def test_the_procs_of_a_tensor_parallel_group_take_the_same_rows():
+    """`TrainBatch.shards`: on 4 procs in groups of 2, procs 0-1 and 2-3 take the
+    same rows, the two data-parallel shards cover the batch once, and the loss
+    scale counts 2 ranks (the data-parallel ones, whose gradients are averaged)."""
+    _, old, adv, mask = _shard_batch()
+    batch = TrainBatch(
+        input_ids=torch.arange(60).reshape(6, 10),
+        attention_mask=torch.ones(6, 10),
+        completion_mask=mask,
+        old_logprobs=old,
+        advantages=adv,
+    )
+    shards = batch.shards(4, tp=2)
+    assert [len(s) for s in shards] == [3, 3, 3, 3]
+    assert torch.equal(shards[0].input_ids, shards[1].input_ids)
+    assert torch.equal(shards[2].input_ids, shards[3].input_ids)
+    assert torch.equal(torch.cat([shards[0].input_ids, shards[2].input_ids]), batch.input_ids)
+    assert {s.scale.ranks for s in shards} == {2}
+    assert [s.scale.ranks for s in batch.shards(2, tp=2)] == [1, 1]  # tp alone: one rank
