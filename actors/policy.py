@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -45,7 +46,6 @@ class Policy(Drillable, Actor):
         partial: bool = False,
         lengths: tuple[int, float, int] | None = None,
         tp: int = 1,
-        masters: list[tuple[str, int]] | None = None,
         leader: bool = True,
     ):
         """`context`: prompt + completion tokens the engine must hold (vllm).
@@ -57,33 +57,24 @@ class Policy(Drillable, Actor):
         `tp` > 1 (`placement.policy_tp`): this replica's model is split over `tp` procs
         with tensor parallelism: a `leader` (the proc the controller calls, rank i of
         its role) and `tp - 1` followers (procs of the role `<role>_tp`, which
-        `follow` hands it), meeting at `masters[i]` (`RoleMeshes.rendezvous_each`).
-        The leader runs each call on its followers too, with the same seeds: every
-        proc computes the same logits, so samples the same tokens."""
+        `follow` hands it), split once they `join` their process group. The leader
+        runs each call on its followers too, with the same seeds: every proc
+        computes the same logits, so samples the same tokens."""
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
         if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: weights.publisher)
             self.model.to(getattr(torch, policy_cfg.dtype))
         self.followers = None  # a tensor-parallel leader's: `follow`
-        if tp > 1:
-            from meshrl.procs.parallel import data_parallel
-
-            rank = proc_rank()
-            group, tp_rank = (rank, 0) if leader else (rank // (tp - 1), 1 + rank % (tp - 1))
-            # A call that fails on one proc of the group leaves the others waiting in a
-            # collective: they fail too after this long, instead of half an hour.
-            wait_s = timedelta(seconds=300)
-            data_parallel(
-                self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp, wait_s
-            )
+        self.tp, self.leader = tp, leader
         tokenizer = load_tokenizer(model_cfg)
         self.pad_id = tokenizer.pad_token_id
         # One stop set for every engine: the tokenizer's EOS and the model's own.
         self.stop_ids = stop_token_ids(self.model, tokenizer)
         # Every engine's weights come through this model: pulled in place by version.
         # hf on the trainer's host: served straight from the published slot (no copy).
-        self.weights = WeightReceiver(self.model, zero_copy=policy_cfg.engine == "hf")
+        self.zero_copy = policy_cfg.engine == "hf"
+        self.weights = WeightReceiver(self.model, zero_copy=self.zero_copy)
         self.shm_prefix = shm_prefix
         if policy_cfg.record_routes and not routers(self.model):
             raise ValueError(
@@ -139,7 +130,8 @@ class Policy(Drillable, Actor):
             seeds = self.draw_seeds(len(prompt_ids))
         following = self._lead("generate", prompt_ids, generation, seeds, images, False)
         # (A call beside the running batch, e.g. evaluation's: it runs between its steps.)
-        with self.continuous.paused() if self.continuous else contextlib.nullcontext():
+        paused = self.continuous.paused() if self.continuous else contextlib.nullcontext()
+        with self._group_call(following, "generate"), paused:
             tokens, logprobs, completion_mask = self.engine.generate(
                 ids.to(self.device),
                 mask.to(self.device),
@@ -151,7 +143,6 @@ class Policy(Drillable, Actor):
                 None if images is None else tuple(t.to(self.device) for t in images),
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
             )
-        self._followed(following, "generate")
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:
             record("policy/batch_occupancy", stats["occupancy"], "mean")
@@ -176,6 +167,23 @@ class Policy(Drillable, Actor):
         return completions
 
     @endpoint
+    def join(self, masters: list[tuple[str, int]]) -> None:
+        """Form this proc's tensor-parallel group (`tp` > 1) at `masters[i]`, replica
+        i's store (`RoleMeshes.rendezvous_each`), and split the model over it; every
+        proc of the group must be called at once."""
+        from meshrl.procs.parallel import data_parallel
+
+        rank, tp = proc_rank(), self.tp
+        group, tp_rank = (rank, 0) if self.leader else (rank // (tp - 1), 1 + rank % (tp - 1))
+        # A call that fails on one proc of the group leaves the others waiting in a
+        # collective: they fail too after this long, instead of torch's half hour.
+        wait_s = timedelta(seconds=300)
+        data_parallel(self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp, wait_s)
+        owner = self.weights.owner  # the split parameters are new ones: a receiver of them
+        self.weights = WeightReceiver(self.model, zero_copy=self.zero_copy)
+        self.weights.owner = owner
+
+    @endpoint
     def follow(self, followers) -> None:
         """The other procs of this tensor-parallel replica (a slice of `Policy`s
         of the role `<role>_tp`): from now on each call that runs the model or
@@ -195,6 +203,26 @@ class Policy(Drillable, Actor):
             from meshrl.procs.mesh import wait
 
             wait(pending, f"{self.weights.owner}'s tensor-parallel followers: {what}", 600)
+
+    @contextlib.contextmanager
+    def _group_call(self, pending, what: str):
+        """A call that runs collectives over the group (`generate`): if it fails
+        here or on a follower, the group's procs may be stuck in a collective or
+        out of step, so this leader ends its proc. The controller then sees the
+        replica lost and replaces the whole group (`Algorithm.group_replicas`)."""
+        try:
+            yield
+            self._followed(pending, what)
+        except BaseException as error:
+            if pending is None:
+                raise
+            print(
+                f"{self.weights.owner}: its tensor-parallel group failed in {what} "
+                f"({type(error).__name__}: {error}); ending this proc so the group is replaced",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
 
     def check_serving(self) -> None:
         """The weights served are one whole version, still in place."""

@@ -178,6 +178,20 @@ class Algorithm:
         trainer.tensor_parallel = cfg.placement.trainer_tp  # its groups take the same rows
         return trainer
 
+    def group_replicas(self, run: Any, role: str = "policy") -> None:
+        """Form `role`'s tensor-parallel replicas: a fresh store on each leader
+        proc, every proc of the leaders and followers joins its group at once
+        (`Policy.join`), and each leader takes its followers (`Policy.follow`)."""
+        leaders, followers = run.roles[role], run.roles[f"{role}_tp"]
+        tp = followers.size // leaders.size + 1
+        masters = run.meshes.rendezvous_each(role)
+        joining = [leaders.join.call(masters), followers.join.call(masters)]
+        for future in joining:
+            wait(future, f"{role}.join", self.cfg.run.call_timeout_s)
+        for i in range(leaders.size):
+            group = followers.actors.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
+            wait(leaders.slice(procs=i).follow.call_one(group), f"{role}.follow", 600)
+
     def spawn_policy(
         self, run: Any, role: str = "policy", seed: int | None = None, shm_prefix: str = ""
     ) -> Any:
@@ -190,24 +204,20 @@ class Algorithm:
         rollout = getattr(cfg, "rollout", None)
         # Tensor-parallel replicas: where the run gave the role its followers' procs.
         tp = cfg.placement.policy_tp if run.meshes.counts.get(f"{role}_tp") else 1
-        masters = run.meshes.rendezvous_each(role) if tp > 1 else None
         args = (cfg.model, cfg.run.seed if seed is None else seed, cfg.policy, self.context)
         kwargs = dict(
             role_name=role,
             partial=bool(rollout and rollout.partial),
             lengths=cfg.faults.lengths() if getattr(cfg, "faults", None) else None,
             tp=tp,
-            masters=masters,
         )
         policy = run.spawn(role, Policy, *args, shm_prefix or run.shm_prefix, **kwargs)
         if tp > 1:
-            followers = run.spawn(
+            run.spawn(
                 f"{role}_tp", Policy, *args, shm_prefix or run.shm_prefix, **kwargs, leader=False
             )
             run.meshes.grouped_roles |= {role, f"{role}_tp"}
-            for i in range(policy.size):
-                group = followers.actors.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
-                wait(policy.slice(procs=i).follow.call_one(group), f"{role}.follow", 600)
+            self.group_replicas(run, role)
         if cfg.policy.continuous and rollout is not None and rollout.dispatch == "pull":
             # The running batch's endpoint, on the same procs: the pull queue's calls.
             policy.stream = run.spawn(f"{role}_stream", PolicyStream, role, share=role)
@@ -372,8 +382,17 @@ class Algorithm:
             collector=self.collector,
         )
         self.ckpt.recover = sup.recover
-        if cfg.placement.policy_tp == 1:  # (a tensor-parallel group is lost whole: RoleLost)
+        if cfg.placement.policy_tp == 1:
             sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        else:  # a proc of a tensor-parallel group lost: the group is replaced whole
+
+            def regroup(lost: str) -> None:
+                run.respawn("policy_tp" if lost == "policy" else "policy")  # the other procs
+                self.group_replicas(run)
+                sync.catch_up(policy)
+
+            sup.on_respawn("policy", lambda: regroup("policy"))
+            sup.on_respawn("policy_tp", lambda: regroup("policy_tp"))
         if getattr(policy, "stream", None) is not None:
             sup.on_respawn(policy.stream.name)  # it finds the new replica on its proc
         self.heal_from_peers(trainer, sync)

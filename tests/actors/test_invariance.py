@@ -20,7 +20,7 @@ from algorithms.dpo import DPO, DPOConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.model.losses import AGGREGATIONS
-from meshrl.procs.mesh import RoleMeshes, call_all, call_each
+from meshrl.procs.mesh import RoleMeshes, call_all, call_each, wait
 from meshrl.types import TrainBatch
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
@@ -123,10 +123,12 @@ def meshes():
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }
         # A policy replica split over 2 procs (leader and follower), and one of 1 proc.
+        spawned["replica"] = meshes["replica"].spawn("replica", Policy, MODEL, tp=2)
+        follower = meshes["replica_tp"].spawn("follower", Policy, MODEL, tp=2, leader=False)
         masters = meshes.rendezvous_each("replica")
-        kwargs = dict(tp=2, masters=masters)
-        spawned["replica"] = meshes["replica"].spawn("replica", Policy, MODEL, **kwargs)
-        follower = meshes["replica_tp"].spawn("follower", Policy, MODEL, **kwargs, leader=False)
+        joining = [spawned["replica"].join.call(masters), follower.join.call(masters)]
+        for future in joining:
+            wait(future, "join", TIMEOUT)
         call_all(spawned["replica"], "follow", follower, what="follow", timeout_s=TIMEOUT)
         spawned["replica_one"] = meshes["one"].spawn("replica_one", Policy, MODEL)
         for name, actors in spawned.items():

@@ -70,6 +70,36 @@ def test_killed_environment_and_policy_procs_are_replaced(tmp_path, capfd, caplo
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("lost", ["policy_tp", "policy"], ids=["follower", "leader"])
+def test_a_tensor_parallel_replica_that_loses_a_proc_is_replaced_whole(
+    lost, tmp_path, no_stray_procs
+):
+    """A policy replica split over 2 procs loses its follower (or its leader) as
+    step 2 begins: a lost follower fails the leader's call, and the leader ends
+    its proc; the controller replaces the group whole (both procs, a new process
+    group), catches it up to the trainer's version, and samples the step again;
+    the log-probs it samples stay the trainer's."""
+    cfg = configure(
+        tmp_path,
+        "tp_drill",
+        "steps=4",
+        "warm_start.steps=2",
+        "placement.policy_tp=2",
+        f"faults.kill=[{lost}:0@2]",
+        "eval.every=0",
+        "run.save_final=false",
+    )
+    algo = GRPO(cfg)
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(4))
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["policy"]
+    assert history[-1]["faults/recoveries"] == 1
+    assert all(r["sampling/logprob_abs_diff"] < 1e-4 for r in history)
+    assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
 def test_faults_in_every_role_change_nothing(tmp_path, no_stray_procs):
     """GRPO with a reference, 2 policy replicas, 2 environment procs and 2 trainer
     ranks: a proc of each role killed, and an error raised in generation, scoring,
