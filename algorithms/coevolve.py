@@ -48,6 +48,7 @@ from meshrl.config import (
     PolicyConfig,
     RunConfig,
     WarmStartConfig,
+    check_placement,
     validate_sections,
 )
 from meshrl.config.trainer import TrainerConfig
@@ -118,6 +119,12 @@ class CoevolveConfig:
 
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
+        check_placement(self.model, self.placement)
+        if self.placement.policy_tp > 1:
+            raise ConfigError(
+                "config key 'placement.policy_tp': co-evolution's players sample with "
+                "replicas of 1 proc each"
+            )
         if self.game not in GAMES:
             raise ConfigError(f"config key 'game': '{self.game}' is not one of {', '.join(GAMES)}")
         for key in ("steps", "games_per_step", "eval_games"):
