@@ -147,10 +147,20 @@ def tensor_parallel(model: torch.nn.Module) -> bool:
 def full_parameters(model: torch.nn.Module):
     """(name, full tensor) of every parameter, one at a time. For a sharded
     model each is all-gathered: every rank must iterate, in the same order."""
+    import logging
+
     from torch.distributed.tensor import DTensor
 
-    for name, param in model.named_parameters():
-        yield name, param.full_tensor() if isinstance(param, DTensor) else param
+    # FSDP2 over TP gathers in two steps, and torch warns so from every rank, every
+    # time: advice about speed, where a whole model is gathered only to save it.
+    advice = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = advice.level
+    advice.setLevel(logging.ERROR)
+    try:
+        for name, param in model.named_parameters():
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+    finally:
+        advice.setLevel(level)
 
 
 def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
