@@ -534,11 +534,12 @@ def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
         "model.lora.rank",
         f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
     )
-    checks = [("placement.policy_tp", placement.policy_tp)]
+    checks = []  # (the key the error names, its words' prefix, the key refused, tp degree)
+    if placement.policy_tp > 1:
+        checks.append(("placement.policy_tp", "", "placement.policy_tp", placement.policy_tp))
     if placement.trainer_tp > 1:
         key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
-        checks.append((key, placement.trainer_tp))
-    checks = [(key, tp) for key, tp in checks if tp > 1]
+        checks.append(("placement.sharding", f"{placement.sharding}: ", key, placement.trainer_tp))
     if not checks:
         return
     from meshrl.procs.tensor_parallel import refusal
@@ -562,14 +563,9 @@ def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
             config = AutoConfig.from_pretrained(model.path)
         except (OSError, ValueError):  # a run directory: the trainer checks when it loads
             return
-    for key, tp in checks:
+    for where, prefix, key, tp in checks:
         why = refusal(config, tp, key)
-        where = "placement.policy_tp" if key == "placement.policy_tp" else "placement.sharding"
-        _check(
-            why is None,
-            where,
-            why if where != "placement.sharding" else f"{placement.sharding}: {why}",
-        )
+        _check(why is None, where, f"{prefix}{why}")
 
 
 # --- loading ---------------------------------------------------------------------

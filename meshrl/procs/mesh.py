@@ -292,18 +292,18 @@ class RoleMeshes:
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
         self.metric_prefix: dict[str, str] = {}
         self.carried: list[dict] = []
-        self._stopping: list[threading.Thread] = []  # failed meshes' stops still under way
         """Metrics of procs replaced while they lived on (a heal), for the next report."""
+        self._stopping: list[threading.Thread] = []  # failed meshes' stops still under way
         self.pids: dict[str, list[int]] = {}
         """A role's own procs' pids by rank (not an elastic role's: its members have
         theirs), for the pid watch on this machine (`meshrl.procs.pool.Detector`)."""
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
         self.process_group_roles: set[str] | None = None
+        """Roles whose actors join a torch.distributed group (their multi-proc meshes
+        are never pooled); None: unknown, so only single-proc meshes are."""
         self.grouped_roles: set[str] = set()
         """Roles whose procs, however few, joined a process group (a tensor-parallel
         policy replica's leader and followers): never pooled for reuse."""
-        """Roles whose actors join a torch.distributed group (their multi-proc meshes
-        are never pooled); None: unknown, so only single-proc meshes are."""
         self.elastic = set(elastic) & set(self.counts)
         """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None

@@ -133,7 +133,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def tensor_parallel(model: torch.nn.Module) -> bool:
+def is_tensor_parallel(model: torch.nn.Module) -> bool:
     """True when some parameter of `model` is split over a tensor-parallel mesh
     dim (a DTensor whose mesh names `tp`)."""
     from torch.distributed.tensor import DTensor
@@ -292,7 +292,7 @@ def accumulated_step(
     skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
     total, metrics = backward_each(parts, loss_of)
-    if tensor_parallel(model):  # parameters on several meshes, plain tensors among them
+    if is_tensor_parallel(model):  # parameters on several meshes, plain tensors among them
         from meshrl.procs.tensor_parallel import clip_gradients
 
         grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)

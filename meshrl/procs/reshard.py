@@ -68,16 +68,29 @@ def chunk(extent: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + size, extent)
 
 
-def block(layout: Layout, rank: int, shape: tuple[int, ...], style: str) -> Block:
-    """The block of a parameter of `shape` and `style` that `rank` holds."""
+def span(start: tuple[int, ...], shape: tuple[int, ...]) -> Block:
+    """The block of `shape` that starts at `start`."""
+    return tuple((a, a + n) for a, n in zip(start, shape, strict=True))
+
+
+def _splits(layout: Layout, shape: tuple[int, ...], style: str) -> tuple[int | None, bool]:
+    """The dim tensor parallelism splits (None: it replicates the parameter), and
+    whether FSDP2 splits dim 0 over the dp ranks."""
     if style not in STYLES:
         raise ValueError(f"style '{style}' is not one of {', '.join(STYLES)}")
+    dim = {"colwise": 0, "rowwise": 1}.get(style)
+    tp_dim = dim if layout.tp > 1 and dim is not None and dim < len(shape) else None
+    return tp_dim, layout.fsdp and layout.dp > 1 and len(shape) > 0
+
+
+def block(layout: Layout, rank: int, shape: tuple[int, ...], style: str) -> Block:
+    """The block of a parameter of `shape` and `style` that `rank` holds."""
     i, j = divmod(rank, layout.tp)
+    tp_dim, dp_splits = _splits(layout, shape, style)
     spans = [(0, n) for n in shape]
-    split = {"colwise": 0, "rowwise": 1}.get(style)
-    if layout.tp > 1 and split is not None and split < len(shape):
-        spans[split] = chunk(shape[split], layout.tp, j)
-    if layout.fsdp and layout.dp > 1 and shape:
+    if tp_dim is not None:
+        spans[tp_dim] = chunk(shape[tp_dim], layout.tp, j)
+    if dp_splits:
         start, stop = spans[0]
         a, b = chunk(stop - start, layout.dp, i)
         spans[0] = (start + a, start + b)
@@ -88,10 +101,8 @@ def owns(layout: Layout, rank: int, shape: tuple[int, ...], style: str) -> bool:
     """Whether `rank` publishes its block: coordinate 0 on every mesh dim that
     replicates the parameter (dp without fsdp; tp for what tp does not split)."""
     i, j = divmod(rank, layout.tp)
-    split = {"colwise": 0, "rowwise": 1}.get(style)
-    tp_splits = layout.tp > 1 and split is not None and split < len(shape)
-    dp_splits = layout.fsdp and layout.dp > 1 and len(shape) > 0
-    return (j == 0 or tp_splits) and (i == 0 or dp_splits)
+    tp_dim, dp_splits = _splits(layout, shape, style)
+    return (j == 0 or tp_dim is not None) and (i == 0 or dp_splits)
 
 
 def intersect(a: Block, b: Block) -> Block | None:

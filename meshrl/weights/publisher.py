@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from meshrl.procs.mesh import HOST_TAG_ENV, debugging
-from meshrl.procs.reshard import Block, intersect, relative
+from meshrl.procs.reshard import Block, reads, relative, span
 from meshrl.weights.checksum import copy_summed
 
 HEADER_BYTES = 64
@@ -102,7 +102,7 @@ class ParamPiece:
     @property
     def block(self) -> tuple[tuple[int, int], ...]:
         """[start, stop) per dim (`meshrl.procs.reshard.Block`)."""
-        return tuple((a, a + n) for a, n in zip(self.start, self.shape, strict=True))
+        return span(self.start, self.shape)
 
 
 @dataclass
@@ -270,12 +270,10 @@ class WeightPublisher:
             local, start, owned = _local_piece(name, param)
             if not (owned if isinstance(param, DTensor) else owns_whole):
                 continue
-            mine = tuple((a, a + n) for a, n in zip(start, local.shape, strict=True))
-            parts = []
-            for theirs in split(name, tuple(param.shape)) if split else [mine]:
-                common = intersect(mine, theirs)
-                if common is not None and common not in parts:
-                    parts.append(common)
+            mine = span(start, tuple(local.shape))
+            theirs = split(name, tuple(param.shape)) if split else [mine]
+            # Each part once (replicas that all hold the whole parameter share it).
+            parts = list(dict.fromkeys(part for _, part in reads(mine, dict(enumerate(theirs)))))
             for part in parts or [mine]:  # (an empty shard: one empty piece)
                 shape = tuple(b - a for a, b in part)
                 start = tuple(a for a, _ in part)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.procs.reshard import Block, intersect, relative
+from meshrl.procs.reshard import Block, intersect, relative, span
 from meshrl.weights.checksum import checksum, copy_summed
 from meshrl.weights.publisher import (
     HEADER_BYTES,
@@ -79,7 +79,7 @@ class WeightReceiver:
         self.held: dict[str, Block] = {}
         for name, param in self.params.items():
             local, start, _ = _local_piece(name, param)
-            self.held[name] = tuple((a, a + n) for a, n in zip(start, local.shape, strict=True))
+            self.held[name] = span(start, tuple(local.shape))
         self.whole = all(
             block == tuple((0, n) for n in self.params[name].shape)
             for name, block in self.held.items()
@@ -226,8 +226,8 @@ class WeightReceiver:
 
     def _target_now(self, piece: ParamPiece) -> torch.Tensor | None:
         """What this receiver serves of `piece` now (a view or its own memory): the
-        part of its parameter that the piece's block is (this receiver holds whole
-        parameters: it reads every owner's block whole)."""
+        part of the block it holds of the parameter that `piece` covers; None when
+        it holds none of it."""
         param = self.params.get(piece.name)
         common = self._overlap(piece)
         if common is None:
