@@ -106,6 +106,7 @@ class Allocations:
         self.exclude = exclude if exclude is not None else set()
         self.jobs: dict[str, Allocation] = {}
         self.ports_taken: set[int] = set()
+        self.port_holds: dict[int, list[socket.socket]] = {}  # base -> held names
 
     # --- submitting -------------------------------------------------------------------
 
@@ -119,9 +120,17 @@ class Allocations:
         for _ in range(200):
             base = random.randrange(10000, low - span)
             wanted = set(range(base, base + span))
-            if wanted & self.ports_taken or not _free_here(base, span):
+            if wanted & self.ports_taken:
+                continue
+            # Held before the check, so another run on this host that checks later
+            # sees the range taken even though its workers do not listen yet.
+            holds = _hold_ports(base, span)
+            if holds is None or not _free_here(base, span):
+                for hold in holds or ():
+                    hold.close()
                 continue
             self.ports_taken |= wanted
+            self.port_holds[base] = holds
             return base
         raise SlurmError("no free range of worker ports found")
 
@@ -337,13 +346,16 @@ class Allocations:
         """Cancel a mesh's job: its processes are killed at once (the procs were
         stopped before, or are lost)."""
         alloc = self.jobs.pop(name, None)
-        if alloc is None or alloc.job_id is None:
+        if alloc is None:
             return
+        if alloc.job_id is not None:
+            # SIGKILL: the workers ignore SIGTERM (for the checkpoint before a preemption).
+            slurm("scancel", "--signal=KILL", "--full", alloc.job_id, check=False)
+            slurm("scancel", alloc.job_id, check=False)
         for port in range(alloc.port, alloc.port + alloc.count * RESTARTS):
             self.ports_taken.discard(port)
-        # SIGKILL: the workers ignore SIGTERM (for the checkpoint before a preemption).
-        slurm("scancel", "--signal=KILL", "--full", alloc.job_id, check=False)
-        slurm("scancel", alloc.job_id, check=False)
+        for hold in self.port_holds.pop(alloc.port, ()):
+            hold.close()
 
     def cancel_all(self) -> None:
         for name in list(self.jobs):
@@ -357,6 +369,27 @@ def ephemeral_low() -> int:
             return max(11000, int(f.read().split()[0]))
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def _hold_ports(base: int, span: int) -> list[socket.socket] | None:
+    """Claim ports base..base+span for this process against every other run on this
+    host: one abstract unix socket per port (Linux; names only, no files), bound
+    exclusively and released by the kernel when the process ends, however it ends.
+    None when another process holds one of them. Elsewhere nothing is claimed and
+    the listener check alone decides."""
+    if not sys.platform.startswith("linux"):
+        return []
+    holds: list[socket.socket] = []
+    try:
+        for port in range(base, base + span):
+            hold = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            holds.append(hold)
+            hold.bind(f"\0meshrl-worker-port-{port}")
+    except OSError:
+        for hold in holds:
+            hold.close()
+        return None
+    return holds
 
 
 def _free_here(base: int, span: int) -> bool:

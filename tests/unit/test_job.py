@@ -106,3 +106,23 @@ def test_hosts_that_join_slurm_and_kubernetes_runs_are_one_host_jobs_of_their_ki
         and job["_meshes"]["meshrlgrpopolicyjoined3"]["num_replicas"] == 1
     )
     assert "ghcr.io/example/meshrl:latest" in str(job["_meshes"]["meshrlgrpopolicyjoined3"])
+
+
+@pytest.mark.unit
+def test_two_runs_on_one_host_never_pick_the_same_worker_ports(monkeypatch):
+    """A run's worker ports are claimed host-wide when picked, not when its workers
+    start listening: a second run that draws the same range moves on (the cluster
+    tier runs several SLURM runs at once; before the claim two of them could bind
+    the same port)."""
+    from meshrl.procs import slurm
+
+    draws = iter([20000, 20000, 20000 + 2 * slurm.RESTARTS - 1, 21000])
+    monkeypatch.setattr(slurm.random, "randrange", lambda *_: next(draws))
+    first, second = slurm.Allocations(None, "."), slurm.Allocations(None, ".")
+    assert first._port(2) == 20000
+    assert second._port(2) == 21000  # 20000 and the overlapping draw are taken
+    first.jobs["trainer"] = slurm.Allocation("trainer", 2, 20000)  # no job id: no scancel
+    first.cancel("trainer")
+    assert not first.port_holds and 20000 not in first.ports_taken
+    draws = iter([20000])
+    assert second._port(2) == 20000  # released by the first run
