@@ -12,12 +12,15 @@ pytestmark = [pytest.mark.learning, pytest.mark.timeout(300)]
 
 def test_the_calculator_config_learns_to_call_the_tool(tmp_path, no_stray_procs):
     """The shipped calculator config as it is (its warm-start on traces made in
-    code, where a quarter call the tool), 6 RL steps: the share of episodes that
-    call the calculator and the exact answers both climb (measured on 2026-11-28:
-    56 to 113 tool calls of 128 a step, reward 0.20 to 0.56, from the first 3 steps
-    to the last 3; 121 calls and 0.64 over steps 4-7 of 8)."""
+    code, where a quarter call the tool), 10 RL steps: the share of episodes that
+    call the calculator and the exact answers both climb, from the first 3 steps to
+    the last 3. Where the climb starts differs between machines (the same commit
+    warm-starts to another point), so the horizon leaves room: measured on
+    2026-11-29 (AMD EPYC), 37 to 116 tool calls of 128 a step and reward 0.09 to
+    0.33, where 6 steps reached only 0.18; on 2026-11-28 (another machine), 56 to
+    113 calls and 0.20 to 0.56 within 6 steps."""
     _, history = grpo(
-        tmp_path, "grpo_calculator.yaml", "steps=6", "prompts_per_step=16", "group_size=8"
+        tmp_path, "grpo_calculator.yaml", "steps=10", "prompts_per_step=16", "group_size=8"
     )
     first, last = history[:3], history[-3:]
 
