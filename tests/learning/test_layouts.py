@@ -1,0 +1,41 @@
+"""Every trainer layout learns the default task (`placement.sharding`): the
+invariance tests (tests/actors/test_invariance.py) prove each layout's gradient and
+steps equal one proc's; these run the whole loop on each, its replicas included
+(FSDP2 x TP with tensor-parallel replicas), and check that the reward climbs."""
+
+import pytest
+
+from tests.support.runs import grpo
+
+pytestmark = [pytest.mark.learning, pytest.mark.timeout(300)]
+
+STEPS = 60
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ("placement.trainer=2", "placement.sharding=ddp"),
+        ("placement.trainer=2", "placement.sharding=fsdp"),
+        ("placement.trainer=2", "placement.sharding=tp"),
+        ("placement.trainer=4", "placement.sharding=fsdp_tp", "placement.policy_tp=2"),
+    ],
+    ids=["ddp", "fsdp", "tp", "fsdp_tp_and_tp_replica"],
+)
+def test_each_trainer_layout_learns_the_default_task(placement, tmp_path, no_stray_procs):
+    """The default config's first 60 steps (measured here on 2026-11-29, means of 10
+    steps: 0.10 at the start in every layout, 0.31 over steps 50-59 with DDP, TP and
+    FSDP2 x TP, 0.29 with FSDP2; the curves part only by float rounding, which RL
+    amplifies)."""
+    _, history = grpo(
+        tmp_path,
+        "grpo_default.yaml",
+        f"steps={STEPS}",
+        "prompts_per_step=16",
+        "group_size=8",
+        "eval.every=0",
+        *placement,
+    )
+    rewards = [record["reward/mean"] for record in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.12, (first, last)
