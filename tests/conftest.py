@@ -147,6 +147,7 @@ FIRST = (
     "notebooks/test_notebooks.py",
     "learning/test_algorithms.py",
     "e2e/test_recovery.py",
+    "learning/test_layouts.py",
     "e2e/test_e2e.py",
     "e2e/test_elastic.py",
     "e2e/test_agent.py",
