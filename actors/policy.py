@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -182,6 +183,7 @@ class Policy(Drillable, Actor):
         owner = self.weights.owner  # the split parameters are new ones: a receiver of them
         self.weights = WeightReceiver(self.model, zero_copy=self.zero_copy)
         self.weights.owner = owner
+        self.weights.publishes_whole = self.leader  # its relay: see `load_weights`
 
     @endpoint
     def follow(self, followers) -> None:
@@ -196,13 +198,15 @@ class Policy(Drillable, Actor):
             return None
         return getattr(self.followers, endpoint_name).call(*args)
 
-    def _followed(self, pending, what: str) -> None:
-        """Wait for the followers' part of a call (`_lead`): an error there is this
-        call's error."""
-        if pending is not None:
-            from meshrl.procs.mesh import wait
+    def _followed(self, pending, what: str) -> list:
+        """Wait for the followers' part of a call (`_lead`) and return their answers:
+        an error there is this call's error."""
+        if pending is None:
+            return []
+        from meshrl.procs.mesh import wait
 
-            wait(pending, f"{self.weights.owner}'s tensor-parallel followers: {what}", 600)
+        answers = wait(pending, f"{self.weights.owner}'s tensor-parallel followers: {what}", 600)
+        return [answer for _, answer in answers.items()]
 
     @contextlib.contextmanager
     def _group_call(self, pending, what: str):
@@ -308,10 +312,20 @@ class Policy(Drillable, Actor):
         replicas can pull it from this one (a relay)."""
         skip = self.armed("skip_pull")
         if self.continuous is None:
-            following = self._lead("load_weights", handle, False, timeout_s)
+            following = self._lead("load_weights", handle, serve, timeout_s)
             pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
-            self._followed(following, "load_weights")
+            answers = self._followed(following, "load_weights")
             self.engine.weights_changed()
+            if answers:  # a tensor-parallel replica: what its group moved, and relays
+                pulled = dataclasses.replace(
+                    pulled,
+                    rdma_bytes=pulled.rdma_bytes + sum(a.rdma_bytes for a in answers),
+                    bytes_moved=pulled.bytes_moved + sum(a.bytes_moved for a in answers),
+                    verified=pulled.verified and all(a.verified for a in answers),
+                    relay=WeightHandle.merge([a.relay for a in [pulled, *answers]])
+                    if serve
+                    else None,
+                )
             return pulled
         if not self.partial:  # every row is sampled by one version
             self.continuous.wait_idle(timeout_s or 600.0)

@@ -349,6 +349,11 @@ class Algorithm:
             busy.append(("eval", "trainer"))
         return procs, {"policy": "trainer"} if cfg.placement.colocate else {}, busy
 
+    def beside(self) -> dict[str, str]:
+        """Roles whose procs run on another role's hosts: a tensor-parallel replica's
+        followers on its leader's (`RoleMeshes`' `beside`)."""
+        return {"policy_tp": "policy"} if self.cfg.placement.policy_tp > 1 else {}
+
     def compose(self, run: Any, stateful: list) -> None:
         """The pieces an on-policy loop uses, each role's catch-up after a respawn,
         and the state step 0 starts from: a checkpoint's, or else version 0 on

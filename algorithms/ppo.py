@@ -112,7 +112,9 @@ class PPO(Algorithm):
         cfg, state = self.cfg, self.state
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-                run = self.meshes = Run(cfg, self.name, *self.placement(), elastic=self.elastic)
+                run = self.meshes = Run(
+                    cfg, self.name, *self.placement(), elastic=self.elastic, beside=self.beside()
+                )
                 self.trainer = self.spawn_trainer(run)
                 self.critic = run.spawn(
                     "critic",

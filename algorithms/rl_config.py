@@ -133,16 +133,14 @@ class RLConfig:
             refused = {
                 "policy.continuous": self.policy.continuous,
                 "policy.engine": self.policy.engine != "hf",
-                "weights.fanout": self.placement.policy > self.weights.fanout > 0,
                 "pool.schedule": any(str(e).startswith("policy=") for e in self.pool.schedule),
             }
             for key, bad in refused.items():
                 if bad:
                     raise ConfigError(
                         f"config key '{key}': tensor-parallel replicas (placement.policy_tp > 1) "
-                        "sample with the hf engine's batch path, pull from the trainer "
-                        "(weights.fanout=0: a replica holding part of the model relays "
-                        "nothing) and keep their number (no policy pool schedule)"
+                        "sample with the hf engine's batch path and keep their number "
+                        "(no policy pool schedule)"
                     )
         if self.max_staleness and make_task(self.task).multi_turn:
             raise ConfigError(

@@ -296,8 +296,9 @@ class PlacementConfig:
     policy_tp: int = 1
     """Procs per policy replica: above 1, each replica's model is split over that
     many procs with tensor parallelism (the trainer's plan, `sharding`), for a
-    model that one proc cannot hold; `policy` counts replicas. The `hf` engine's
-    batch path only (not `policy.continuous`, vllm or `colocate`)."""
+    model that one proc cannot hold; `policy` counts replicas (per host), and a
+    replica's procs share its host. The `hf` engine's batch path only (not
+    `policy.continuous`, vllm or `colocate`)."""
 
     def validate(self) -> None:
         roles = ("policy", "trainer", "environment", "reference", "critic", "reward_model")

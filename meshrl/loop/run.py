@@ -146,7 +146,8 @@ class Run:
     `procs` maps each role to its procs per host (`job.hosts` gives the hosts);
     `share` maps a role to another whose procs it runs in (colocation); roles in
     `busy_together` compute at the same time and share the cores (see
-    `RoleMeshes`); `elastic` roles' pools can grow and shrink (`scale`). With `checkpoint.resume` the run continues in the
+    `RoleMeshes`); `elastic` roles' pools can grow and shrink (`scale`); `beside`
+    maps a role to another on whose hosts its procs run. With `checkpoint.resume` the run continues in the
     checkpoint's directory (`resume_from`). Use as a context manager, or call
     `close()`; both are safe to call twice."""
 
@@ -158,6 +159,7 @@ class Run:
         share: dict[str, str] | None = None,
         busy_together: list[tuple[str, ...]] | None = None,
         elastic: tuple[str, ...] = (),
+        beside: dict[str, str] | None = None,
     ):
         self.cfg, self.name = cfg, name
         self.timeout_s = cfg.run.call_timeout_s
@@ -193,6 +195,7 @@ class Run:
             busy_together=busy_together,
             observe=self.observe,
             elastic=elastic,
+            beside=beside,
         )
         self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
         self.notices: Any = (

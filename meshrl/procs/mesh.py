@@ -264,6 +264,10 @@ class RoleMeshes:
     the order given (policy 0.., then trainer ..), except `cpu_roles`.
     `share` maps a role to another whose procs it runs on (e.g. {"policy":
     "trainer"}: policy actors in the trainer's procs); it has no mesh of its own.
+    `beside` maps a role to another on whose hosts its procs run (e.g. {"policy_tp":
+    "policy"}: a tensor-parallel replica's other procs on its leader's host, where
+    its all-reduces stay); it has procs of its own but no hosts of its own, and on
+    a host with GPUs it takes those after the other role's.
     `busy_together` lists groups of roles whose procs compute at the same time
     (default: all of them); each proc gets the cores over the largest group.
     Use as a context manager, or call `stop()`.
@@ -279,6 +283,7 @@ class RoleMeshes:
         busy_together: list[tuple[str, ...]] | None = None,
         observe: Any = None,
         elastic: tuple[str, ...] = (),
+        beside: dict[str, str] | None = None,
     ):
         from meshrl.procs.job import JobConfig, build_job, host_meshes
 
@@ -286,7 +291,10 @@ class RoleMeshes:
         self.job_cfg = job if job is not None else JobConfig()
         self.counts = dict(counts)
         self.share = dict(share or {})
-        self.hosts = {role: self.job_cfg.hosts_for(role) for role in self.counts}
+        self.beside = dict(beside or {})
+        self.hosts = {
+            role: self.job_cfg.hosts_for(self.beside.get(role, role)) for role in self.counts
+        }
         self.meshes: dict[str, Any] = {}
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
@@ -324,10 +332,16 @@ class RoleMeshes:
         device_offset = 0
         self._spawn_args: dict[str, tuple] = {}
         try:
-            self.job = build_job(self.job_cfg, list(self.counts), observe)
-            self._hosts = host_meshes(self.job_cfg, self.job, list(self.counts), observe)
+            hosted = [role for role in self.counts if role not in self.beside]
+            self.job = build_job(self.job_cfg, hosted, observe)
+            self._hosts = host_meshes(self.job_cfg, self.job, hosted, observe)
             for role, count in self.counts.items():
-                self._spawn_args[role] = (threads, count, device_offset)
+                offset = device_offset
+                if role in self.beside:
+                    self._hosts[role] = self._hosts[self.beside[role]]
+                    if self.job_cfg.kind != "local":  # after its host role's on each host
+                        offset = self.counts[self.beside[role]]
+                self._spawn_args[role] = (threads, count, offset)
                 self._spawn_procs(role)
                 # Separate hosts have GPUs of their own; local roles share this host's.
                 if role not in cpu_roles and self.job_cfg.kind == "local":
@@ -481,7 +495,8 @@ class RoleMeshes:
         # Its node (or its whole job: a requeue) is gone: a new allocation. SLURM ended
         # the old one's processes, so no answer to a stop can come; Monarch gives up on
         # it after 30 s, and nothing waits for that (twice per requeue before).
-        gone = self.job_cfg.kind == "slurm" and not self.job.allocations.alive(role)
+        hosts = self.beside.get(role, role)  # whose hosts its procs run on
+        gone = self.job_cfg.kind == "slurm" and not self.job.allocations.alive(hosts)
         # Waited for past Monarch's own 30 s: the stop's failure then reaches the fault
         # hook while the run is up (`stop` joins this thread), not after its client
         # has stopped, where it ended a finished run's process with exit code 1.
@@ -493,9 +508,12 @@ class RoleMeshes:
         stopping.start()
         self._stopping.append(stopping)
         if gone:
-            self._hosts[role] = self.job.reallocate(role)
+            self._hosts[hosts] = self.job.reallocate(hosts)
         else:  # its live procs (on the same hosts) go before new ones start
             stopping.join()
+        # Roles beside another follow it to a new allocation (either may go first).
+        for other, host in self.beside.items():
+            self._hosts[other] = self._hosts[host]
         self._spawn_procs(role)
 
     def _carry(self, role: str, watch: Any, ranks: list[int], timeout_s: float = 5.0) -> None:

@@ -252,6 +252,7 @@ class WeightPublisher:
         parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
         owns_whole: bool = True,
         split: Callable[[str, tuple[int, ...]], list[Block]] | None = None,
+        by_piece: bool = False,
     ):
         """`parameters` gives the (name, tensor) pairs to publish, called at each
         publish (default: the model's parameters; LoRA: the merged weights).
@@ -260,7 +261,10 @@ class WeightPublisher:
         `split(name, shape)`: the blocks the replicas' procs hold (tensor-parallel
         replicas, `meshrl.procs.reshard.block`); each owned block is laid out as its
         parts within them, each part contiguous, so a replica proc reads exactly
-        the parts it holds. None: one piece per owned block."""
+        the parts it holds. None: one piece per owned block.
+        `by_piece` (implied by `split`): each piece is its own RDMA buffer too, so a
+        replica proc that holds some of them reads only those (a tensor-parallel
+        relay's blocks)."""
         from torch.distributed.tensor import DTensor
 
         source = parameters or model.named_parameters
@@ -282,7 +286,7 @@ class WeightPublisher:
                 self._cuts.append(relative(part, mine))
                 offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
             published.add(name)
-        self.split = split is not None
+        self.by_piece = by_piece or split is not None
         self.data_bytes = offset
         self.parameters = lambda: ((n, p) for n, p in source() if n in published)
         prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -367,7 +371,7 @@ class WeightPublisher:
         self.header(slot).fill_(2 * version + 2)  # complete
         self.held[slot], self.held_sequence[slot] = version, self.sequence
         self.next_slot = 1 - slot
-        self._register(delta or self.split)
+        self._register(delta or self.by_piece)
         source = WeightSource(
             self.host,
             self.paths,
@@ -379,7 +383,7 @@ class WeightPublisher:
             slot,
             self.sequence,
             list(self.changed_at) if delta else None,
-            self._piece_buffers if delta or self.split else None,
+            self._piece_buffers if delta or self.by_piece else None,
         )
         return WeightHandle(version, [source])
 

@@ -85,6 +85,9 @@ class WeightReceiver:
             for name, block in self.held.items()
         )
         self.owner = "replica"  # named in errors; actors set their role and rank
+        self.publishes_whole = True
+        """Whether a relay of this receiver publishes the parameters it holds whole
+        (false on a tensor-parallel replica's followers: the leader does)."""
         self.version = -1
         self.torn = False
         """True while a pull is under way or after one failed: the model may be
@@ -246,13 +249,20 @@ class WeightReceiver:
     ) -> WeightHandle:
         """Publish the version this replica holds from its own slots (a relay),
         with checksums of what it holds when `verify`."""
-        if self.partial or not self.whole:
+        if self.partial:
             raise ValueError("a receiver of part of the model cannot relay the whole")
         if self.torn:
             raise TornWeights("this replica holds no complete version to relay")
         if self._relay is None:
+            # A tensor-parallel replica's procs each publish the blocks they own; the
+            # leader alone its whole parameters (`publishes_whole`). Their handles
+            # merged are the relay's, read per piece by the procs that need them.
             self._relay = WeightPublisher(
-                None, prefix=shm_prefix, parameters=lambda: iter(self.params.items())
+                None,
+                prefix=shm_prefix,
+                parameters=lambda: iter(self.params.items()),
+                owns_whole=self.publishes_whole,
+                by_piece=not self.whole,
             )
         return self._relay.publish(self.version, verify, delta)
 

@@ -74,8 +74,8 @@ def meshes():
     FSDP2, tree (packed is checked in-process, tests/unit/test_packing.py); 2 procs
     TP, tree; 2 x 2 procs FSDP2 x TP, padded, 2 micro-batches; Qwen3 on 1 proc and
     on 2 TP procs (its per-head norms). Critics: 1 proc (beside the 1-proc
-    trainer), padded; 2 procs with 2 micro-batches, tree. A TP2 policy replica and
-    a 1-proc one."""
+    trainer), padded; 2 procs with 2 micro-batches, tree. Two TP2 policy replicas
+    (the second pulls from the first's relay) and a 1-proc one."""
     meshes = RoleMeshes(
         {
             "one": 1,
@@ -86,6 +86,8 @@ def meshes():
             "fsdp_tp": 4,
             "replica": 1,
             "replica_tp": 1,
+            "relayed": 1,
+            "relayed_tp": 1,
             "tp_qwen3": 2,
         }
     )
@@ -122,14 +124,20 @@ def meshes():
             "critic_one": critic("one", layout="padded"),
             "critic_two": critic("critic", micro_batches=2, layout="tree"),
         }
-        # A policy replica split over 2 procs (leader and follower), and one of 1 proc.
-        spawned["replica"] = meshes["replica"].spawn("replica", Policy, MODEL, tp=2)
-        follower = meshes["replica_tp"].spawn("follower", Policy, MODEL, tp=2, leader=False)
-        masters = meshes.rendezvous_each("replica")
-        joining = [spawned["replica"].join.call(masters), follower.join.call(masters)]
+        # Two policy replicas split over 2 procs each (leader and follower), and one
+        # of 1 proc.
+        joining, followers = [], {}
+        for name in ("replica", "relayed"):
+            spawned[name] = meshes[name].spawn(name, Policy, MODEL, tp=2)
+            followers[name] = meshes[f"{name}_tp"].spawn(
+                f"{name}_follower", Policy, MODEL, tp=2, leader=False
+            )
+            masters = meshes.rendezvous_each(name)
+            joining += [spawned[name].join.call(masters), followers[name].join.call(masters)]
         for future in joining:
             wait(future, "join", TIMEOUT)
-        call_all(spawned["replica"], "follow", follower, what="follow", timeout_s=TIMEOUT)
+        for name, follower in followers.items():
+            call_all(spawned[name], "follow", follower, what="follow", timeout_s=TIMEOUT)
         spawned["replica_one"] = meshes["one"].spawn("replica_one", Policy, MODEL)
         for name, actors in spawned.items():
             call_all(actors, "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
@@ -264,6 +272,21 @@ def test_tensor_parallel_steps_end_where_one_proc_does_and_sync_whole_weights(me
             assert torch.equal(param.detach(), whole[key]), (name, key)
 
 
+def tp_share(replicated: bool = True) -> int:
+    """The bytes one proc of a TP2 replica of MODEL holds: half of each split
+    parameter, and with `replicated` the rest whole."""
+    from meshrl.model.models import load_model
+    from meshrl.procs.tensor_parallel import parameter_styles
+
+    model = load_model(MODEL)
+    styles = parameter_styles(model)
+    return sum(
+        p.numel() * p.element_size() // (1 if styles[name] == "replicate" else 2)
+        for name, p in model.named_parameters()
+        if replicated or styles[name] != "replicate"
+    )
+
+
 def test_a_tensor_parallel_replica_reads_its_share_and_samples_the_one_proc_tokens(meshes):
     """An FSDP2 trainer of 2 procs publishes its row blocks in the parts a TP2
     replica's procs hold (a row block of a row-split layer in two column parts):
@@ -271,8 +294,6 @@ def test_a_tensor_parallel_replica_reads_its_share_and_samples_the_one_proc_toke
     and, with the same seeds, samples the tokens a 1-proc replica of the same
     version samples."""
     from meshrl.config import GenerationConfig
-    from meshrl.model.models import load_model
-    from meshrl.procs.tensor_parallel import parameter_styles
     from meshrl.weights.publisher import WeightHandle
 
     trainer = meshes["fsdp"]
@@ -283,13 +304,7 @@ def test_a_tensor_parallel_replica_reads_its_share_and_samples_the_one_proc_toke
     pulled = call_all(meshes["replica"], "load_weights", handle, what="pull", timeout_s=TIMEOUT)[0]
     call_all(meshes["replica_one"], "load_weights", handle, what="pull", timeout_s=TIMEOUT)
     assert pulled.verified and pulled.version == handle.version
-    model = load_model(MODEL)
-    styles = parameter_styles(model)
-    share = sum(  # half of each split parameter; the rest whole (FSDP's halves: copied)
-        p.numel() * p.element_size() // (1 if styles[name] == "replicate" else 2)
-        for name, p in model.named_parameters()
-    )
-    assert pulled.bytes_moved == share
+    assert pulled.bytes_moved == 2 * tp_share()  # each of its 2 procs its share, no more
     trained = call_all(trainer, "parameters", what="fsdp", timeout_s=TIMEOUT)[0]
     whole = call_all(meshes["replica"], "parameters", what="replica", timeout_s=TIMEOUT)[0]
     assert all(torch.equal(whole[k], trained[k]) for k in trained)
@@ -306,3 +321,36 @@ def test_a_tensor_parallel_replica_reads_its_share_and_samples_the_one_proc_toke
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert torch.equal(got.completion_mask, want.completion_mask)
     assert (got.logprobs - want.logprobs).abs().max() < 1e-5
+
+
+def test_a_tensor_parallel_replica_relays_its_blocks_to_the_next(meshes):
+    """A relay made of a TP2 replica (`weights.fanout` with `placement.policy_tp`):
+    its two procs publish the blocks they hold, its leader alone the whole
+    parameters, and the leader answers with their handles merged. Another TP2
+    replica pulls from it: each proc reads its own blocks and nothing else, checked
+    against the relay's sums, and ends bitwise equal to the trainer; a 1-proc
+    replica pulls the whole model from the same relay (every parameter once)."""
+    from meshrl.weights.publisher import WeightHandle
+
+    trainer = meshes["fsdp"]
+    call_all(trainer, "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
+    batch = fixed_batch()
+    call_each(trainer, "train_step", [(batch.shard(i, 2),) for i in range(2)], "step", TIMEOUT)
+    handle = WeightHandle.merge(call_all(trainer, "publish", what="pub", timeout_s=TIMEOUT))
+    relay = call_all(
+        meshes["replica"], "load_weights", handle, True, what="relay pull", timeout_s=TIMEOUT
+    )[0].relay
+    assert relay is not None and relay.version == handle.version
+    pieces = [(p.name, p.start) for s in relay.sources for p in s.pieces]
+    assert len(pieces) == len(set(pieces)) and len(relay.sources) == 2  # leader, follower
+    pulled = call_all(meshes["relayed"], "load_weights", relay, what="pull", timeout_s=TIMEOUT)[0]
+    assert pulled.verified and pulled.version == handle.version
+    # Its split blocks copied, each proc its half; the whole parameters served in
+    # place from the relay leader's slot (zero-copy on one host).
+    assert pulled.bytes_moved == 2 * tp_share(replicated=False)
+    trained = call_all(trainer, "parameters", what="fsdp", timeout_s=TIMEOUT)[0]
+    for name in ("relayed", "replica_one"):
+        if name == "replica_one":
+            call_all(meshes[name], "load_weights", relay, what="pull", timeout_s=TIMEOUT)
+        got = call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
+        assert all(torch.equal(got[k], trained[k]) for k in trained), name

@@ -65,3 +65,37 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     assert all(r["weights/rdma_replicas"] == 2 for r in history)
     assert all(r["weights/max_hop_depth"] == 2 for r in history)
     assert all(r["weights/trainer_egress_bytes"] == model_bytes > 0 for r in history)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_tensor_parallel_replicas_live_on_their_hosts_and_relay(tmp_path, no_stray_procs):
+    """`placement.policy_tp=2` on 2 policy hosts, a replica a host: each replica's
+    follower runs on its leader's host (before, the followers had one host of
+    their own, too few for the leaders, and the groups never formed: the run
+    hung), and the replicas relay (fanout 1): the first reads the trainer's
+    blocks, the second the first replica's, each proc its own."""
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=3",
+            "eval.every=0",
+            "job.kind=process",
+            "job.hosts.policy=2",
+            "placement.policy_tp=2",
+            "weights.fanout=1",
+            f"run.dir={tmp_path}",
+            "run.name=tp_hosts",
+            "run.progress=false",
+            "run.save_final=false",
+        ],
+    )
+    algo = GRPO(cfg)
+    history = algo.run()
+    assert len(history) == 3
+    for record in history:
+        assert record["weights/verified_replicas"] == 2
+        assert record["weights/max_hop_depth"] == 2  # trainer -> replica 0 -> replica 1
+        assert record["weights/rdma_replicas"] == 2
+    assert history[-1]["weights/version"] == cfg.warm_start.steps + cfg.steps

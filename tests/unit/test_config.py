@@ -86,7 +86,6 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["placement.policy_tp=2", "model.arch=gpt2"], "placement.policy_tp"),
         (["placement.policy_tp=2", "placement.colocate=true"], "placement.policy_tp"),
         (["placement.policy_tp=2", "policy.continuous=true"], "policy.continuous"),
-        (["placement.policy_tp=2", "placement.policy=3"], "weights.fanout"),
         (["placement.policy_tp=2", "pool.schedule=[policy=2@3]"], "pool.schedule"),
         (["policy.engine=trt"], "policy.engine"),
         (["trainer.correction=magic"], "trainer.correction"),
