@@ -193,6 +193,36 @@ def test_ppo_dpo_and_coevolution_run_unchanged_on_slurm(slurm_cluster, tmp_path,
     assert_clean_end(slurm_cluster)
 
 
+def test_tensor_parallel_replicas_share_their_nodes_on_slurm(
+    slurm_cluster, tmp_path, no_stray_procs
+):
+    """`placement.policy_tp=2` on 2 policy nodes: each replica's follower runs on its
+    leader's node, in the policy role's SLURM job (no job of its own), and the
+    replicas relay from node to node."""
+    proc = start(
+        slurm_cluster,
+        tmp_path,
+        "tp",
+        "steps=3",
+        "eval.every=0",
+        "job.hosts.policy=2",
+        "placement.policy=1",
+        "placement.policy_tp=2",
+        "weights.fanout=1",
+    )
+    out = finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    records = history(tmp_path, "tp")
+    assert len(records) == 3
+    for record in records:
+        assert record["weights/verified_replicas"] == 2
+        assert record["weights/max_hop_depth"] == 2 and record["weights/rdma_replicas"] == 2
+    jobs = status(tmp_path, "tp")["slurm"]
+    assert set(jobs) == {"trainer", "policy", "environment"}
+    assert len(jobs["policy"]["nodes"]) == 2
+    assert_clean_end(slurm_cluster)
+
+
 # --- the faults a scheduler brings ------------------------------------------------------
 
 
