@@ -32,12 +32,10 @@ class CheckedGRPO(GRPO):
 @pytest.mark.timeout(400)
 def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     """Trainer on 2 hosts (one rank each), policy on 2, environment and reference
-    on a host each: 6 subprocess hosts. It must learn, and stop every host. Each
-    policy replica is split over 2 procs with tensor parallelism, both on the
-    replica's host (before, the followers had a host of their own, too few procs
-    for the leaders, and the groups never formed: the run hung). The replicas
-    form a relay chain (fanout 1): one reads the trainer's slots, the other the
-    first replica's, each proc the blocks it holds."""
+    on a host each: 6 subprocess hosts. It must learn, and stop every host. The
+    policy replicas form a relay chain (fanout 1): one reads the trainer's
+    slots, the other the first replica's. (Tensor-parallel replicas across hosts:
+    tests/cluster/test_cluster.py, on SLURM nodes.)"""
     cfg = load_config(
         GRPOConfig,
         DEFAULT_CONFIG,
@@ -48,7 +46,6 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
             "job.hosts.trainer=2",
             "job.hosts.policy=2",
             "weights.fanout=1",
-            "placement.policy_tp=2",
             f"run.dir={tmp_path}",
             "run.name=hosts",
             "run.progress=false",
@@ -62,7 +59,7 @@ def test_grpo_trains_across_process_hosts(tmp_path, no_stray_procs):
     # steps 60-69, measured on 2026-11-28; tests/learning holds the longer horizons.)
     assert last - first >= 0.15, (first, last)
     assert CheckedGRPO.checks == [(2, 2, True), (2, 2, True)]
-    assert len(CheckedGRPO.forked) == 8 and all(CheckedGRPO.forked)  # 2 procs a replica
+    assert len(CheckedGRPO.forked) == 6 and all(CheckedGRPO.forked)
     assert history[-1]["weights/version"] == cfg.warm_start.steps + cfg.steps
     # Over RDMA between the hosts, one copy of the model out of the trainer a step.
     model_bytes = history[-1]["weights/trainer_egress_bytes"]
