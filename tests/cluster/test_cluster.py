@@ -193,36 +193,6 @@ def test_ppo_dpo_and_coevolution_run_unchanged_on_slurm(slurm_cluster, tmp_path,
     assert_clean_end(slurm_cluster)
 
 
-def test_tensor_parallel_replicas_share_their_nodes_on_slurm(
-    slurm_cluster, tmp_path, no_stray_procs
-):
-    """`placement.policy_tp=2` on 2 policy nodes: each replica's follower runs on its
-    leader's node, in the policy role's SLURM job (no job of its own), and the
-    replicas relay from node to node."""
-    proc = start(
-        slurm_cluster,
-        tmp_path,
-        "tp",
-        "steps=3",
-        "eval.every=0",
-        "job.hosts.policy=2",
-        "placement.policy=1",
-        "placement.policy_tp=2",
-        "weights.fanout=1",
-    )
-    out = finish(proc)
-    assert proc.returncode == 0, out[-3000:]
-    records = history(tmp_path, "tp")
-    assert len(records) == 3
-    for record in records:
-        assert record["weights/verified_replicas"] == 2
-        assert record["weights/max_hop_depth"] == 2 and record["weights/rdma_replicas"] == 2
-    jobs = status(tmp_path, "tp")["slurm"]
-    assert set(jobs) == {"trainer", "policy", "environment"}
-    assert len(jobs["policy"]["nodes"]) == 2
-    assert_clean_end(slurm_cluster)
-
-
 # --- the faults a scheduler brings ------------------------------------------------------
 
 
@@ -238,6 +208,10 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
         "checkpoint.every=2",
         "job.hosts.policy=2",
         "placement.policy=1",
+        # Tensor-parallel replicas (2 procs a node) in a relay chain: the lost policy
+        # node takes a whole group, re-formed on the new allocation.
+        "placement.policy_tp=2",
+        "weights.fanout=1",
         "faults.quarantine_after=1",
     )
 
@@ -270,8 +244,15 @@ def test_lost_policy_and_trainer_nodes_are_replaced_on_new_allocations_and_quara
         for node in (lost["result"], lost_trainer["result"]):
             assert f"quarantined SLURM node {node}" in faults, faults
             assert node in quarantined
+        # Each replica split over 2 procs on its node, in the policy role's SLURM job
+        # (before, its other procs had a job of their own with too few of them for
+        # the leaders, and the groups never formed: a hang); a relay chain between
+        # the nodes, every replica checked each step.
+        assert all(r["weights/verified_replicas"] == 2 for r in records)
+        assert max(r["weights/max_hop_depth"] for r in records) == 2
         # No later allocation got a lost node.
         where = status(tmp_path, "lost")["slurm"]
+        assert set(where) == {"trainer", "policy", "environment"}
         assert not {lost["result"], lost_trainer["result"]} & {
             n for w in where.values() for n in w["nodes"]
         }
