@@ -170,7 +170,10 @@ class Allocations:
             'notice() { scontrol update jobid="$SLURM_JOB_ID" comment="meshrl:$1:$(date +%s)"; }',
             "trap 'notice warning' USR1",
             "trap 'notice terminated' TERM",
-            f"srun --kill-on-bad-exit=0 {worker} &",
+            # --no-kill on the step too: a lost node ends its own worker, not the step
+            # on the role's other nodes (whose workers were killed with it, and their
+            # healthy nodes counted lost and quarantined).
+            f"srun --no-kill --kill-on-bad-exit=0 {worker} &",
             "workers=$!",
             # `wait` returns at each trapped signal: wait again until the workers end.
             'while kill -0 "$workers" 2>/dev/null; do wait "$workers"; done',

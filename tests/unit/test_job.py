@@ -66,7 +66,8 @@ def test_slurm_job_is_built_from_config():
     assert any(
         line.startswith(".venv/bin/python -m meshrl.procs.slurm")
         for line in [
-            part.split(" &")[0].removeprefix("srun --kill-on-bad-exit=0 ") for part in script
+            part.split(" &")[0].removeprefix("srun --no-kill --kill-on-bad-exit=0 ")
+            for part in script
         ]
     )
     job = build("grpo_slurm.yaml", "job.hosts.trainer=4", "job.partition=debug")
