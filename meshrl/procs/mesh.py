@@ -337,10 +337,8 @@ class RoleMeshes:
             self._hosts = host_meshes(self.job_cfg, self.job, hosted, observe)
             for role, count in self.counts.items():
                 offset = device_offset
-                if role in self.beside:
-                    self._hosts[role] = self._hosts[self.beside[role]]
-                    if self.job_cfg.kind != "local":  # after its host role's on each host
-                        offset = self.counts[self.beside[role]]
+                if role in self.beside and self.job_cfg.kind != "local":
+                    offset = self.counts[self.beside[role]]  # after its host role's, per host
                 self._spawn_args[role] = (threads, count, offset)
                 self._spawn_procs(role)
                 # Separate hosts have GPUs of their own; local roles share this host's.
@@ -373,7 +371,7 @@ class RoleMeshes:
         if role in self.elastic:
             mesh = self._group(role)
         elif mesh is None:
-            mesh = self._hosts[role].spawn_procs(
+            mesh = self._host_mesh(role).spawn_procs(
                 per_host={"procs": count},
                 bootstrap=functools.partial(
                     _setup_proc, threads, count, device_offset, self.job_cfg.kind != "local"
@@ -442,7 +440,9 @@ class RoleMeshes:
                 return None
             return (threads, 1, offset + slot, self.job_cfg.fork_server)
 
-        group = make_group(role, self.job_cfg, self._hosts[role], count, spawn_proc, pool_key, wait)
+        group = make_group(
+            role, self.job_cfg, self._host_mesh(role), count, spawn_proc, pool_key, wait
+        )
         if kind == "slurm":
             group.renew = functools.partial(renew_slurm_hosts, self, role)
         group.grow(count * self.hosts[role])
@@ -461,6 +461,11 @@ class RoleMeshes:
     def roles(self) -> list[str]:
         """Every role, those sharing another's procs included."""
         return [*self.counts, *self.share]
+
+    def _host_mesh(self, role: str) -> Any:
+        """The hosts `role`'s procs run on: its own, or those of the role it runs
+        beside (so it follows that role to a new allocation, whichever goes first)."""
+        return self._hosts[self.beside.get(role, role)]
 
     def _own(self, role: str) -> str:
         return self.share.get(role, role)
@@ -511,9 +516,6 @@ class RoleMeshes:
             self._hosts[hosts] = self.job.reallocate(hosts)
         else:  # its live procs (on the same hosts) go before new ones start
             stopping.join()
-        # Roles beside another follow it to a new allocation (either may go first).
-        for other, host in self.beside.items():
-            self._hosts[other] = self._hosts[host]
         self._spawn_procs(role)
 
     def _carry(self, role: str, watch: Any, ranks: list[int], timeout_s: float = 5.0) -> None:
