@@ -44,6 +44,20 @@ REDO_REASONS = ("policy_lost",)
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
 
 
+def form_groups(
+    leaders: Any, followers: Any, replicas: int, tp: int, masters: list, timeout_s: float
+) -> None:
+    """Form `replicas` tensor-parallel groups of `tp` `Policy` actors each: leader i
+    and followers i * (tp - 1) onwards, meeting at `masters[i]`
+    (`RoleMeshes.rendezvous_each`). Every proc joins its group at once
+    (`Policy.join`), then each leader takes its followers (`Policy.follow`)."""
+    for future in [leaders.join.call(masters), followers.join.call(masters)]:
+        wait(future, "policy.join", timeout_s)
+    for i in range(replicas):
+        group = followers.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
+        wait(leaders.slice(procs=i).follow.call_one(group), "policy.follow", 600)
+
+
 class HookLoss:
     """An algorithm's `loss` hook as the trainer procs run it. Only the class and
     the config travel (pickled); the trainer makes a bare instance of the class
@@ -185,12 +199,8 @@ class Algorithm:
         leaders, followers = run.roles[role], run.roles[f"{role}_tp"]
         tp = followers.size // leaders.size + 1
         masters = run.meshes.rendezvous_each(role)
-        joining = [leaders.join.call(masters), followers.join.call(masters)]
-        for future in joining:
-            wait(future, f"{role}.join", self.cfg.run.call_timeout_s)
-        for i in range(leaders.size):
-            group = followers.actors.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
-            wait(leaders.slice(procs=i).follow.call_one(group), f"{role}.follow", 600)
+        timeout_s = self.cfg.run.call_timeout_s
+        form_groups(leaders.actors, followers.actors, leaders.size, tp, masters, timeout_s)
 
     def spawn_policy(
         self, run: Any, role: str = "policy", seed: int | None = None, shm_prefix: str = ""

@@ -15,12 +15,12 @@ import torch
 from actors.critic import Critic
 from actors.policy import Policy
 from actors.trainer import Trainer
-from algorithms.base import HookLoss
+from algorithms.base import HookLoss, form_groups
 from algorithms.dpo import DPO, DPOConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.model.losses import AGGREGATIONS
-from meshrl.procs.mesh import RoleMeshes, call_all, call_each, wait
+from meshrl.procs.mesh import RoleMeshes, call_all, call_each
 from meshrl.types import TrainBatch
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
@@ -126,18 +126,12 @@ def meshes():
         }
         # Two policy replicas split over 2 procs each (leader and follower), and one
         # of 1 proc.
-        joining, followers = [], {}
         for name in ("replica", "relayed"):
             spawned[name] = meshes[name].spawn(name, Policy, MODEL, tp=2)
-            followers[name] = meshes[f"{name}_tp"].spawn(
+            follower = meshes[f"{name}_tp"].spawn(
                 f"{name}_follower", Policy, MODEL, tp=2, leader=False
             )
-            masters = meshes.rendezvous_each(name)
-            joining += [spawned[name].join.call(masters), followers[name].join.call(masters)]
-        for future in joining:
-            wait(future, "join", TIMEOUT)
-        for name, follower in followers.items():
-            call_all(spawned[name], "follow", follower, what="follow", timeout_s=TIMEOUT)
+            form_groups(spawned[name], follower, 1, 2, meshes.rendezvous_each(name), TIMEOUT)
         spawned["replica_one"] = meshes["one"].spawn("replica_one", Policy, MODEL)
         for name, actors in spawned.items():
             call_all(actors, "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
