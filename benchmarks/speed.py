@@ -109,10 +109,17 @@ def weight_sync(record: dict, short: bool = False) -> Cells:
         delta = f"delta, {changed}% changed: {delta}"
     else:
         delta = f"delta over RDMA with {changed}% of tensors changed {delta}"
+    # The floor of a checked sync (one copy with its sum, one verifying read), where
+    # the record has it (since the compiled copy-and-sum).
+    floor = (
+        f", copy + verifying read {ms(f['floor_s'])} ms ({times(f['sync_over_floor'])})"
+        if "floor_s" in f
+        else ""
+    )
     return (
         f"`weight_sync.py`, {size.removesuffix('MB')} MB, same host, served in place, checksummed",
         f"{ms(f['sync_s'])} ms",
-        f"memcpy {ms(f['memcpy_s'])} ms ({times(f['sync_over_memcpy'])}), gloo broadcast "
+        f"memcpy {ms(f['memcpy_s'])} ms ({times(f['sync_over_memcpy'])}){floor}, gloo broadcast "
         f"{ms(f['gloo_s'])} ms ({times(f['sync_over_gloo'])}), per-tensor RDMA reads "
         f"{ms(f['rdma_per_tensor_s'], 0)} ms; unchecked {ms(f['sync_unverified_s'])} ms "
         f"({times(f['sync_unverified_over_memcpy'])} memcpy); {copied} {ms(f['copy_sync_s'])} ms; "

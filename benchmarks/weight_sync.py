@@ -24,7 +24,11 @@ Each with checksums (`weights.verify`, the default) and without
 time per sync.
 The memcpy is also measured inside the trainer actor (`actor_memcpy_s`): an
 actor's process shares the cores with Monarch's runtime, and the ratios to it
-(`sync_over_actor_memcpy`) compare like with like.
+(`sync_over_actor_memcpy`) compare like with like. So is the floor of a checked
+sync (`floor_s`): the trainer's copy with its sum (`fused_copy_s`) and the
+replica's verifying read, back to back, with the kernel the sync uses (`fused`:
+the compiled one of `meshrl.weights.native`, else torch's); `sync_over_floor`
+is what the calls and the bookkeeping add.
 Prints a table, then one JSON object whose keys are the sizes, each with
 `sync_s`, `sync_over_memcpy` and `sync_over_gloo` (and the other timings).
 
@@ -66,6 +70,8 @@ sys.path.insert(0, REPO)
 from monarch.actor import Actor, endpoint  # noqa: E402
 
 from meshrl.procs.mesh import RoleMeshes, wait  # noqa: E402
+from meshrl.weights import native  # noqa: E402
+from meshrl.weights.checksum import copy_sums  # noqa: E402
 from meshrl.weights.publisher import WeightHandle, WeightPublisher  # noqa: E402
 from meshrl.weights.receiver import WeightReceiver  # noqa: E402
 
@@ -174,6 +180,22 @@ class Holder(Actor):
         return memcpy_s(total_mb, repeats)
 
     @endpoint
+    def floor_s(self, total_mb: int, repeats: int) -> tuple[float, float, bool]:
+        """The work a checked same-host sync cannot skip, measured here: one copy
+        with its sum (the trainer's), and one read of the copy with its sum (the
+        replica's), back to back; and the copy alone. With whether the compiled
+        kernel ran (`meshrl.weights.native`)."""
+        src = torch.ones(total_mb * 1024 * 1024, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+
+        def both():
+            copy_sums([(dst, src)])
+            copy_sums([(dst, None)])
+
+        copy = best(lambda: copy_sums([(dst, src)]), repeats)
+        return best(both, repeats), copy, native.available()
+
+    @endpoint
     def last_publish_s(self) -> float:
         return self.publish_s
 
@@ -248,6 +270,7 @@ def monarch_timings(total_mb: int, repeats: int, few: float) -> dict:
         figures = {
             "rdma_s": rdma,
             "actor_memcpy_s": wait(holder.memcpy_s.call_one(total_mb, repeats), "memcpy", 300),
+            "floor": wait(holder.floor_s.call_one(total_mb, repeats), "floor", 300),
         }
         for mode in MODES:
             for verify in (True, False):
@@ -470,6 +493,10 @@ def main() -> int:
             "actor_memcpy_s": round(t["actor_memcpy_s"], 5),
             "sync_over_actor_memcpy": round(sync / t["actor_memcpy_s"], 2),
             "sync_unverified_over_actor_memcpy": round(unverified / t["actor_memcpy_s"], 2),
+            "floor_s": round(t["floor"][0], 5),
+            "sync_over_floor": round(sync / t["floor"][0], 2),
+            "fused_copy_s": round(t["floor"][1], 5),
+            "fused": t["floor"][2],
             "gloo_s": round(gloo, 5),
             "rdma_per_tensor_s": round(t["rdma_s"], 5),
             "sync_over_rdma_s": round(rdma_sync, 5),

@@ -1,9 +1,15 @@
 """Checksums of weights: what a published version carries and what a replica
-checks its parameters against after a pull (`meshrl.weights.publisher`)."""
+checks its parameters against after a pull (`meshrl.weights.publisher`).
+
+The copy and the sum run as one pass in `meshrl.weights.native` where it is
+built; torch's chunked copy-then-sum (`_torch_copy_summed`) otherwise, and for
+tensors off the CPU. Both give the same sums."""
 
 from __future__ import annotations
 
 import torch
+
+from meshrl.weights import native
 
 _WORD = 8
 _CHUNK = 4 << 20  # bytes summed right after they are copied, while still in cache
@@ -24,10 +30,7 @@ def _word_sum(data: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool) -> torch.Tensor | None:
-    """Copy uint8 `src` into `dst` (None: no copy) and, with `summed`, return the
-    checksum of `dst` (0-d int64 tensor; `checksum`), each chunk summed right
-    after it is copied, so the bytes are read from cache, not memory again."""
+def _torch_copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool):
     if not summed:
         if src is not None:
             dst.copy_(src)
@@ -37,10 +40,43 @@ def copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool) -> to
     total = torch.zeros((), dtype=torch.int64, device=dst.device)
     for start in range(0, max(dst.numel(), 1), _CHUNK):
         chunk = dst[start : start + _CHUNK]
-        if src is not None:
-            chunk.copy_(src[start : start + _CHUNK])
+        chunk.copy_(src[start : start + _CHUNK])
         total += _word_sum(chunk)
     return total
+
+
+def _native(tensor: torch.Tensor | None) -> bool:
+    return tensor is None or (tensor.device.type == "cpu" and tensor.is_contiguous())
+
+
+def copy_sums(
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]], summed: bool = True
+) -> list[int | torch.Tensor | None]:
+    """Copy each pair's uint8 `src` into `dst` (src None: no copy) and, with
+    `summed`, return the checksum of each `dst` (`checksum`; an int, or a 0-d
+    int64 tensor to take mod 2**64 where torch summed it, so a GPU's sum is read
+    once at the end), else None for each. The CPU pairs go through the
+    compiled kernel at once, split over this proc's threads."""
+    out: list = [None] * len(pairs)
+    fast = [k for k, (d, s) in enumerate(pairs) if _native(d) and _native(s)]
+    sums = native.copy_sums(
+        [(None, pairs[k][0]) if pairs[k][1] is None else pairs[k] for k in fast]
+    )
+    if sums is not None:
+        for k, value in zip(fast, sums, strict=True):
+            out[k] = value if summed else None
+        done = set(fast)
+    else:
+        done = set()
+    for k, (dst, src) in enumerate(pairs):
+        if k not in done:
+            out[k] = _torch_copy_summed(dst, src, summed)
+    return out
+
+
+def copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool):
+    """`copy_sums` of one pair."""
+    return copy_sums([(dst, src)], summed)[0]
 
 
 def checksum(tensor: torch.Tensor) -> int:

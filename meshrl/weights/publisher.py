@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -54,11 +55,16 @@ import torch
 
 from meshrl.procs.mesh import HOST_TAG_ENV, debugging
 from meshrl.procs.reshard import Block, reads, relative, span
-from meshrl.weights.checksum import copy_summed
+from meshrl.weights.checksum import copy_sums
 
 HEADER_BYTES = 64
 SLOTS = 2
 SHM_DIR = "/dev/shm"
+FLUSH_BYTES = 256 << 20
+"""A publish copies and sums its pieces in one batch, over every thread
+(`meshrl.weights.checksum.copy_sums`), or in several where the batch would hold
+more than this many bytes of pieces it had to make first (the rows of a
+tensor-parallel column block, a GPU parameter's host copy)."""
 
 
 def host_id() -> str:
@@ -96,8 +102,7 @@ class ParamPiece:
 
     @property
     def num_bytes(self) -> int:
-        n = torch.Size(self.shape).numel()
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def block(self) -> tuple[tuple[int, int], ...]:
@@ -151,17 +156,29 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
+_dtensor: type | None = None  # torch's DTensor, imported at first use (a slow import)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    global _dtensor
+    if _dtensor is None:
+        from torch.distributed.tensor import DTensor
+
+        _dtensor = DTensor
+    return isinstance(tensor, _dtensor)
+
+
 def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """This proc's part of `param`, where it starts in the full parameter (per
     dim), and whether this proc publishes it: the whole tensor (published by
     the owner of whole tensors), or a DTensor's local block (FSDP2, tensor
     parallelism, both), published by the proc whose coordinate is 0 on every
     mesh dim that replicates it (`meshrl.procs.reshard.owns`)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    if not _is_dtensor(param):
+        return param.detach(), (0,) * param.dim(), True
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if not isinstance(param, DTensor):
-        return param.detach(), (0,) * param.dim(), True
     local = param.to_local().detach()
     mesh = param.device_mesh
     shape, start = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
@@ -337,11 +354,22 @@ class WeightPublisher:
         self.header(slot).fill_(2 * version + 1)  # writing
         blocks: dict[str, torch.Tensor] = {}
         params = self.parameters()
+        batch: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (piece, slot bytes, source)
+        pending = 0  # bytes in the batch
+
+        def flush() -> None:
+            # Copied and summed together: one pass over the bytes, on every thread.
+            sums = copy_sums([(dst, src) for _, dst, src in batch], verify)
+            for (k, _, _), summed in zip(batch, sums, strict=True):
+                self.sums[k] = int(summed) % 2**64 if verify else None
+            batch.clear()
+
         for i, (piece, cut) in enumerate(zip(self.pieces, self._cuts, strict=True)):
             while piece.name not in blocks:
                 name, param = next(params)
                 blocks = {name: _local_piece(name, param)[0]}
             part = blocks[piece.name][cut]
+            made = not part.is_contiguous() or part.device != last.device
             if not part.is_contiguous():  # a block of columns: its rows gathered once
                 part = part.contiguous()
             source = _as_bytes(part)
@@ -366,8 +394,12 @@ class WeightPublisher:
             )
             if current:  # this slot's bytes of it are this version's already
                 continue
-            summed = copy_summed(data[span], source, verify)
-            self.sums[i] = int(summed) % 2**64 if verify else None
+            batch.append((i, data[span], source))
+            pending += source.numel() if made else 0
+            if pending >= FLUSH_BYTES:
+                flush()
+                pending = 0
+        flush()
         self.header(slot).fill_(2 * version + 2)  # complete
         self.held[slot], self.held_sequence[slot] = version, self.sequence
         self.next_slot = 1 - slot

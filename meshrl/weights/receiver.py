@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from meshrl.procs.reshard import Block, intersect, relative, span
-from meshrl.weights.checksum import checksum, copy_summed
+from meshrl.weights.checksum import checksum, copy_sums
 from meshrl.weights.publisher import (
     HEADER_BYTES,
     ParamPiece,
@@ -22,17 +22,12 @@ from meshrl.weights.publisher import (
     WeightPublisher,
     WeightSource,
     _as_bytes,
+    _is_dtensor,
     _local_piece,
     _map_file,
     host_id,
     without_cuda_probe_line,
 )
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 @dataclass
@@ -208,13 +203,14 @@ class WeightReceiver:
         wrong = []
         for source in handle.sources:
             for piece, expected in zip(source.pieces, source.checksums, strict=True):
-                target = self._target_now(piece)
-                if target is None:
-                    continue
                 key = (piece.name, piece.start)
-                held = self._held.get(key)
-                held = checksum(target) if held is None else int(held) % 2**64
-                self._held[key] = held
+                held = self._held.get(key)  # summed as it came in: a piece held here
+                if held is None:
+                    target = self._target_now(piece)
+                    if target is None:
+                        continue
+                    held = checksum(target)
+                held = self._held[key] = int(held) % 2**64
                 if held != expected:
                     wrong.append(piece.name)
         if wrong:
@@ -303,6 +299,9 @@ class WeightReceiver:
         data = slot[HEADER_BYTES:]
         unchanged = self._unchanged(source, lineage)
         moved = 0
+        # Copied (or, for views, read) and summed at once, over every thread.
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        keys: list[tuple[str, tuple[int, ...]]] = []
         for i, piece in enumerate(source.pieces):
             key = (piece.name, piece.start)
             published = data[piece.offset : piece.offset + piece.num_bytes]
@@ -310,7 +309,9 @@ class WeightReceiver:
                 param = self.params[piece.name]
                 param.data = published.view(piece.dtype).view(piece.shape)
                 self._views[piece.name] = view_of
-                self._held[key] = copy_summed(published, None, self._summed)
+                if self._summed:
+                    pairs.append((published, None))
+                    keys.append(key)
                 continue
             if unchanged(i) and piece.name not in self._views:
                 if key in self._sums:
@@ -321,13 +322,17 @@ class WeightReceiver:
                 continue
             common = self._overlap(piece)
             if common == piece.block and target.dtype == piece.dtype and target.is_contiguous():
-                summed = copy_summed(_as_bytes(target), published, self._summed)
+                pairs.append((_as_bytes(target), published))
+                keys.append(key)
             else:  # its own dtype, a block of columns, a part: the bytes checked as they came
-                summed = copy_summed(published, None, self._summed)
+                if self._summed:
+                    pairs.append((published, None))
+                    keys.append(key)
                 whole = published.view(piece.dtype).view(piece.shape)
                 target.copy_(whole[relative(common, piece.block)])
-            self._held[key] = summed
             moved += piece.num_bytes
+        for key, summed in zip(keys, copy_sums(pairs, self._summed), strict=True):
+            self._held[key] = summed
         if torn_check and int(header.item()) != 2 * version + 2:
             raise TornWeights(f"version {version} was overwritten while it was read")
         return moved

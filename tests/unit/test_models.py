@@ -285,3 +285,69 @@ def test_checksum_is_the_same_taken_whole_in_chunks_or_unaligned_and_sees_one_by
     flipped[12345] ^= 1
     assert sums.checksum(flipped) != whole
     assert sums.checksum(torch.zeros(5)) != sums.checksum(torch.ones(5))
+
+
+def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_split(monkeypatch):
+    """The fused kernel (`meshrl.weights.native`) against torch's two-pass sums:
+    empty, sub-word, word-tailed, unaligned and streaming-sized pairs, one batch
+    split over 1 to 3 threads at 64-byte cuts inside the pairs, and read-only
+    pairs; every copy bitwise."""
+    from meshrl.weights import checksum as sums
+    from meshrl.weights import native
+
+    assert native.available(), "no C compiler on this machine: the fused path is not tested"
+    monkeypatch.setattr(native, "SPLIT_BYTES", 1 << 12)  # small batches split over threads too
+    generator = torch.Generator().manual_seed(0)
+    buffer = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator)
+    cases = [
+        (0, 0),
+        (5, 3),
+        (0, 8),
+        (1, 77),
+        (64, 4096 + 5),
+        (3, 70000),
+        (16, 1 << 17),
+        (8, 1 << 20),
+    ]
+    sources = [buffer[start : start + n] for start, n in cases]
+    expected = [int(sums._word_sum(s)) % 2**64 for s in sources]
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        # Destinations at odd offsets too (no streaming stores there).
+        pool = torch.zeros(sum(n for _, n in cases) + 64 * len(cases), dtype=torch.uint8)
+        dsts, at = [], 0
+        for (_, n), shift in zip(cases, (0, 1, 16, 3, 0, 5, 0, 0), strict=True):
+            at = -(-at // 64) * 64 + shift
+            dsts.append(pool[at : at + n])
+            at += n
+        got = sums.copy_sums(list(zip(dsts, sources, strict=True)))
+        assert got == expected, threads
+        assert all(torch.equal(d, s) for d, s in zip(dsts, sources, strict=True))
+        assert sums.copy_sums([(s, None) for s in sources]) == expected  # read only
+    # A byte changed in a word's high half changes the sum (no carry lost).
+    flipped = sources[-1].clone()
+    flipped[7] ^= 0x80
+    assert sums.copy_sums([(flipped, None)])[0] != expected[-1]
+
+
+def test_the_compiled_kernel_is_built_only_in_a_directory_no_one_else_can_write(
+    monkeypatch, tmp_path
+):
+    """A cache directory others can write (or not the user's) is not used: the
+    kernel is built in a private temporary directory instead, and loads."""
+    import ctypes
+    import os
+
+    from meshrl.weights import native
+
+    shared = tmp_path / "meshrl"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_private", None)
+    path = native._build(native._compiler())
+    assert not path.startswith(str(shared)) and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    assert not list(shared.iterdir())
+    ctypes.CDLL(path).meshrl_copy_sums  # noqa: B018 - it loads and has the kernel
+    os.chmod(shared, 0o700)
+    assert native._build(native._compiler()).startswith(str(shared))
