@@ -72,6 +72,25 @@ class _Row:
         return self.length if self.length is not None else self.request.settings.max_new_tokens
 
 
+def _by_length(rows: list[_Row]) -> list[list[_Row]]:
+    """`rows` in buckets of similar length, longest first: a row joins the current
+    bucket while it is at least half as long as the bucket's longest, so a prefill
+    computes at most twice its rows' tokens. Rows under way prefilled again after a
+    weight change (long) and new prompts (short) are prefilled apart, not all
+    left-padded to the longest."""
+    buckets: list[list[_Row]] = []
+    for row in sorted(rows, key=_length, reverse=True):
+        if buckets and 2 * _length(row) >= _length(buckets[-1][0]):
+            buckets[-1].append(row)
+        else:
+            buckets.append([row])
+    return buckets
+
+
+def _length(row: _Row) -> int:
+    return len(row.prompt) + len(row.tokens)
+
+
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """`t` padded with zeros on the left of `dim` to `width`."""
     extra = width - t.size(dim)
@@ -304,15 +323,19 @@ class ContinuousEngine:
     def _admit(self) -> None:
         """Waiting rows join the batch, as many as it has room for: their prompts
         (and what they sampled before a refill) prefilled, each distinct one once,
-        their keys and values left-padded to the running cache's length."""
+        in buckets of similar length (`_by_length`), their keys and values
+        left-padded to the running cache's length."""
         with self.changed:
             room = (self.max_rows or len(self.waiting)) - len(self.rows)
             # Joining copies the running cache: rows join a few at a time, not one by one.
             if self.rows and room < min(len(self.waiting), max(1, self.max_rows // 4)):
                 return
             take = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        if not take:
-            return
+        for bucket in _by_length(take):
+            self._join(bucket)
+
+    def _join(self, take: list[_Row]) -> None:
+        """Prefill `take` and add it to the running batch."""
         device = next(self.model.parameters()).device
         ids, mask = left_padded([r.prompt + r.tokens for r in take], self.pad_id)
         ids, mask = ids.to(device), mask.long().to(device)

@@ -100,6 +100,33 @@ def test_rows_that_join_mid_decode_sample_what_they_sample_alone():
     assert engine.occupancy() > 0.5  # the batch stayed full while calls waited
 
 
+def test_rows_of_very_different_lengths_are_prefilled_apart_and_sample_the_same(monkeypatch):
+    """Rows that join at once with contexts of 3 to 24 tokens (as after a refill:
+    long rows under way beside new prompts) are prefilled in buckets, none padded
+    to more than twice its shortest row, and sample what they sample alone."""
+    import meshrl.model.continuous as continuous
+
+    widths = []
+    prefill = continuous._prefill
+
+    def recorded(model, ids, mask, share):
+        widths.append((ids.size(1), int(mask.sum(1).min())))
+        return prefill(model, ids, mask, share)
+
+    monkeypatch.setattr(continuous, "_prefill", recorded)
+    model = load_model(MODEL, seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(40, 90, (n,), generator=g).tolist() for n in (3, 24, 4, 20, 11, 6)]
+    seeds = list(range(101, 107))
+    settings = Settings(10, 1.5, 0.9)
+    engine = ContinuousEngine(model, 0, STOPS, max_rows=8, version=lambda: 1)
+    (got,) = run_engine(engine, [(prompts, seeds, settings)])
+    tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings)
+    assert torch.equal(got["tokens"], tokens) and torch.equal(got["mask"], mask)
+    assert torch.allclose(got["logprobs"], logprobs, rtol=0, atol=1e-5)
+    assert len(widths) > 1 and all(width <= 2 * shortest for width, shortest in widths), widths
+
+
 def test_drilled_lengths_are_every_engines_and_exact():
     """`faults.completion_lengths`: each row ends at the length its seed draws,
     no stop id before, in the batch sampler and in the running batch alike."""
