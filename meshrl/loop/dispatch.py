@@ -206,11 +206,14 @@ class Dispatcher:
         self.complete = [g for g in self.complete if g not in taken]
         for group in self._taken_not_trained():  # they are trained first, later
             group.late = True
+        self.trained.extend(self._shape(g) for g in taken)
+        self.trained_by_replica.update(g.replica for g in taken)
+        # Taken before the next step's groups go on: a group of theirs scored in the
+        # background by then would count as completed and not trained (timing).
+        bias = self.bias()
         if self.max_staleness:  # the next step's groups go on while this one trains
             self._top_up(need)
             self._resume()
-        self.trained.extend(self._shape(g) for g in taken)
-        self.trained_by_replica.update(g.replica for g in taken)
         pad = self.collector.tokenizer.pad_token_id
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
         self.state.ledger.generated += need * self.k
@@ -223,7 +226,7 @@ class Dispatcher:
             "rollout/groups_queued": len(self.complete) + self._under_way(),
             "weights/staleness": max(self.sync.published - g.published for g in taken),
             "time/hand_out_s": self.hand_out_s,
-            **self.bias(),
+            **bias,
         }
         if self.cfg.partial:
             info.update(self.version_metrics(completions))
