@@ -295,7 +295,9 @@ def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_spl
     from meshrl.weights import checksum as sums
     from meshrl.weights import native
 
-    assert native.available(), "no C compiler on this machine: the fused path is not tested"
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: weight sync runs torch's two passes (tested above)")
+    assert native.available(), "a C compiler is here, but the fused kernel did not build"
     monkeypatch.setattr(native, "SPLIT_BYTES", 1 << 12)  # small batches split over threads too
     generator = torch.Generator().manual_seed(0)
     buffer = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator)
@@ -340,6 +342,8 @@ def test_the_compiled_kernel_is_built_only_in_a_directory_no_one_else_can_write(
 
     from meshrl.weights import native
 
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: nothing is built")
     shared = tmp_path / "meshrl"
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
