@@ -288,16 +288,15 @@ def test_checksum_is_the_same_taken_whole_in_chunks_or_unaligned_and_sees_one_by
 
 
 def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_split(monkeypatch):
-    """The fused kernel (`meshrl.weights.native`) against torch's two-pass sums:
-    empty, sub-word, word-tailed, unaligned and streaming-sized pairs, one batch
-    split over 1 to 3 threads at 64-byte cuts inside the pairs, and read-only
-    pairs; every copy bitwise."""
+    """Both ways weight sync copies and sums (`meshrl.weights.checksum.copy_sums`):
+    torch's two passes, and the fused kernel (`meshrl.weights.native`) where a C
+    compiler is installed, against torch's word sums: empty, sub-word,
+    word-tailed, unaligned and streaming-sized pairs, one batch split over 1 to 3
+    threads at 64-byte cuts inside the pairs, and read-only pairs; every copy
+    bitwise."""
     from meshrl.weights import checksum as sums
     from meshrl.weights import native
 
-    if native._compiler() is None:
-        pytest.skip("no C compiler here: weight sync runs torch's two passes (tested above)")
-    assert native.available(), "a C compiler is here, but the fused kernel did not build"
     monkeypatch.setattr(native, "SPLIT_BYTES", 1 << 12)  # small batches split over threads too
     generator = torch.Generator().manual_seed(0)
     buffer = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator)
@@ -313,23 +312,34 @@ def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_spl
     ]
     sources = [buffer[start : start + n] for start, n in cases]
     expected = [int(sums._word_sum(s)) % 2**64 for s in sources]
-    for threads in (1, 2, 3):
-        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-        # Destinations at odd offsets too (no streaming stores there).
-        pool = torch.zeros(sum(n for _, n in cases) + 64 * len(cases), dtype=torch.uint8)
-        dsts, at = [], 0
-        for (_, n), shift in zip(cases, (0, 1, 16, 3, 0, 5, 0, 0), strict=True):
-            at = -(-at // 64) * 64 + shift
-            dsts.append(pool[at : at + n])
-            at += n
-        got = sums.copy_sums(list(zip(dsts, sources, strict=True)))
-        assert got == expected, threads
-        assert all(torch.equal(d, s) for d, s in zip(dsts, sources, strict=True))
-        assert sums.copy_sums([(s, None) for s in sources]) == expected  # read only
-    # A byte changed in a word's high half changes the sum (no carry lost).
-    flipped = sources[-1].clone()
-    flipped[7] ^= 0x80
-    assert sums.copy_sums([(flipped, None)])[0] != expected[-1]
+
+    def check() -> None:
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+            # Destinations at odd offsets too (no streaming stores there).
+            pool = torch.zeros(sum(n for _, n in cases) + 64 * len(cases), dtype=torch.uint8)
+            dsts, at = [], 0
+            for (_, n), shift in zip(cases, (0, 1, 16, 3, 0, 5, 0, 0), strict=True):
+                at = -(-at // 64) * 64 + shift
+                dsts.append(pool[at : at + n])
+                at += n
+            got = sums.copy_sums(list(zip(dsts, sources, strict=True)))
+            assert [int(x) % 2**64 for x in got] == expected, threads
+            assert all(torch.equal(d, s) for d, s in zip(dsts, sources, strict=True))
+            read = sums.copy_sums([(s, None) for s in sources])
+            assert [int(x) % 2**64 for x in read] == expected
+        # A byte changed in a word's high half changes the sum (no carry lost).
+        flipped = sources[-1].clone()
+        flipped[7] ^= 0x80
+        assert int(sums.copy_sums([(flipped, None)])[0]) % 2**64 != expected[-1]
+
+    with monkeypatch.context() as torch_only:
+        torch_only.setattr(native, "library", lambda: None)
+        check()
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: weight sync runs torch's two passes (checked above)")
+    assert native.available(), "a C compiler is here, but the fused kernel did not build"
+    check()
 
 
 def test_the_compiled_kernel_is_built_only_in_a_directory_no_one_else_can_write(
