@@ -24,14 +24,7 @@ and nothing in `meshrl/` imports `actors/` or `algorithms/`.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-
-# Monarch appends every proc's INFO events to /tmp/$USER/monarch_log.log and never
-# rotates it (150 MB in three hours of this project's tests); meshrl keeps its warnings
-# and errors there. Procs inherit it. MONARCH_FILE_LOG=info (or debug) set beforehand
-# keeps everything.
-os.environ.setdefault("MONARCH_FILE_LOG", "warn")
 
 _EXPORTS = {
     # the loop's pieces

@@ -247,22 +247,3 @@ def test_notebook_calls_work_on_every_algorithm_or_say_why_not(tmp_path):
         grpo.train("ten")
     grpo.set_temperature(0.5)
     assert grpo.cfg.generation.temperature == 0.5 and grpo.meshes is None
-
-
-@pytest.mark.unit
-def test_importing_meshrl_keeps_monarchs_file_log_to_warnings_unless_set():
-    """Monarch's own file log (/tmp/$USER/monarch_log.log, never rotated) gets its
-    warnings and errors only; a level set beforehand is kept. Procs inherit it."""
-    import subprocess
-    import sys
-
-    read = "import os, meshrl; print(os.environ['MONARCH_FILE_LOG'])"
-    env = {k: v for k, v in os.environ.items() if k != "MONARCH_FILE_LOG"}
-    quiet = subprocess.run([sys.executable, "-c", read], env=env, cwd=REPO, capture_output=True)
-    kept = subprocess.run(
-        [sys.executable, "-c", read],
-        env={**env, "MONARCH_FILE_LOG": "info"},
-        cwd=REPO,
-        capture_output=True,
-    )
-    assert (quiet.stdout.strip(), kept.stdout.strip()) == (b"warn", b"info")
