@@ -45,7 +45,8 @@ def _torch_copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool
     return total
 
 
-def _native(tensor: torch.Tensor | None) -> bool:
+def _in_kernel(tensor: torch.Tensor | None) -> bool:
+    """Whether the compiled kernel can take it: contiguous bytes on the CPU."""
     return tensor is None or (tensor.device.type == "cpu" and tensor.is_contiguous())
 
 
@@ -57,21 +58,16 @@ def copy_sums(
     int64 tensor to take mod 2**64 where torch summed it, so a GPU's sum is read
     once at the end), else None for each. The CPU pairs go through the
     compiled kernel at once, split over this proc's threads."""
-    out: list = [None] * len(pairs)
-    fast = [k for k, (d, s) in enumerate(pairs) if _native(d) and _native(s)]
+    fast = [k for k, (d, s) in enumerate(pairs) if _in_kernel(d) and _in_kernel(s)]
+    # A read only is (bytes, None) here and (None, bytes) to the kernel.
     sums = native.copy_sums(
-        [(None, pairs[k][0]) if pairs[k][1] is None else pairs[k] for k in fast]
+        [(None, d) if s is None else (d, s) for d, s in (pairs[k] for k in fast)]
     )
-    if sums is not None:
-        for k, value in zip(fast, sums, strict=True):
-            out[k] = value if summed else None
-        done = set(fast)
-    else:
-        done = set()
-    for k, (dst, src) in enumerate(pairs):
-        if k not in done:
-            out[k] = _torch_copy_summed(dst, src, summed)
-    return out
+    done = dict(zip(fast, sums, strict=True)) if sums is not None else {}
+    return [
+        (done[k] if summed else None) if k in done else _torch_copy_summed(dst, src, summed)
+        for k, (dst, src) in enumerate(pairs)
+    ]
 
 
 def copy_summed(dst: torch.Tensor, src: torch.Tensor | None, summed: bool):

@@ -250,30 +250,24 @@ def copy_sums(pairs: list[tuple[torch.Tensor | None, torch.Tensor]]) -> list[int
     if pool is None:
         return [s % 2**64 for s in _run(lib, jobs)]
     # Each thread takes an equal share of the bytes, cut at 64-byte boundaries of a
-    # pair (whole words: the sums of a pair's parts add up to its sum).
+    # pair (whole words: the sums of a pair's parts add up to its sum; an empty
+    # pair's is 0).
     share = -(-total // threads)
-    shares: list[list[tuple[int, int, int]]] = [[]]
-    owners: list[list[int]] = [[]]
-    room = share
+    parts: list[list[tuple[int, int, int, int]]] = [[] for _ in range(threads)]
+    thread, room = 0, share  # (pair, dst, src, bytes) segments per thread
     for k, (d, s, n) in enumerate(jobs):
         at = 0
-        while True:
-            last = len(shares) == threads
-            take = n - at if last or n - at <= room else max(64, room // 64 * 64)
-            take = min(take, n - at)
-            shares[-1].append((d + at if d else 0, s + at, take))
-            owners[-1].append(k)
-            at += take
-            room -= take
-            if room <= 0 and len(shares) < threads:
-                shares.append([])
-                owners.append([])
-                room = share
-            if at >= n:
-                break
+        while at < n:
+            take = n - at
+            if take > room and thread < threads - 1:
+                take = min(take, max(64, room // 64 * 64))
+            parts[thread].append((k, d + at if d else 0, s + at, take))
+            at, room = at + take, room - take
+            if room <= 0 and thread < threads - 1:
+                thread, room = thread + 1, share
     sums = [0] * len(jobs)
-    futures = [pool.submit(_run, lib, part) for part in shares if part]
-    for future, owner in zip(futures, [o for o in owners if o], strict=True):
-        for k, value in zip(owner, future.result(), strict=True):
+    running = [(part, pool.submit(_run, lib, [j[1:] for j in part])) for part in parts if part]
+    for part, future in running:
+        for (k, *_), value in zip(part, future.result(), strict=True):
             sums[k] += value
     return [s % 2**64 for s in sums]
