@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import math
 import os
 import socket
+import stat
 import sys
 import tempfile
 import uuid
@@ -200,9 +202,52 @@ def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, tuple[in
     return local, tuple(start), owned
 
 
+def _map_fd(fd: int, size: int) -> torch.Tensor:
+    """The file open at `fd` as a uint8 tensor (mapped, shared). Mapped through
+    `/proc/self/fd`, which names the file already open, not a path to resolve again."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+
+
+def _create_slot(path: str, size: int) -> torch.Tensor:
+    """A new shared-memory file at `path`, this user's only (0600), mapped. Made
+    with O_EXCL | O_NOFOLLOW: a file or link already at that name (another user's,
+    in the world-writable /dev/shm) is an error, never opened, truncated or
+    followed."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST, f"weight slot {path} already exists (not made by this publisher): refused"
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)  # exactly, whatever the umask
+        os.ftruncate(fd, size)
+        return _map_fd(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _map_file(path: str, size: int) -> torch.Tensor:
-    """The shared-memory file at `path` as a uint8 tensor (mapped, shared)."""
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    """The shared-memory file at `path` (a publisher's slot) as a uint8 tensor
+    (mapped, shared). Opened without following a link, and only if it is a
+    regular file of this user's that no one else may read or write (as
+    `_create_slot` makes them) and holds `size` bytes: a PermissionError otherwise."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise PermissionError(
+                errno.EACCES,
+                f"weight slot {path} is not a private file of this user's "
+                f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): refused",
+            )
+        if info.st_size < size:
+            raise PermissionError(
+                errno.EACCES, f"weight slot {path} holds {info.st_size} bytes, not {size}: refused"
+            )
+        return _map_fd(fd, size)
+    finally:
+        os.close(fd)
 
 
 CUDA_PROBE = "[RdmaXcel] Can't open libcuda.so.1"
@@ -307,13 +352,13 @@ class WeightPublisher:
         self.data_bytes = offset
         self.parameters = lambda: ((n, p) for n, p in source() if n in published)
         prefix = prefix or f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._made: list[str] = []  # the slots this publisher created (and removes)
         self.paths = [f"{SHM_DIR}/{prefix}-{uuid.uuid4().hex[:6]}-slot{i}" for i in range(SLOTS)]
         self.slots = []
-        for path in self.paths:
-            with open(path, "wb") as f:
-                f.truncate(HEADER_BYTES + self.data_bytes)
-            self.slots.append(_map_file(path, HEADER_BYTES + self.data_bytes))
         atexit.register(self.close)
+        for path in self.paths:
+            self.slots.append(_create_slot(path, HEADER_BYTES + self.data_bytes))
+            self._made.append(path)
         # Registered lazily (needs a Monarch actor context); rdma=False: same host only.
         self.rdma = rdma
         self._buffers: list | None = None if rdma else []
@@ -461,6 +506,6 @@ class WeightPublisher:
         return written
 
     def close(self) -> None:
-        for path in self.paths:
+        for path in self._made:  # never a file at one of its names that it did not make
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

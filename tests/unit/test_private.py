@@ -1,0 +1,139 @@
+"""Private by default (issue #66): what a run writes (weight slots in /dev/shm, its
+run directory) and the sockets it uses are its user's alone, enforced by the
+kernel. Each test acts for real as another local user (uid 65534, through
+`setpriv`) and asserts the kernel refuses it."""
+
+import errno
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from meshrl.weights import publisher as publisher_module
+from meshrl.weights.publisher import WeightPublisher
+from meshrl.weights.receiver import WeightReceiver
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+NOBODY = 65534
+DROP = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--")
+PROBE_OPEN = """
+import errno, sys
+try:
+    open(sys.argv[1], sys.argv[2]).close()
+except PermissionError:
+    sys.exit(13)
+sys.exit(0)
+"""
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="acting as another user needs root and setpriv",
+)
+
+
+def as_nobody(code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Run `python -c code args` as uid 65534 (no groups)."""
+    return subprocess.run(
+        [*DROP, sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4)
+
+
+# --- weight slots in /dev/shm -------------------------------------------------
+
+
+@needs_root
+def test_another_user_cannot_open_a_weight_slot():
+    publisher = WeightPublisher(model(), rdma=False)
+    try:
+        publisher.publish(0)
+        for path in publisher.paths:
+            for mode in ("rb", "r+b"):
+                probe = as_nobody(PROBE_OPEN, path, mode)
+                assert probe.returncode == 13, (path, mode, probe.stderr)
+            info = os.lstat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    finally:
+        publisher.close()
+
+
+def test_a_slot_name_taken_before_the_publisher_is_refused_untouched(monkeypatch, tmp_path):
+    """Another user who creates a file (or a link to one of ours) at a slot's
+    name first: the publisher fails instead of writing weights into it, and
+    leaves it as it was (today's `open(path, "wb")` truncated and followed it)."""
+    target = tmp_path / "mine"
+    target.write_bytes(b"keep me")
+    fixed = uuid.UUID(int=0x5EC)
+    monkeypatch.setattr(publisher_module.uuid, "uuid4", lambda: fixed)
+    prefix = f"meshrl-test-{os.getpid()}"
+    taken = f"{publisher_module.SHM_DIR}/{prefix}-{fixed.hex[:6]}-slot0"
+    os.symlink(target, taken)
+    try:
+        with pytest.raises(FileExistsError, match="already exists"):
+            WeightPublisher(model(), prefix=prefix, rdma=False)
+        assert os.path.islink(taken) and target.read_bytes() == b"keep me"
+    finally:
+        os.unlink(taken)
+        with_slot1 = f"{publisher_module.SHM_DIR}/{prefix}-{fixed.hex[:6]}-slot1"
+        assert not os.path.exists(with_slot1)
+
+
+def test_a_replica_maps_only_a_private_slot_of_its_own_user(tmp_path):
+    """The receiver opens a slot without following a link (O_NOFOLLOW) and
+    takes it only if it is a regular file of this uid with no group or other
+    bits: a slot replaced by a link, or opened up to others, is refused."""
+    source, replica = model(), torch.nn.Linear(8, 4)
+    publisher = WeightPublisher(source, rdma=False)
+    try:
+        handle = publisher.publish(0)
+        path = publisher.paths[handle.sources[0].slot]
+        # A link in its place (to a copy with the same bytes): refused, not followed.
+        copy = tmp_path / "copy"
+        shutil.copy(path, copy)
+        os.chmod(copy, 0o600)
+        saved = path + ".saved"
+        os.rename(path, saved)
+        os.symlink(copy, path)
+        try:
+            with pytest.raises(OSError) as refused:
+                WeightReceiver(replica).pull(handle)
+            assert refused.value.errno == errno.ELOOP
+        finally:
+            os.unlink(path)
+            os.rename(saved, path)
+        os.chmod(path, 0o644)  # readable by others: not a slot this run made
+        with pytest.raises(PermissionError, match="not a private file"):
+            WeightReceiver(replica).pull(handle)
+        os.chmod(path, 0o600)
+        assert WeightReceiver(replica).pull(handle).verified
+        assert torch.equal(replica.weight, source.weight)
+    finally:
+        publisher.close()
+
+
+@needs_root
+def test_a_replica_refuses_a_slot_owned_by_another_user():
+    source = model()
+    publisher = WeightPublisher(source, rdma=False)
+    try:
+        handle = publisher.publish(0)
+        path = publisher.paths[handle.sources[0].slot]
+        os.chown(path, NOBODY, NOBODY)
+        with pytest.raises(PermissionError, match=f"owner uid {NOBODY}"):
+            WeightReceiver(torch.nn.Linear(8, 4)).pull(handle)
+    finally:
+        publisher.close()
