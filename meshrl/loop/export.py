@@ -29,14 +29,17 @@ def save_hf(model: torch.nn.Module, model_cfg: ModelConfig, path: str, state=Non
     """`model` (with `state`, a full state dict, when its own parameters are
     shards) and the tokenizer as an HF directory at `path`, committed whole: it
     is written under a temporary name and renamed, so a full disk or a crash
-    leaves no `path` without weights (`model.path` would take it). A write that
-    fails is one OSError naming `path`."""
+    leaves no `path` without weights (`model.path` would take it). The directory
+    is its user's only (mode 0700), whatever the umask. A write that fails is one
+    OSError naming `path`."""
     import errno
     import shutil
 
     partial = f"{path}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
+        os.mkdir(partial, 0o700)  # its user's only, whatever the umask (a run's `final/`)
         _write_hf(model, model_cfg, partial, state)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(partial, path)

@@ -32,6 +32,7 @@ from meshrl.loop import checkpoint
 from meshrl.observe.metrics import make_run_dir
 from meshrl.observe.monarch import Observe, merge_states
 from meshrl.observe.profile import Profiler, take_request
+from meshrl.observe.run_dir import make_private
 from meshrl.observe.status import StatusFile
 from meshrl.observe.status import table as status_table
 from meshrl.procs import faultlog, mesh, slurm, slurm_faults
@@ -170,8 +171,10 @@ class Run:
         self.resume_from = find_resume(cfg)
         if self.resume_from is None:
             self.dir = make_run_dir(cfg.run.dir, cfg.run.name, name)
-        else:  # <run dir>/checkpoints/step_N
-            self.dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
+        else:  # <run dir>/checkpoints/step_N, its user's only again (0700)
+            self.dir = make_private(
+                os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
+            )
         save_config(cfg, f"{self.dir}/config.yaml")
         faultlog.path = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
         slurm.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output

@@ -16,16 +16,18 @@ import time
 import uuid
 from typing import Any
 
+from meshrl.observe.run_dir import PRIVATE_FILE, make_private, open_private
+
 
 def make_run_dir(base: str, name: str, default_prefix: str) -> str:
-    """Create `base/name` (or `base/<prefix>-<timestamp>`); never reuse a run's files."""
+    """Create `base/name` (or `base/<prefix>-<timestamp>`), its user's only (mode
+    0700, `make_private`); never reuse a run's files."""
     if not name:
         name = f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = os.path.join(base, name)
     if os.path.exists(os.path.join(path, "metrics.jsonl")):
         raise FileExistsError(f"run directory {path} already holds a run; pick another run.name")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return make_private(path)  # 0700: its user's only, whatever the umask
 
 
 def append_lines(path: str, lines: list[str], f: Any = None) -> None:
@@ -37,7 +39,7 @@ def append_lines(path: str, lines: list[str], f: Any = None) -> None:
     fd = (
         f.fileno()
         if f is not None
-        else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
     )
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
@@ -77,7 +79,7 @@ class RunLogger:
         if first_step and os.path.exists(self.path):
             with open(self.path) as f:
                 self.history = [json.loads(line) for line in f if line.strip()]
-        self._file = open(self.path, "a")  # noqa: SIM115
+        self._file = open_private(self.path, "a")
         self.sinks = [SINKS[name](run_dir) for name in sinks]
         if first_step:
             self.rewind(first_step)
@@ -128,16 +130,16 @@ class RunLogger:
         if os.path.exists(self.samples_path):
             with open(self.samples_path) as f:
                 kept = [line for line in f if json.loads(line)["step"] < step]
-            with open(self.samples_path, "w") as f:
+            with open_private(self.samples_path, "w") as f:
                 f.writelines(kept)
         self.history = [r for r in self.history if r.get("step", 0) < step]
         for sink in self.sinks:
             sink.rewind(step)
         self._file.close()
-        with open(self.path + ".tmp", "w") as f:
+        with open_private(self.path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in self.history)
         os.replace(self.path + ".tmp", self.path)
-        self._file = open(self.path, "a")  # noqa: SIM115
+        self._file = open_private(self.path, "a")
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
@@ -182,7 +184,8 @@ class RunLogger:
         ax.legend(loc="lower right")
         path = os.path.join(self.run_dir, filename)
         fig.subplots_adjust(left=0.11, right=0.97, top=0.96, bottom=0.14)
-        fig.savefig(path, dpi=100)
+        with open_private(path, "wb") as f:
+            fig.savefig(f, format=os.path.splitext(filename)[1][1:] or "png", dpi=100)
         return path
 
     def summary(self) -> str:
@@ -278,7 +281,7 @@ class WandbSink:
         if os.path.exists(id_path):
             with open(id_path) as f:
                 run_id = f.read().strip()
-        with open(id_path, "w") as f:
+        with open_private(id_path, "w") as f:
             f.write(run_id)
         mode = os.environ.get("WANDB_MODE") or (
             "online" if os.environ.get("WANDB_API_KEY") else "offline"

@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -137,3 +138,114 @@ def test_a_replica_refuses_a_slot_owned_by_another_user():
             WeightReceiver(torch.nn.Linear(8, 4)).pull(handle)
     finally:
         publisher.close()
+
+
+# --- run directories ----------------------------------------------------------
+
+
+@pytest.fixture
+def shared_base():
+    """A folder every user may enter (as a researcher's `runs/` under a home
+    directory readable by others, or /tmp), with the common umask 022."""
+    base = tempfile.mkdtemp(prefix="meshrl-private-")
+    os.chmod(base, 0o755)
+    old = os.umask(0o022)
+    try:
+        yield base
+    finally:
+        os.umask(old)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+PROBE_READ = """
+import os, sys
+refused = 0
+for path in sys.argv[1:]:
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            open(path, "rb").close()
+    except PermissionError:
+        refused += 1
+print(refused)
+"""
+
+
+@needs_root
+def test_another_user_can_read_nothing_in_a_run_directory(shared_base):
+    """What a run writes there (metrics, samples, the reward plot, a W&B id, a
+    checkpoint, `final/`) is out of another user's reach: the run directory is
+    0700 whatever the umask, and the files meshrl makes there are 0600."""
+    from meshrl.observe.metrics import RunLogger, make_run_dir
+
+    run_dir = make_run_dir(shared_base, "run", "grpo")
+    logger = RunLogger(run_dir, total_steps=2, progress=False)
+    for step in range(2):
+        logger.log({"step": step, "reward/mean": 0.5})
+        logger.log_samples(step, [{"prompt": "p", "completion": "c", "reward": 1.0}])
+    logger.plot_reward()
+    logger.rewind(1)  # rewrites metrics.jsonl and samples.jsonl
+    logger.close()
+    os.makedirs(os.path.join(run_dir, "checkpoints", "step_1"))  # as the umask makes it
+    with open(os.path.join(run_dir, "checkpoints", "step_1", "trainer.pt"), "wb") as f:
+        f.write(b"weights")
+    names = ["metrics.jsonl", "samples.jsonl", "reward.png"]
+    paths = [
+        run_dir,
+        *(os.path.join(run_dir, name) for name in names),
+        os.path.join(run_dir, "checkpoints"),
+        os.path.join(run_dir, "checkpoints", "step_1", "trainer.pt"),
+    ]
+    probe = as_nobody(PROBE_READ, *paths)
+    assert probe.stdout.strip() == str(len(paths)), probe.stderr
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    for name in names:  # and were it opened up, its own files would stay private
+        assert stat.S_IMODE(os.stat(os.path.join(run_dir, name)).st_mode) == 0o600, name
+
+
+def test_an_existing_run_directory_of_this_user_is_made_private(shared_base):
+    from meshrl.observe.metrics import make_run_dir
+
+    existing = os.path.join(shared_base, "mine")
+    os.mkdir(existing, 0o755)
+    assert make_run_dir(shared_base, "mine", "grpo") == existing
+    assert stat.S_IMODE(os.stat(existing).st_mode) == 0o700
+
+
+@needs_root
+def test_a_run_directory_another_user_owns_is_refused(shared_base):
+    from meshrl.observe.metrics import make_run_dir
+    from meshrl.observe.run_dir import make_private
+
+    theirs = os.path.join(shared_base, "theirs")
+    os.mkdir(theirs)
+    os.chmod(theirs, 0o777)
+    os.chown(theirs, NOBODY, NOBODY)
+    with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}"):
+        make_run_dir(shared_base, "theirs", "grpo")
+    assert stat.S_IMODE(os.stat(theirs).st_mode) == 0o777  # left as it was
+    # A link another user planted at the run's name, to a folder of ours: refused.
+    mine = os.path.join(shared_base, "mine")
+    os.mkdir(mine, 0o755)
+    planted = os.path.join(shared_base, "planted")
+    os.symlink(mine, planted)
+    os.lchown(planted, NOBODY, NOBODY)
+    with pytest.raises(PermissionError, match=f"a link owned by uid {NOBODY}"):
+        make_private(planted)
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o755
+
+
+@needs_root
+def test_the_final_model_directory_is_private(shared_base):
+    """`final/` (and `meshrl export`'s directory) is 0700 whatever the umask."""
+    from meshrl.config import ModelConfig
+    from meshrl.loop.export import save_hf
+    from meshrl.model.models import load_model
+
+    cfg = ModelConfig()
+    out = os.path.join(shared_base, "final")
+    save_hf(load_model(cfg, seed=0), cfg, out)
+    probe = as_nobody(PROBE_READ, out, os.path.join(out, "config.json"))
+    assert probe.stdout.strip() == "2", probe.stderr
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
