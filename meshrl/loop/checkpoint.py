@@ -10,6 +10,14 @@ renamed into place only when every part is written, with a `COMPLETE` marker
 last, so a crash while writing leaves the previous checkpoint as the newest
 valid one.
 
+It is durable before it counts (`commit`): every file and directory of it is
+fsynced before `COMPLETE` is written, `COMPLETE` and its directory entry before
+the rename, and the checkpoint's directory, `checkpoints/` and the run directory
+after it, so a power loss cannot leave a committed checkpoint over data that
+never reached the disk. An old checkpoint is dropped by renaming it out of the
+`step_*` names first (`.deleting_step_*`, the rename made durable) and then
+deleting it, so a crash mid-delete never leaves a half-deleted one counted.
+
 A checkpoint cannot run code and proves its bytes:
 
 - Every file is read with `torch.load(weights_only=True)` (tensors and plain
@@ -19,9 +27,11 @@ A checkpoint cannot run code and proves its bytes:
   `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
   metadata classes (`meshrl.procs.parallel.safe_reader`).
 - `MANIFEST.json` (written before `COMPLETE`) holds each file's size and
-  SHA-256. A checkpoint is checked against it before it is loaded
-  (`problem`); `latest()` skips a damaged one and says so, so `resume=auto`
-  and a rewind fall back to the newest intact checkpoint.
+  SHA-256. A checkpoint is checked against it each time it is chosen or loaded
+  (`problem`; hashed again every time, nothing is trusted for having been
+  checked once); one without a manifest is damaged. `latest()` skips a damaged
+  one and says so, so `resume=auto` and a rewind fall back to the newest intact
+  checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ from meshrl.config import ConfigError
 
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
+DELETING = ".deleting_"
+"""Prefix an old checkpoint is renamed to before it is deleted: never counted."""
 
 
 class CheckpointError(RuntimeError):
@@ -84,9 +96,22 @@ def begin(run_dir: str, step: int) -> str:
     return path
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, sync: bool = False) -> str:
+    """The file's SHA-256; `sync`: and its bytes flushed to the disk (fsync)."""
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if sync:
+            os.fsync(f.fileno())
+    return digest
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory `path` (files created, renamed, removed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _files(directory: str) -> list[str]:
@@ -98,11 +123,14 @@ def _files(directory: str) -> list[str]:
 
 
 def write_manifest(directory: str) -> None:
-    """`MANIFEST.json`: the size and SHA-256 of every file under `directory`."""
+    """`MANIFEST.json`: the size and SHA-256 of every file under `directory`.
+    Each file is fsynced as it is hashed (whoever wrote it), then the manifest,
+    then every directory under `directory` and itself: all of it is on the disk
+    before `COMPLETE` is written."""
     files = {
         name: {
             "bytes": os.path.getsize(os.path.join(directory, name)),
-            "sha256": _sha256(os.path.join(directory, name)),
+            "sha256": _sha256(os.path.join(directory, name), sync=True),
         }
         for name in _files(directory)
         if name not in (MANIFEST, COMPLETE)
@@ -111,27 +139,19 @@ def write_manifest(directory: str) -> None:
         json.dump({"files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-_checked: dict[tuple, str] = {}
-"""(checkpoint, its manifest's inode and mtime) -> what `problem` found: a
-committed checkpoint never changes, so its files are hashed once (a checkpoint
-written again at the same step after a rewind is a new manifest)."""
+    for where, _, _ in os.walk(directory, topdown=False):  # subdirectories, then itself
+        fsync_dir(where)
 
 
 def problem(path: str) -> str:
     """'' when every file the checkpoint's manifest lists has its size and SHA-256;
-    else one line naming the first file that does not. A checkpoint from before
-    manifests is taken as it is."""
+    else one line naming the first file that does not. Hashed again at each call:
+    what was intact when checked before may not be now. A checkpoint without a
+    manifest (its deletion cut short, or from before manifests) is damaged."""
     manifest = os.path.join(path, MANIFEST)
-    try:
-        stat = os.stat(manifest)
-    except FileNotFoundError:
-        return ""
-    key = (os.path.abspath(path), stat.st_ino, stat.st_mtime_ns)
-    if key not in _checked:
-        _checked[key] = _check(path, manifest)
-    return _checked[key]
+    if not os.path.isfile(manifest):
+        return f"{manifest} is missing (the checkpoint is incomplete)"
+    return _check(path, manifest)
 
 
 def _check(path: str, manifest: str) -> str:
@@ -220,21 +240,52 @@ def from_plain(value: Any) -> Any:
 
 def commit(partial: str, keep: int) -> str:
     """Write the manifest, mark `partial` complete, move it into place, drop all
-    but the newest `keep`."""
+    but the newest `keep`. Each stage is durable before the next begins: every
+    file and directory of `partial` before `COMPLETE`, `COMPLETE` before the
+    rename, the rename (the checkpoint's directory, `checkpoints/` and the run
+    directory fsynced) before an older checkpoint is dropped (`_drop`)."""
     write_manifest(partial)
     with open(os.path.join(partial, COMPLETE), "w") as f:
         f.write("ok\n")
         f.flush()
         os.fsync(f.fileno())
-    final = os.path.join(os.path.dirname(partial), os.path.basename(partial)[len(".partial_") :])
-    shutil.rmtree(final, ignore_errors=True)
+    fsync_dir(partial)
+    checkpoints = os.path.dirname(partial)
+    final = os.path.join(checkpoints, os.path.basename(partial)[len(".partial_") :])
+    # One written before at this step (another trajectory): out of the way, deleted below.
+    before = [_rename_away(final)] if os.path.exists(final) else []
     os.replace(partial, final)
-    # Its digests were just taken from the bytes written: not hashed again by `latest`.
-    stat = os.stat(os.path.join(final, MANIFEST))
-    _checked[(os.path.abspath(final), stat.st_ino, stat.st_mtime_ns)] = ""
-    for old in complete(os.path.dirname(final))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(final)
+    fsync_dir(checkpoints)
+    fsync_dir(os.path.dirname(os.path.abspath(checkpoints)))  # `checkpoints/` itself
+    kept = set(complete(checkpoints)[-keep:]) | {final}
+    old = [os.path.join(checkpoints, n) for n in sorted(os.listdir(checkpoints))]
+    _drop(
+        [p for p in old if _NAME.match(os.path.basename(p)) and p not in kept],
+        # and deletions an earlier crash cut short
+        before + [p for p in old if os.path.basename(p).startswith(DELETING)],
+    )
     return final
+
+
+def _rename_away(path: str) -> str:
+    """Checkpoint `path` under a name that never counts (`.deleting_step_*`)."""
+    gone = os.path.join(os.path.dirname(path), DELETING + os.path.basename(path))
+    shutil.rmtree(gone, ignore_errors=True)  # an earlier deletion cut short
+    os.rename(path, gone)
+    return gone
+
+
+def _drop(paths: list[str], renamed: list[str]) -> None:
+    """Delete the checkpoints at `paths`, and those `renamed` away already: each
+    renamed out of the `step_*` names first and the renames made durable before
+    anything is deleted, so no crash or power loss while deleting leaves a
+    half-deleted checkpoint that counts."""
+    gone = [_rename_away(path) for path in paths]
+    if gone:
+        fsync_dir(os.path.dirname(gone[0]))
+    for path in dict.fromkeys(renamed + gone):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def complete(checkpoints: str) -> list[str]:
@@ -282,6 +333,8 @@ def save_state(path: str, **parts) -> None:
 
     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
     torch.save(state, path + ".tmp")
+    with open(path + ".tmp", "rb") as f:  # on the disk from the host that wrote it
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
@@ -430,10 +483,12 @@ class Checkpointer:
         self.saved_at = done
         return path
 
-    def restore(self, path: str, counts: bool = True) -> int:
+    def restore(self, path: str, counts: bool = True, checked: bool = False) -> int:
         """Every role's state and the loop's from the checkpoint at `path`; returns
-        its step. `counts=False` keeps the ledger and counters (a rewind)."""
-        damage = problem(path)
+        its step. `counts=False` keeps the ledger and counters (a rewind). The
+        checkpoint is hashed against its manifest first, unless `checked`: the
+        caller just did (`rewind`, by `latest`)."""
+        damage = "" if checked else problem(path)
         if damage:
             raise CheckpointError(f"cannot restore {path}: {damage}")
         saved = read(f"{path}/loop.pt")
@@ -473,7 +528,7 @@ class Checkpointer:
         during step `state.step`: replace its procs, restore every role from the
         newest checkpoint and return its step, where the loop continues. Samples
         of the steps undone, and those generated ahead, count as dropped."""
-        path = self.latest()
+        path = self.latest()  # hashed now: `restore` does not hash it again
         if path is None:
             raise lost  # no checkpoint (checkpoint.every = 0)
         supervisor.spend_recovery(lost.role, lost)
@@ -487,7 +542,7 @@ class Checkpointer:
         self.state.ahead = []
         if self.queue is not None:  # generated for the steps being undone
             self.queue.drop_all("trainer_rewind")
-        back_to = self.restore(path, counts=False)
+        back_to = self.restore(path, counts=False, checked=True)
         self.run.report()  # actors' metrics of the undone steps belong to no step
         log.rewind(back_to)
         # Steps back_to .. step-1 were trained and are undone; step's samples never were.
