@@ -384,8 +384,11 @@ class Algorithm:
             self.reward_model,
             self.vision,
         )
-        if cfg.policy.serve_port:
-            print(f"policy endpoint: {self.collector.endpoint(cfg.policy.serve_port).base_url}")
+        if cfg.policy.serve_port:  # its token printed and in status.json: its callers need it
+            endpoint = self.collector.endpoint(cfg.policy.serve_port)
+            print(f"policy endpoint: {endpoint.access()}")
+            if run.status is not None:
+                run.status.extra.update(endpoint.status_fields())
         # Held-out sets, drawn before any training prompt (which then skips them).
         self.evaluator = self.spawn_evaluator(run)
         self.ckpt = Checkpointer(

@@ -7,6 +7,8 @@ and `placement` sections are read. `placement.policy` replicas answer
 `/v1/chat/completions`, `/v1/completions` and `/v1/models` at
 http://127.0.0.1:PORT/v1 (`policy.serve_port`, else 8000), each request at
 its own temperature and top_p, up to `generation.max_new_tokens` tokens.
+Callers send the token printed at start (also in `<run dir>/status.json`) as
+`Authorization: Bearer TOKEN`, the OpenAI client's `api_key`.
 Every answer is appended to `<run dir>/requests.jsonl` (prompt and completion
 ids, log-probs, weight version). Ctrl-C stops the server and the procs.
 
@@ -65,7 +67,8 @@ def serve(cfg: ServeConfig) -> None:
             sampling="request",
             record_path=f"{run.dir}/requests.jsonl",
         )
-        print(f"serving {name} at {server.base_url} (requests in {run.dir}/requests.jsonl)")
+        print(f"serving {name} at {server.access()}; requests in {run.dir}/requests.jsonl")
+        run.status.extra.update(server.status_fields())
         sys.stdout.flush()
         try:
             threading.Event().wait()  # until Ctrl-C

@@ -9,10 +9,12 @@ endpoint (`meshrl.envs.endpoint`), and meshrl trains on what it recorded.
         return reward
 
 called once per episode (group_size times per prompt) in the controller's
-threads (`task.env_workers` at once). Its calls to `base_url` are one episode:
-the server keeps them as one token sequence, the model's tokens as sampled and
-the tool and user messages masked (see `meshrl.envs.endpoint`). The prompts come from
-`task.dataset` (its `prompt_field`, `answer_field` and the whole row travel in
+threads (`task.env_workers` at once). `base_url` is the episode's own URL,
+its secret in it: the api_key is not checked there (the endpoint's stateless
+routes need the run's token; an episode needs none). Its calls to `base_url`
+are one episode: the server keeps them as one token sequence, the model's
+tokens as sampled and the tool and user messages masked (see
+`meshrl.envs.endpoint`). The prompts come from `task.dataset` (its `prompt_field`, `answer_field` and the whole row travel in
 the `Prompt`).
 
 An agent that raises, returns something other than a finite number, makes no

@@ -1,11 +1,19 @@
 """An OpenAI-compatible endpoint in front of the policy replicas.
 
 `PolicyServer` answers `/v1/chat/completions`, `/v1/completions` and
-`/v1/models` on 127.0.0.1. Its `Router` batches the requests that arrive
-together and sends each batch to a free replica (`policy.generate`), as the
-rollout does with episodes. Every answer carries the sampled `token_ids` and
-the weight version (`meshrl` field) beside the usual OpenAI fields, and with
-`logprobs: true` the sampling log-probs.
+`/v1/models` on 127.0.0.1, to callers that send the run's token
+(`Authorization: Bearer TOKEN`: the OpenAI client's `api_key`), drawn per
+server with `secrets` and compared in constant time; any other call gets 401
+and costs nothing. Whoever starts the server prints the token (`access`) and
+keeps it in status.json (`status_fields`). Every request must also name the
+server by a loopback address in its `Host` header (421 otherwise), so that a
+web page whose name rebinds to 127.0.0.1 cannot reach it from a browser.
+
+Its `Router` batches the requests that arrive together and sends each batch to
+a free replica (`policy.generate`), as the rollout does with episodes. Every
+answer carries the sampled `token_ids` and the weight version (`meshrl` field)
+beside the usual OpenAI fields, and with `logprobs: true` the sampling
+log-probs.
 
 Requests under `/episodes/<key>~<secret>/v1/...` belong to one episode. The
 secret is drawn per episode (128 random bits) and checked on every call, so no
@@ -27,12 +35,15 @@ conversation is not one sequence.
 
 The endpoint is bounded, so that no client can stall the run that serves it:
 bodies over `MAX_BODY_BYTES` get 413; a prompt too long for the model's context
-is refused by its length in characters before it is tokenized; requests are
-answered by a fixed pool of threads, each connection with a read timeout
-(`meshrl.observe.front.BoundedServer`); every malformed request, an unknown model name
-and a temperature or top_p out of range get 400; a client that hangs up costs
-no traceback. `meshrl.envs.agent` plays an agent task's
-episodes through this server.
+is refused by its length in characters before it is tokenized: every field of
+every message counts (role, name, tool calls, content parts), and so does the
+text the chat template renders from them, checked before that text is
+tokenized (`_BoundedTokenizer`); requests are answered by a fixed pool of
+threads, each connection with a read timeout
+(`meshrl.observe.front.BoundedServer`); every malformed request, an unknown
+model name and a temperature or top_p out of range get 400; a client that
+hangs up costs no traceback. `meshrl.envs.agent` plays an agent task's episodes
+through this server.
 """
 
 from __future__ import annotations
@@ -252,6 +263,39 @@ class Transcript:
             self.messages = [_message(m) for m in body["messages"]] + [("assistant", text)]
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+"""The names a request's `Host` may give this server by (with its port)."""
+
+
+def _bytes(text: str) -> bytes:
+    """`text` for `hmac.compare_digest`, which takes only ASCII strings (a header
+    or a path may hold any latin-1 character)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _too_long(chars: int, context: int, what: str = "the prompt") -> str:
+    return f"{what} ({chars} characters) cannot fit the model's context of {context} tokens"
+
+
+class _BoundedTokenizer:
+    """A tokenizer that refuses (`RequestError`) to tokenize a text longer than
+    `most` characters, which cannot fit the context: whatever a chat template
+    renders from a request is checked before it is tokenized. Everything else
+    is the wrapped tokenizer's."""
+
+    def __init__(self, inner: Any, context: int, token_chars: int):
+        self.inner, self.context, self.most = inner, context, context * token_chars
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        chars = len(text) if isinstance(text, str) else sum(len(t) for t in text)
+        if chars > self.most:
+            raise RequestError(_too_long(chars, self.context, "the prompt as rendered"))
+        return self.inner(text, *args, **kwargs)
+
+
 def _message(message: dict) -> tuple[str, str]:
     content = message.get("content") or ""
     if isinstance(content, list):  # OpenAI content parts: their text
@@ -275,8 +319,9 @@ class PolicyServer:
         sampling: str = "run",
         record_path: str | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
+        token: str | None = None,
     ):
-        self.router, self.format, self.context = router, fmt, context
+        self.router, self.context = router, context
         self.model_name, self.sampling = model_name, sampling
         self.record_path = record_path
         """Each answer's record (a JSON line: prompt and completion ids, log-probs,
@@ -289,6 +334,13 @@ class PolicyServer:
         self.token_chars = max_token_chars(fmt.tokenizer)
         """At most this many characters make one token: a text longer than the
         context times this cannot fit, and is refused before it is tokenized."""
+        self.format = ChatFormat(_BoundedTokenizer(fmt.tokenizer, context, self.token_chars))
+        """`fmt` with a tokenizer that refuses any text too long to fit (the
+        rendered chat template's included) before tokenizing it."""
+        self.token = token or secrets.token_urlsafe(32)
+        """What a stateless route's caller must send (`Authorization: Bearer`)."""
+        self.unauthorized = 0
+        """Calls to the stateless routes refused for want of the token."""
         try:
             self.httpd = BoundedServer(
                 ("127.0.0.1", port), handler(self), workers=WORKERS, timeout_s=read_timeout_s
@@ -301,12 +353,50 @@ class PolicyServer:
                 f"({error.strerror})"
             ) from None
         self.port = self.httpd.server_address[1]
+        self.hosts = {f"{host}:{self.port}" for host in LOOPBACK_NAMES}
+        """The `Host` headers accepted: this server by a loopback name."""
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    def access(self) -> str:
+        """One line for the console: where the endpoint is and how to call it."""
+        return (
+            f"{self.base_url} (send 'Authorization: Bearer {self.token}': "
+            f"OpenAI(base_url=..., api_key=TOKEN); also in status.json)"
+        )
+
+    def status_fields(self) -> dict[str, str]:
+        """What status.json keeps of the endpoint (written readable by its owner only)."""
+        return {"endpoint_url": self.base_url, "endpoint_token": self.token}
+
+    def host_problem(self, host: str | None) -> str:
+        """'' when a request's `Host` header names this server, else why not."""
+        if host is not None and host.strip().lower() in self.hosts:
+            return ""
+        return (
+            f"Host {host!r} is not this endpoint: it answers to 127.0.0.1:{self.port}, "
+            f"localhost:{self.port} or [::1]:{self.port} only"
+        )
+
+    def token_problem(self, authorization: str | None) -> str:
+        """'' when an `Authorization` header carries the run's token, else why not."""
+        scheme, _, offered = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not offered.strip():
+            problem = "no token"
+        elif hmac.compare_digest(_bytes(offered.strip()), _bytes(self.token)):
+            return ""
+        else:
+            problem = "a wrong token"
+        with self.lock:
+            self.unauthorized += 1
+        return (
+            f"{problem}: this endpoint needs the run's token, printed at start and kept "
+            "in status.json: send 'Authorization: Bearer TOKEN' (the OpenAI client's api_key)"
+        )
 
     def episode_url(self, key: str) -> str:
         """The base URL only the agent of episode `key` is handed (its secret in it)."""
@@ -321,13 +411,15 @@ class PolicyServer:
             self.episodes[key] = Transcript(max_calls, secrets.token_urlsafe(16))
         return self.episode_url(key)
 
-    def _episode(self, segment: str) -> Transcript:
+    def episode(self, segment: str) -> Transcript:
         """The open episode a URL's `<key>~<secret>` names, or LookupError (counted)."""
         key, _, secret = segment.partition("~")
         with self.lock:
             transcript = self.episodes.get(key)
             # Compared in constant time: the answer's timing tells nothing of the secret.
-            if transcript is None or not hmac.compare_digest(transcript.secret, secret):
+            if transcript is None or not hmac.compare_digest(
+                _bytes(transcript.secret), _bytes(secret)
+            ):
                 self.refused += 1
                 raise LookupError("no open episode at this URL (it ended, or never was)")
         return transcript
@@ -346,7 +438,7 @@ class PolicyServer:
     def answer(self, kind: str, body: dict, key: str | None) -> dict:
         """One request's OpenAI-shaped answer; under an episode `key`, recorded."""
         # Without a key: stateless, a one-call episode that nothing trains on.
-        transcript = self._episode(key) if key is not None else Transcript(max_calls=1)
+        transcript = self.episode(key) if key is not None else Transcript(max_calls=1)
         check_body(kind, body)
         if body.get("model", self.model_name) != self.model_name:
             raise RequestError(
@@ -354,10 +446,7 @@ class PolicyServer:
             )
         chars = text_chars(kind, body)
         if chars > self.context * self.token_chars:
-            raise RequestError(
-                f"the prompt ({chars} characters) cannot fit the model's context of "
-                f"{self.context} tokens"
-            )
+            raise RequestError(_too_long(chars, self.context))
         sampling = self._sampling(body)
         limit = asked_tokens(body, self.router.generation.max_new_tokens)
         with self.lock:

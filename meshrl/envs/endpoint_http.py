@@ -1,6 +1,12 @@
 """The HTTP side of the policy endpoint (`meshrl.envs.endpoint`): what a request must
 look like before anything is tokenized or generated, and the handler that
-reads it within its limits and answers."""
+reads it within its limits and answers.
+
+Before anything else the handler checks the `Host` header (421 unless it names
+this server by a loopback address: a web page that rebinds its own name to
+127.0.0.1 cannot reach it) and, on the stateless `/v1/*` routes, the run's
+token (`Authorization: Bearer TOKEN`, 401 otherwise, shaped like OpenAI's).
+An episode's URL carries its own secret instead."""
 
 from __future__ import annotations
 
@@ -36,6 +42,13 @@ def check_body(kind: str, body: dict) -> None:
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(message.get("name", ""), str):
+                raise RequestError(f"messages[{i}].name must be a string")
+            calls = message.get("tool_calls")
+            if calls is not None and not (
+                isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+            ):
+                raise RequestError(f"messages[{i}].tool_calls must be a list of objects")
             content = message.get("content")
             parts_ok = isinstance(content, list) and all(
                 isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content
@@ -54,18 +67,24 @@ def check_body(kind: str, body: dict) -> None:
         raise RequestError("'model' must be a string")
 
 
+def field_chars(value: Any) -> int:
+    """Characters in a JSON value: every string, key and number in it, however
+    deep (a message's role, name, tool calls and content parts alike)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(k)) + field_chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(field_chars(v) for v in value)
+    return 0 if value is None else len(str(value))
+
+
 def text_chars(kind: str, body: dict) -> int:
-    """Characters of text the request would tokenize (every message's, or the prompt)."""
+    """Characters of text the request hands the chat template or the tokenizer:
+    the prompt, or every field of every message and the tools."""
     if kind == "completions":
         return len(body["prompt"])
-    total = len(json.dumps(body.get("tools"))) if body.get("tools") else 0
-    for message in body["messages"]:
-        content = message.get("content") or ""
-        if isinstance(content, list):
-            total += sum(len(p.get("text", "")) for p in content)
-        else:
-            total += len(content)
-    return total
+    return field_chars(body["messages"]) + field_chars(body.get("tools"))
 
 
 def asked_tokens(body: dict, limit: int) -> int:
@@ -82,10 +101,12 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:  # no line per request on stderr
             pass
 
-        def _reply(self, status: int, payload: dict) -> None:
+        def _reply(self, status: int, payload: dict, headers: Any = ()) -> None:
             data = json.dumps(payload).encode()
             try:
                 self.send_response(status)
+                for name, value in headers:
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -93,19 +114,54 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
                 self.close_connection = True  # the client left: its answer goes nowhere
 
-        def _error(self, status: int, message: str, kind: str) -> None:
-            self._reply(status, {"error": {"message": message, "type": kind, "code": status}})
+        def _error(
+            self, status: int, message: str, kind: str, code: Any = None, headers: Any = ()
+        ) -> None:
+            error = {"message": message, "type": kind, "param": None, "code": code or status}
+            self._reply(status, {"error": error}, headers)
+
+        def _admitted(self, key: str | None) -> bool:
+            """The Host names this server, and a stateless route's caller has the
+            token; else the refusal is sent (nothing of the body is read)."""
+            problem = server.host_problem(self.headers.get("Host"))
+            if problem:
+                self.close_connection = True
+                self._error(421, problem, "invalid_request_error", "misdirected_request")
+                return False
+            if key is None:
+                problem = server.token_problem(self.headers.get("Authorization"))
+                if problem:
+                    self.close_connection = True
+                    self._error(
+                        401,
+                        problem,
+                        "invalid_request_error",
+                        "invalid_api_key",
+                        [("WWW-Authenticate", 'Bearer realm="meshrl"')],
+                    )
+                    return False
+            return True
 
         def do_GET(self) -> None:
             key, route_ = route(self.path)
-            if route_ == "/models":
-                model = {"id": server.model_name, "object": "model", "owned_by": "meshrl"}
-                self._reply(200, {"object": "list", "data": [model]})
-            else:
+            if not self._admitted(key):
+                return
+            if route_ != "/models":
                 self._error(404, f"no route GET {self.path}", "not_found")
+                return
+            try:
+                if key is not None:
+                    server.episode(key)  # an episode's models, for its agent alone
+            except LookupError as error:
+                self._error(404, str(error), "not_found")
+                return
+            model = {"id": server.model_name, "object": "model", "owned_by": "meshrl"}
+            self._reply(200, {"object": "list", "data": [model]})
 
         def do_POST(self) -> None:
             key, route_ = route(self.path)
+            if not self._admitted(key):
+                return
             kind = {"/chat/completions": "chat", "/completions": "completions"}.get(route_)
             if kind is None:
                 self._error(404, f"no route POST {self.path}", "not_found")

@@ -5,6 +5,7 @@ rewrites earlier turns."""
 
 import json
 import random
+import re
 import time
 import urllib.error
 import urllib.request
@@ -198,7 +199,8 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
     agent_data, tmp_path, no_stray_procs
 ):
     """`policy.serve_port` serves the replicas while the run trains: the plain
-    routes answer any client; an episode route refuses a conversation that
+    routes answer a client with the run's token (printed, and in status.json)
+    and refuse one without; an episode route refuses a conversation that
     changed an earlier message, and an unknown episode."""
     import socket
 
@@ -216,6 +218,7 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
             "eval.every=0",
             f"policy.serve_port={port}",
             f"run.dir={tmp_path}",
+            "run.name=endpoint",
             "run.progress=false",
             "run.save_final=false",
         ],
@@ -223,9 +226,16 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
     algo = GRPO(cfg)
     try:
         algo.train(1)  # the meshes stay up
-        from openai import BadRequestError, NotFoundError, OpenAI
+        from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        token = algo.collector.endpoint().token
+        status = json.loads((tmp_path / "endpoint" / "status.json").read_text())
+        assert status["endpoint_token"] == token
+        assert status["endpoint_url"] == f"http://127.0.0.1:{port}/v1"
+        stranger = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(AuthenticationError, match="a wrong token"):
+            stranger.models.list()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0)
         assert [m.id for m in client.models.list()] == ["meshrl-policy"]
         out = client.completions.create(
             model="meshrl-policy", prompt="12>", max_tokens=3, logprobs=1
@@ -277,8 +287,9 @@ def test_bad_agent_config_is_one_clear_error(overrides, key):
 
 
 def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, no_stray_procs):
-    """`meshrl serve MODEL --config FILE`: a policy mesh behind the endpoint; each
-    answer is a line of requests.jsonl; SIGINT stops the server and the procs."""
+    """`meshrl serve MODEL --config FILE`: a policy mesh behind the endpoint, its
+    token printed and kept in status.json (0600); a caller without it is refused;
+    each answer is a line of requests.jsonl; SIGINT stops the server and the procs."""
     import os
     import signal
     import socket
@@ -286,7 +297,7 @@ def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, 
     import sys
     import time
 
-    from openai import OpenAI
+    from openai import AuthenticationError, OpenAI
 
     from tests.conftest import REPO
 
@@ -309,7 +320,23 @@ def test_meshrl_serve_answers_records_and_stops_on_ctrl_c(agent_data, tmp_path, 
         deadline = time.monotonic() + 120
         while "serving" not in (line := proc.stdout.readline()):
             assert line and time.monotonic() < deadline, "meshrl serve did not come up"
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        # The line says how to call it: the URL, and the token as a Bearer header.
+        token = re.search(r"Authorization: Bearer ([\w-]+)'", line).group(1)
+        assert f"at http://127.0.0.1:{port}/v1 " in line
+        status_path = tmp_path / "serve" / "status.json"
+        while "endpoint_token" not in (
+            status_path.read_text() if status_path.exists() else ""
+        ):  # written every run.status_every_s
+            assert time.monotonic() < deadline, "status.json has no endpoint_token"
+            time.sleep(0.5)
+        assert json.loads(status_path.read_text())["endpoint_token"] == token
+        assert status_path.stat().st_mode & 0o777 == 0o600
+        stranger = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            stranger.chat.completions.create(
+                model="model", messages=[{"role": "user", "content": "12>"}]
+            )
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=token, max_retries=0)
         out = client.chat.completions.create(
             model="model", messages=[{"role": "user", "content": "12>"}], temperature=0.7
         )
