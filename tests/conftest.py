@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from meshrl.procs import zygote
+from meshrl.procs import channels, zygote
 from meshrl.procs.mesh import monarch_pids
 from meshrl.procs.proc_pool import CORES_ENV, local_cores, pooled_pids, reuse_procs
 
@@ -109,6 +109,7 @@ def reused_procs():
     local proc, of this process's runs and of the command-line runs and notebook
     kernels it starts, is a fork of one server (`meshrl.procs.zygote.share`)."""
     before = monarch_procs()
+    channels.seal()  # as a run does first: the suite's own Monarch channels private too
     zygote.share()
     pool = reuse_procs()
     yield pool

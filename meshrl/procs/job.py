@@ -126,7 +126,11 @@ def mesh_name(cfg: JobConfig, role: str) -> str:
 def build_job(cfg: JobConfig, roles: list[str], observe: Any = None) -> Any:
     """The Monarch job for `roles` (None for `local`, unless `observe`, a
     `meshrl.observe.monarch.Observe`, asks for telemetry: a `LocalJob`). Nothing is
-    started yet."""
+    started yet. Before anything of Monarch's serves: this process's channels and
+    those of every process it starts are made private (`meshrl.procs.channels`)."""
+    from meshrl.procs import channels
+
+    channels.seal()
     job = _job(cfg, roles, observe is not None)
     if observe is not None:
         observe.enable(job, cfg.kind)

@@ -230,6 +230,12 @@ def _child(
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch_client, name="meshrl-zygote-watch", daemon=True).start()
+    if module == BOOTSTRAP_MAIN and os.environ.get("MESHRL_CHANNEL_DIR"):
+        # A server started before the run's socket hook was preloaded (one shared by
+        # runs): Monarch's channels in this proc go private as its controller's do.
+        from meshrl.procs import channels
+
+        channels.hook_process()
     code = run_module(module)  # what `python -m monarch._src.actor.bootstrap_main` runs
     if module != BOOTSTRAP_MAIN:  # a forked `python -m`: the interpreter's own exit
         sys.exit(code)

@@ -159,27 +159,46 @@ def _cache_dir() -> str:
     return _private
 
 
-def _build(compiler: str) -> str:
+def _build(
+    compiler: str, name: str = "copy_sums", source: str = SOURCE, flags: list[str] = FLAGS
+) -> str:
     """The shared library's path, built unless a build of this exact source,
-    compiler and machine is there already."""
+    flags, compiler and machine is there already."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    key = "\0".join([SOURCE, " ".join(FLAGS), version, platform.machine(), platform.system()])
+    key = "\0".join([source, " ".join(flags), version, platform.machine(), platform.system()])
     directory = _cache_dir()
-    path = os.path.join(directory, f"copy_sums-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
+    path = os.path.join(directory, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
     with tempfile.TemporaryDirectory(dir=directory) as work:
-        source = os.path.join(work, "copy_sums.c")
-        with open(source, "w") as f:
-            f.write(SOURCE)
-        built = os.path.join(work, "copy_sums.so")
+        source_path = os.path.join(work, f"{name}.c")
+        with open(source_path, "w") as f:
+            f.write(source)
+        built = os.path.join(work, f"{name}.so")
         subprocess.run(
-            [compiler, *FLAGS, source, "-o", built], check=True, capture_output=True, timeout=120
+            [compiler, *flags, source_path, "-o", built],
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
+        os.chmod(built, 0o700)
         os.replace(built, path)  # atomic: another proc may build the same at once
     return path
+
+
+def compile_library(name: str, source: str, flags: list[str]) -> str | None:
+    """A shared library of meshrl's own C `source`, built once per machine into the
+    private cache (as the copy-and-sum kernel is); None without a compiler or where
+    the build fails."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    try:
+        return _build(compiler, name, source, flags)
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def library() -> ctypes.CDLL | None:
