@@ -26,6 +26,10 @@ Monarch: its Rust runtime starts threads at import, and a fork keeps only the
 forking thread) and has run no torch op, so CUDA and the OpenMP pools start in
 the child, with the child's environment. The socket lives in a directory only
 this user can enter (mode 0700) and the server refuses a peer of another uid.
+The client, before it sends anything, checks the same from its side: the
+socket's directory is this user's with mode 0700, and the process listening
+runs as this user (`SO_PEERCRED`); a socket another user set up (named by
+`MESHRL_FORK_SERVER`, say) gets neither the environment nor the descriptors.
 
 This file runs as a script (`python zygote.py serve|connect ...`) and imports
 nothing outside the standard library at its top, so the client starts in a
@@ -102,12 +106,72 @@ def _open_fds(skip: int) -> list[int]:
     return sorted(fds)
 
 
+class UntrustedServer(RuntimeError):
+    """The socket named as a fork server is not this user's alone."""
+
+
+def _refusal(path: str, why: str) -> str:
+    named = os.environ.get(SHARED_ENV)
+    where = f"{SHARED_ENV}={named}" if named else f"{SHARED_ENV} unset, this run's own"
+    return (
+        f"meshrl: refusing the fork server at {path} ({where}): {why}; nothing was sent "
+        f"(unset {SHARED_ENV}, or set job.fork_server=false)"
+    )
+
+
+def _check_folder(path: str) -> None:
+    """The socket's directory must be this user's with no group or other bits
+    (as `ForkServer.start` makes it): no one else can have put a socket there."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        info = os.stat(folder)
+    except OSError as error:
+        raise UntrustedServer(_refusal(path, f"its directory {folder}: {error.strerror}")) from None
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise UntrustedServer(
+            _refusal(
+                path,
+                f"its directory {folder} is owned by uid {info.st_uid} with mode "
+                f"{info.st_mode & 0o777:04o}, not this user's (uid {os.geteuid()}) with mode 0700",
+            )
+        )
+
+
+def _check_peer(conn: socket.socket, path: str) -> None:
+    """The process listening at the other end must run as this user (SO_PEERCRED)."""
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if uid != os.geteuid():
+        raise UntrustedServer(
+            _refusal(path, f"it is served by uid {uid}, not this user (uid {os.geteuid()})")
+        )
+
+
+def open_checked(path: str) -> socket.socket:
+    """A connection to the fork server at `path`, made only if its directory is
+    this user's alone and the process listening runs as this user; else
+    `UntrustedServer`, with nothing sent."""
+    _check_folder(path)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        _check_peer(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def connect(path: str, argv: list[str], module: str = BOOTSTRAP_MAIN) -> None:
     """Stand in for a forked proc (or, with `module`, a forked `python -m module`):
     hand this process's environment and file descriptors to the server at `path`,
-    then pass signals on and exit as the fork exits."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(path)
+    then pass signals on and exit as the fork exits. Nothing is sent to a server
+    that is not this user's alone (`open_checked`): one line says why, exit 1."""
+    try:
+        conn = open_checked(path)
+    except UntrustedServer as refused:
+        sys.stderr.write(f"{refused}\n")
+        sys.stderr.flush()
+        os._exit(1)
     fds = _open_fds(conn.fileno())[:MAX_FDS]
     request = {
         "module": module,
@@ -450,6 +514,7 @@ def server() -> ForkServer:
                 f"{SHARED_ENV}={shared}: no fork server listens there (unset it, or set "
                 "job.fork_server=false)"
             )
+        open_checked(shared).close()  # this user's alone, or `UntrustedServer` now
         return ForkServer(shared)
     if _server is None or not _server.alive():
         if _server is not None:

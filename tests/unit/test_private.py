@@ -249,3 +249,129 @@ def test_the_final_model_directory_is_private(shared_base):
     probe = as_nobody(PROBE_READ, out, os.path.join(out, "config.json"))
     assert probe.stdout.strip() == "2", probe.stderr
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
+
+
+# --- the fork server's client -------------------------------------------------
+
+LISTENER = """
+import os, select, socket, sys, tempfile
+folder = tempfile.mkdtemp(prefix="not-meshrl-")  # this (other) user's, mode 0700
+path = os.path.join(folder, "socket")
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(path)
+listener.listen(8)
+print(path, flush=True)
+received = accepted = 0
+conns = []
+while True:  # until stdin closes: count the connections and the bytes sent
+    ready, _, _ = select.select([listener, sys.stdin, *conns], [], [], 30)
+    if not ready or sys.stdin in ready:
+        break
+    for s in ready:
+        if s is listener:
+            conns.append(listener.accept()[0])
+            accepted += 1
+        else:
+            data = s.recv(1 << 20)
+            received += len(data)
+            if not data:
+                conns.remove(s)
+print(accepted, received, flush=True)
+"""
+
+
+@pytest.fixture
+def strangers_socket():
+    """A Unix socket another user (uid 65534) listens at, in a directory of its
+    own; yields (path, stop) where stop() ends it and returns (connections
+    accepted, bytes received)."""
+    listener = subprocess.Popen(
+        [*DROP, sys.executable, "-c", LISTENER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    path = listener.stdout.readline().strip()
+
+    def stop() -> tuple[int, int]:
+        listener.stdin.close()
+        accepted, received = map(int, listener.stdout.readline().split())
+        listener.wait(timeout=30)
+        return accepted, received
+
+    try:
+        yield path, stop
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+            listener.wait()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def run_client(path: str) -> subprocess.CompletedProcess:
+    """The fork server's client as Monarch starts it, pointed at `path` the way a
+    shared server is named (MESHRL_FORK_SERVER)."""
+    from meshrl.procs import zygote
+
+    client = subprocess.Popen(
+        [sys.executable, "-S", zygote.__file__, "connect", path],
+        env={**os.environ, zygote.SHARED_ENV: path},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:  # (one that sent its request waits for an answer that never comes)
+        out, err = client.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        client.kill()
+        out, err = client.communicate()
+    return subprocess.CompletedProcess(client.args, client.returncode, out, err)
+
+
+@needs_root
+def test_the_fork_server_client_sends_nothing_to_another_users_socket(strangers_socket):
+    """MESHRL_FORK_SERVER pointing at a socket another user listens at, in a
+    directory it owns: the client refuses before it connects (the directory is
+    not this user's) and the listener receives nothing, neither the client's
+    environment nor its descriptors (before: its whole environment)."""
+    path, stop = strangers_socket
+    client = run_client(path)
+    accepted, received = stop()
+    assert (accepted, received) == (0, 0)
+    assert client.returncode == 1
+    lines = client.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MESHRL_FORK_SERVER" in lines[0] and path in lines[0], lines
+    assert "owned by uid 65534" in lines[0]
+
+
+@needs_root
+def test_the_fork_server_client_checks_who_listens(strangers_socket, tmp_path):
+    """A socket in a directory of this user's (0700) that leads to a listener of
+    another uid (here through a link): the client checks the peer's uid
+    (SO_PEERCRED) after connecting and sends nothing."""
+    path, stop = strangers_socket
+    folder = tmp_path / "mine"
+    folder.mkdir(mode=0o700)
+    os.symlink(path, folder / "socket")
+    client = run_client(str(folder / "socket"))
+    accepted, received = stop()
+    assert accepted == 1 and received == 0
+    assert client.returncode == 1
+    lines = client.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MESHRL_FORK_SERVER" in lines[0], lines
+    assert "served by uid 65534" in lines[0]
+
+
+@needs_root
+def test_a_run_refuses_a_shared_fork_server_of_another_user(strangers_socket, monkeypatch):
+    """The controller checks MESHRL_FORK_SERVER the same way before any proc
+    starts: one error line naming it and the path."""
+    from meshrl.procs import zygote
+
+    path, stop = strangers_socket
+    monkeypatch.setenv(zygote.SHARED_ENV, path)
+    with pytest.raises(zygote.UntrustedServer, match="MESHRL_FORK_SERVER") as refused:
+        zygote.server()
+    assert path in str(refused.value) and "\n" not in str(refused.value)
+    assert stop() == (0, 0)
