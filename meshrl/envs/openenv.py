@@ -4,7 +4,9 @@
 `Environment[MyAction, MyObservation, MyState]`). Each process that needs it
 (the controller, to draw prompts; each environment proc, to play episodes)
 starts openenv-core's own server for it on 127.0.0.1 (`openenv_server.py`) and
-stops it at the end of the run. `openenv:http://HOST:PORT` plays against a
+stops it at the end of the run. Such a server answers only the process that
+started it: its URL carries a token drawn per server, which messages leave out
+(`Server.address`). `openenv:http://HOST:PORT` plays against a
 server that is already running; nothing is started.
 
 How an OpenEnv environment maps onto meshrl's (`meshrl.envs.base`):
@@ -137,8 +139,9 @@ class OpenEnvTask(Env):
             return self.servers
 
     def open_session(self) -> tuple[str, Server | None]:
-        """A server's URL for one more episode, and the `Server` whose slot it
-        holds (None for an `http://` server)."""
+        """A server's URL for one more episode (with its token: not for messages,
+        which show `Server.address`), and the `Server` whose slot it holds (None
+        for an `http://` server)."""
         if _is_url(self.target):
             return self.target.rstrip("/"), None
         server = self._servers().acquire()
@@ -161,18 +164,19 @@ class OpenEnvTask(Env):
         seed = rng.randrange(2**31)
         url, server = self.open_session()
         try:
-            reset = _http(url, "/reset", {"seed": seed})
-            self._schema(url)
+            shown = server.address if server is not None else url
+            reset = _http(url, "/reset", {"seed": seed}, shown=shown)
+            self._schema(url, shown)
         finally:
             self.close_session(server)
         text = self.observation_text(reset.get("observation") or {})
         return Prompt(text=text, answer="", data={"seed": seed})
 
-    def _schema(self, url: str) -> tuple[str, str]:
+    def _schema(self, url: str, shown: str | None = None) -> tuple[str, str]:
         """The action's single string field ('' when it has several fields) and the
         observation's ('' when it has none or several), from the server's /schema."""
         if self._fields is None:
-            schema = _http(url, "/schema")
+            schema = _http(url, "/schema", shown=shown)
 
             def strings(model: dict, skip: tuple[str, ...]) -> tuple[list[str], list[str]]:
                 fields = [f for f in model.get("properties", {}) if f not in skip]
@@ -184,9 +188,9 @@ class OpenEnvTask(Env):
             self._fields = (single, observation_strings[0] if len(observation_strings) == 1 else "")
         return self._fields
 
-    def action_payload(self, url: str, text: str) -> dict:
+    def action_payload(self, url: str, text: str, shown: str | None = None) -> dict:
         """The model's text as the action the server expects."""
-        field = self._schema(url)[0]
+        field = self._schema(url, shown)[0]
         if field:
             return {field: text}
         try:
@@ -241,7 +245,7 @@ class OpenEnvEpisode(Episode):
             raise RuntimeError("the episode's session is closed")
         if self.client is None:
             self._open()
-        payload = self.task.action_payload(self.url, action)
+        payload = self.task.action_payload(self.url, action, self._shown())
         result = self._call(lambda: self.client.step(payload))
         self.total += float(result.reward or 0.0)
         if result.done:
@@ -270,7 +274,12 @@ class OpenEnvEpisode(Episode):
             server = self.server
             self.close()
             timeout = self.task.timeout_s
-            raise RuntimeError(_describe(self.url, server, error, timeout, starting)) from error
+            shown = server.address if server is not None else self.url
+            raise RuntimeError(_describe(shown, server, error, timeout, starting)) from error
+
+    def _shown(self) -> str:
+        """The server's URL for messages (without its token)."""
+        return self.server.address if self.server is not None else self.url
 
     def close(self) -> None:
         """Drop the session and then give its server slot back, in the background
@@ -298,7 +307,10 @@ def _close_session(task: OpenEnvTask, client: Any, server: Server | None) -> Non
 def _describe(
     url: str, server: Server | None, error: Exception, timeout_s: float, starting: bool
 ) -> str:
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if server is not None and server.token:  # openenv's client names the URL it called
+        text = text.replace(server.token, "TOKEN")
+    text = text[:200]
     where = f"openenv server {url}"
     code = server.exit_code(wait_s=0.5) if server is not None else None
     if code is not None:
@@ -322,13 +334,21 @@ def _is_string(field: dict) -> bool:
     return "string" in kinds and set(kinds) <= {"string", "null"}
 
 
-def _http(url: str, path: str, body: dict | None = None, timeout_s: float = 30.0) -> dict:
-    """GET (or POST `body` to) `url + path`; its JSON answer, or one line naming the server."""
+def _http(
+    url: str,
+    path: str,
+    body: dict | None = None,
+    timeout_s: float = 30.0,
+    shown: str | None = None,
+) -> dict:
+    """GET (or POST `body` to) `url + path`; its JSON answer, or one line naming the
+    server (as `shown`: its URL without a token)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url + path, data=data, headers={"Content-Type": "application/json"}
     )
     local = urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
+    shown = shown or url
     # As openenv's own client does: a proxy in the environment is not for this host.
     handlers = [urllib.request.ProxyHandler({})] if local else []
     opener = urllib.request.build_opener(*handlers)
@@ -338,13 +358,16 @@ def _http(url: str, path: str, body: dict | None = None, timeout_s: float = 30.0
     except urllib.error.HTTPError as error:
         detail = error.read().decode(errors="replace").strip().splitlines()
         raise RuntimeError(
-            f"openenv server {url}{path} answered {error.code}: {detail[0][:200] if detail else ''}"
+            f"openenv server {shown}{path} answered {error.code}: "
+            f"{detail[0][:200] if detail else ''}"
         ) from None
     except json.JSONDecodeError:
-        raise RuntimeError(f"openenv server {url}{path} answered with something not JSON") from None
+        raise RuntimeError(
+            f"openenv server {shown}{path} answered with something not JSON"
+        ) from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
-        raise ConnectionError(f"openenv server {url} is unreachable: {reason}") from None
+        raise ConnectionError(f"openenv server {shown} is unreachable: {reason}") from None
 
 
 __all__ = ["MAX_SESSIONS", "OpenEnvEpisode", "OpenEnvTask"]

@@ -9,6 +9,15 @@ process can take the port in between). The app is `create_app(CLASS, ACTION,
 OBSERVATION, max_concurrent_envs=N)`, the Action and Observation classes read
 from `CLASS`'s generic parameters (`environment_types`), served by uvicorn.
 
+Only the process that started it can call it: `Server` draws a token per
+server (`secrets`) and hands it over in the environment (`MESHRL_OPENENV_TOKEN`,
+which other users cannot read, unlike the command line); every request's path
+must start with `/<token>` (`guarded`), compared in constant time, else 403 and
+nothing runs. The server's URL is `http://127.0.0.1:PORT/<token>`: openenv-core's
+client sends no headers of its own, but keeps the base URL's path, so its
+WebSocket session (`<url>/ws`) carries the token too. `Server.address` is the
+URL without it, for messages.
+
 The launcher runs as a file (`RUN` executes it with runpy), not as `-m
 meshrl.envs.openenv_server`: the `meshrl` package would import torch first
 (about a second per server start); and not as `python FILE`, which would put
@@ -23,6 +32,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +43,9 @@ import time
 import typing
 import urllib.request
 from typing import Any
+
+TOKEN_ENV = "MESHRL_OPENENV_TOKEN"
+"""The variable in which `Server` hands its server the token its requests need."""
 
 START_TIMEOUT_S = 60.0
 """How long a server may take to answer /health (it imports openenv-core: ~3 s)."""
@@ -91,6 +104,42 @@ def environment_types(cls: type) -> tuple[type, type] | None:
     return (action, observation) if fits(action, observation) else None
 
 
+def guarded(app: Any, token: str) -> Any:
+    """The ASGI `app` behind `token`: an HTTP request or WebSocket whose path is
+    not `/<token>/...` is refused (403; the WebSocket closed before it is
+    accepted, which the client sees as a 403 handshake), the others reach `app`
+    with the prefix taken off. Lifespan events pass as they are."""
+    import hmac
+    import json
+
+    prefix = f"/{token}".encode()
+    refusal = json.dumps({"detail": "this openenv server answers only the process that started it"})
+
+    async def guard(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await app(scope, receive, send)
+            return
+        path = scope.get("raw_path") or scope["path"].encode()
+        path = path.split(b"?")[0]
+        head, rest = path[: len(prefix)], path[len(prefix) :]
+        if not hmac.compare_digest(head, prefix) or not rest.startswith(b"/"):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            body = refusal.encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+            ]
+            await send({"type": "http.response.start", "status": 403, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        inner = scope["path"][len(prefix.decode()) :]
+        await app(dict(scope, path=inner, raw_path=rest), receive, send)
+
+    return guard
+
+
 def _die_with_parent(parent: int) -> None:
     """SIGKILL this server when the thread that started it exits (its process
     ending included), so that a meshrl proc that dies leaves no server behind."""
@@ -119,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     from openenv.core.env_server import create_app
 
     app = create_app(cls, *types, env_name=attr, max_concurrent_envs=args.sessions)
+    token = os.environ.pop(TOKEN_ENV, "")  # the environment's code and children do not see it
+    if token:
+        app = guarded(app, token)
     sock = socket.socket(fileno=args.fd)
     config = uvicorn.Config(app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
@@ -133,6 +185,10 @@ class Server:
         self.users = 0
         """Episodes holding a session on it (`Servers` counts them)."""
         self.url = ""
+        """Where to call it: http://127.0.0.1:PORT/TOKEN (the token is its callers' key)."""
+        self.address = ""
+        """http://127.0.0.1:PORT, the URL without the token: for messages."""
+        self.token = ""
         self.proc: subprocess.Popen | None = None
         self.error: Exception | None = None
         self.ready = threading.Event()
@@ -163,7 +219,9 @@ class Server:
         # can take the port between choosing it and the server listening.
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.token = token = secrets.token_urlsafe(32)
+        self.address = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.url = f"{self.address}/{token}"
         log, self.log_path = tempfile.mkstemp(prefix="meshrl-openenv-", suffix=".log")
         command = [
             sys.executable,
@@ -180,7 +238,7 @@ class Server:
         ]
         # What this process imports (the environment's module), the server imports.
         path = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
-        env = dict(os.environ, PYTHONPATH=path)
+        env = dict(os.environ, PYTHONPATH=path, **{TOKEN_ENV: token})
         spawned = threading.Event()
 
         def run() -> None:

@@ -176,3 +176,102 @@ def test_a_class_without_concurrent_sessions_gets_a_server_per_episode():
     finally:
         task.close()
     assert_no_servers_left()
+
+
+AS_ANOTHER_USER = """
+import json, os, socket, sys, urllib.error, urllib.request
+address, pid = sys.argv[1], int(sys.argv[2])
+seen = {"uid": os.getuid()}
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+for path, body in [("/health", None), ("/reset", b'{"seed": 1}'), ("/schema", None)]:
+    request = urllib.request.Request(address + path, body, {"Content-Type": "application/json"})
+    try:
+        seen[path] = opener.open(request, timeout=10).status
+    except urllib.error.HTTPError as error:
+        seen[path] = error.code
+host, port = address.split("//")[1].split(":")
+with socket.create_connection((host, int(port)), timeout=10) as conn:
+    conn.sendall(
+        f"GET /ws HTTP/1.1\\r\\nHost: {host}:{port}\\r\\nUpgrade: websocket\\r\\n"
+        "Connection: Upgrade\\r\\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\\r\\n"
+        "Sec-WebSocket-Version: 13\\r\\n\\r\\n".encode()
+    )
+    seen["/ws"] = int(conn.recv(4096).split()[1])
+try:
+    open(f"/proc/{pid}/environ", "rb").read()
+    seen["environ"] = "read"
+except OSError as error:
+    seen["environ"] = type(error).__name__
+seen["cmdline"] = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+print(json.dumps(seen))
+"""
+
+
+def test_a_server_meshrl_starts_answers_only_with_its_token():
+    """An openenv server meshrl starts answers its own URL (the token in its
+    path): openenv-core's client plays through it. A call without the token gets
+    403, HTTP and WebSocket alike, before the environment runs; from another
+    user (nobody) too, which cannot read the token from the server's command
+    line or environment either."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from meshrl.envs.openenv_server import Server, import_openenv
+
+    server = Server(f"{ENV.partition(':')[2]}:Reverse", 4)
+    server.start()
+    try:
+        address = f"http://{urlsplit(server.url).netloc}"  # the URL without the token
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        def status(url: str, body: bytes | None = None) -> int:
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            try:
+                return opener.open(request, timeout=10).status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status(server.url + "/health") == 200
+        assert status(server.url + "/reset", b'{"seed": 1}') == 200
+        for url in (address, f"{address}/not-the-token", server.url[:-1]):
+            assert status(url + "/health") == 403
+            assert status(url + "/reset", b'{"seed": 1}') == 403
+        import_openenv()
+        from openenv.core.generic_client import GenericEnvClient
+
+        client = GenericEnvClient(base_url=server.url).sync()
+        client.connect()
+        assert client.reset(seed=1).observation["text"] == "291>"
+        client.close()
+        stranger = GenericEnvClient(base_url=address).sync()
+        with pytest.raises(ConnectionError, match="HTTP 403"):
+            stranger.connect()
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+            out = subprocess.run(
+                [*drop, sys.executable, "-c", AS_ANOTHER_USER, address, str(server.proc.pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd="/",
+            )
+            assert out.returncode == 0, out.stderr[-2000:]
+            seen = json.loads(out.stdout)
+            token = urlsplit(server.url).path.strip("/")
+            assert token not in seen.pop("cmdline")
+            assert seen == {
+                "uid": 65534,
+                "/health": 403,
+                "/reset": 403,
+                "/schema": 403,
+                "/ws": 403,
+                "environ": "PermissionError",
+            }
+    finally:
+        server.stop()
+    assert_no_servers_left()
