@@ -27,11 +27,10 @@ A checkpoint cannot run code and proves its bytes:
   `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
   metadata classes (`meshrl.procs.parallel.safe_reader`).
 - `MANIFEST.json` (written before `COMPLETE`) holds each file's size and
-  SHA-256. A checkpoint is checked against it each time it is chosen or loaded
-  (`problem`; hashed again every time, nothing is trusted for having been
-  checked once); one without a manifest is damaged. `latest()` skips a damaged
-  one and says so, so `resume=auto` and a rewind fall back to the newest intact
-  checkpoint.
+  SHA-256. A checkpoint is hashed against it each time it is restored (a
+  resume, a rewind: `problem`), whatever was found before; one without a
+  manifest is damaged. `latest()` skips a damaged one and says so, so
+  `resume=auto` and a rewind fall back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -143,15 +143,72 @@ def write_manifest(directory: str) -> None:
         fsync_dir(where)
 
 
-def problem(path: str) -> str:
+def problem(path: str, rehash: bool = True) -> str:
     """'' when every file the checkpoint's manifest lists has its size and SHA-256;
-    else one line naming the first file that does not. Hashed again at each call:
-    what was intact when checked before may not be now. A checkpoint without a
-    manifest (its deletion cut short, or from before manifests) is damaged."""
+    else one line naming the first file that does not. A checkpoint without a
+    manifest (its deletion cut short, or from before manifests) is damaged.
+
+    `rehash` (what reads a checkpoint next): every file hashed now. Else (`latest`
+    choosing one, or naming it in a message, as the loop does every step) the
+    answer of its last hash in this process stands while nothing of it changed
+    through the file system since (`_fingerprint`); what only a hash sees (bits
+    rotting on the disk) waits for the next read."""
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         return f"{manifest} is missing (the checkpoint is incomplete)"
-    return _check(path, manifest)
+    key, before = os.path.abspath(path), _fingerprint(path)
+    if not rehash and key in _hashed and _hashed[key][0] == before and _hashed[key][1]:
+        return _hashed[key][2]
+    damage = _check(path, manifest)
+    _remember(key, before, _fingerprint(path), damage)
+    return damage
+
+
+_hashed: dict[str, tuple] = {}
+"""checkpoint -> (its `_fingerprint` when last hashed, settled, what the hash found)."""
+
+RACY_NS = 2_000_000_000
+"""A file changed less than this before it was hashed could change again without
+its ctime moving (timestamps are coarse; a file server's clock is another): its
+checkpoint is hashed again at the next look."""
+
+
+def _fingerprint(path: str) -> tuple:
+    """What changes when the checkpoint at `path` changes through the file system:
+    its manifest's text, and each listed file's device, inode, size, mtime and
+    ctime (None when missing). A write, truncation, replacement or deletion moves
+    ctime, which cannot be set back."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            text = f.read()
+        names = sorted(json.loads(text)["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return (None,)
+    return (text, *_stats(path, names))
+
+
+def _stats(path: str, names: list[str]) -> tuple:
+    found = []
+    for name in names:
+        try:
+            s = os.stat(os.path.join(path, name))
+            found.append((name, s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
+        except OSError:
+            found.append((name, None))
+    return tuple(found)
+
+
+def _remember(key: str, before: tuple, after: tuple, damage: str) -> None:
+    """What a hash of the checkpoint at `key` found, kept only if nothing of it
+    changed while it was hashed (`before`, `after`); settled (taken as it is by
+    `latest` while unchanged) once its files were last changed `RACY_NS` before
+    (a missing one stays missing until the fingerprint changes)."""
+    if before != after or after == (None,):
+        _hashed.pop(key, None)
+        return
+    now = time.time_ns()
+    settled = all(len(s) == 2 or s[-1] < now - RACY_NS for s in after[1:])
+    _hashed[key] = (after, settled, damage)
 
 
 def _check(path: str, manifest: str) -> str:
@@ -244,6 +301,8 @@ def commit(partial: str, keep: int) -> str:
     file and directory of `partial` before `COMPLETE`, `COMPLETE` before the
     rename, the rename (the checkpoint's directory, `checkpoints/` and the run
     directory fsynced) before an older checkpoint is dropped (`_drop`)."""
+    names = [n for n in _files(partial) if n not in (MANIFEST, COMPLETE)]
+    before = _stats(partial, names)
     write_manifest(partial)
     with open(os.path.join(partial, COMPLETE), "w") as f:
         f.write("ok\n")
@@ -258,6 +317,10 @@ def commit(partial: str, keep: int) -> str:
     fsync_dir(final)
     fsync_dir(checkpoints)
     fsync_dir(os.path.dirname(os.path.abspath(checkpoints)))  # `checkpoints/` itself
+    # Its digests were just taken from these bytes: `latest` need not hash it again
+    # while nothing of it changes (a restore and a rewind do).
+    after = _fingerprint(final)
+    _remember(os.path.abspath(final), (after[0], *before), after, "")
     kept = set(complete(checkpoints)[-keep:]) | {final}
     old = [os.path.join(checkpoints, n) for n in sorted(os.listdir(checkpoints))]
     _drop(
@@ -300,12 +363,14 @@ def complete(checkpoints: str) -> list[str]:
     return sorted(found)
 
 
-def latest(run_dir: str) -> str | None:
+def latest(run_dir: str, rehash: bool = False) -> str | None:
     """The newest complete and intact checkpoint of a run, or None. A damaged
     one (a file that is not what its manifest says) is skipped, and said so
-    (printed and in the run's faults.log) once."""
+    (printed and in the run's faults.log) once. `rehash`: each one hashed now,
+    for a caller that reads it next; else one hashed before in this process and
+    unchanged since is taken as it was found (`problem`)."""
     for path in reversed(complete(root(run_dir))):
-        damage = problem(path)
+        damage = problem(path, rehash)
         if not damage:
             return path
         if damage not in _said:
@@ -387,8 +452,8 @@ class Checkpointer:
         """`Supervisor.recover`: a role that lost a proc while it saved (a policy
         replica's node) is recovered and asked again; None: the loss ends the run."""
 
-    def latest(self) -> str | None:
-        return latest(self.run.dir)
+    def latest(self, rehash: bool = False) -> str | None:
+        return latest(self.run.dir, rehash)
 
     def _each_role(self, endpoint: str, directory: str, roles: list | None = None) -> None:
         from meshrl.procs.mesh import RemoteCallError, call_all
@@ -528,7 +593,7 @@ class Checkpointer:
         during step `state.step`: replace its procs, restore every role from the
         newest checkpoint and return its step, where the loop continues. Samples
         of the steps undone, and those generated ahead, count as dropped."""
-        path = self.latest()  # hashed now: `restore` does not hash it again
+        path = self.latest(rehash=True)  # hashed now: `restore` does not hash it again
         if path is None:
             raise lost  # no checkpoint (checkpoint.every = 0)
         supervisor.spend_recovery(lost.role, lost)

@@ -1,12 +1,14 @@
 """Checkpoints: atomic, the last K kept, and `export` naming what is missing."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, load_config
 from meshrl.loop import checkpoint, export
+from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 
 
 @pytest.mark.unit
@@ -132,17 +134,72 @@ def test_a_prune_cut_short_leaves_no_half_checkpoint_that_counts(tmp_path, monke
     assert os.listdir(checkpoint.root(run)) == ["step_00000006"]
 
 
+def _rot(path: str) -> None:
+    """Bits of `trainer.pt` change where only a hash sees it (a disk's decay): after
+    its last hash found it intact and settled, its fingerprint stays the same."""
+    with open(os.path.join(path, "trainer.pt"), "r+b") as f:
+        f.write(b"X")
+    checkpoint._hashed[os.path.abspath(path)] = (checkpoint._fingerprint(path), True, "")
+
+
 @pytest.mark.unit
 def test_a_checkpoint_is_hashed_again_each_time_it_is_read(tmp_path):
-    from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
-
     run = str(tmp_path)
     older, newer = _save(run, 2, keep=2), _save(run, 4, keep=2)
     assert checkpoint.latest(run) == newer and checkpoint.problem(newer) == ""
-    # The bytes change after it was checked (same size, manifest untouched).
+    # Changed through the file system after it was checked (same size, manifest
+    # untouched): seen by every look.
     with open(os.path.join(newer, "trainer.pt"), "r+b") as f:
         f.write(b"X")
-    assert "SHA-256 differs" in checkpoint.problem(newer)
     assert checkpoint.latest(run) == older
+    assert "SHA-256 differs" in checkpoint.problem(newer)
+    # Changed where only a hash sees it: a restore, and a rewind's choice, hash again.
+    _save(run, 6, keep=2)
+    newest = os.path.join(run, "checkpoints", "step_00000006")
+    _rot(newest)
+    assert checkpoint.latest(run) == newest  # a look (a message) takes the last hash's word
+    assert checkpoint.latest(run, rehash=True) is None  # step 4's bytes changed too
+    assert "trainer.pt is not the file that was written" in checkpoint.problem(newest)
+    _rot(newest)
     with pytest.raises(CheckpointError, match="cannot restore .*trainer.pt is not the file"):
-        Checkpointer(None, None, [], CheckpointConfig()).restore(newer)
+        Checkpointer(None, None, [], CheckpointConfig()).restore(newest)
+
+
+@pytest.mark.unit
+def test_a_rewind_hashes_the_checkpoint_it_goes_back_to(tmp_path):
+    import torch
+
+    run = str(tmp_path)
+    for step in (2, 4):
+        partial = checkpoint.begin(run, step)
+        torch.save({"loop": {"step": step}, "sizes": {}}, os.path.join(partial, "loop.pt"))
+        with open(os.path.join(partial, "trainer.pt"), "wb") as f:
+            f.write(b"weights" * 64)
+        checkpoint.commit(partial, keep=2)
+    newer = os.path.join(run, "checkpoints", "step_00000004")
+    _rot(newer)
+    ledger = SimpleNamespace(generated=0, trained=0, drop=lambda reason, n: None)
+    state = SimpleNamespace(step=5, ahead=[], ledger=ledger)
+    state.load_state_dict = lambda loop, restore, counts: setattr(state, "step", loop["step"])
+    fake = SimpleNamespace(dir=run, respawn=lambda role: None, report=lambda: None)
+    ckpt = Checkpointer(fake, state, [], CheckpointConfig(every=2))
+    supervisor = SimpleNamespace(spend_recovery=lambda role, error: None)
+    lost = SimpleNamespace(role="trainer")
+    assert ckpt.rewind(lost, supervisor, SimpleNamespace(rewind=lambda step: None), 1) == 2
+
+
+@pytest.mark.unit
+def test_a_look_each_step_does_not_hash_an_unchanged_checkpoint(tmp_path, monkeypatch):
+    """The loop names the newest checkpoint every step (`latest`): an unchanged
+    one is not hashed again for it."""
+    run = str(tmp_path)
+    newest = _save(run, 2, keep=1)
+    monkeypatch.setattr(checkpoint, "RACY_NS", 0)  # its files changed long enough ago
+    assert checkpoint.latest(run) == newest
+    hashed = []
+    sha256 = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda *a, **k: hashed.append(a) or sha256(*a, **k))
+    for _ in range(3):
+        assert checkpoint.latest(run) == newest
+    assert hashed == []
+    assert checkpoint.problem(newest) == "" and len(hashed) == 4  # a read hashes each file
