@@ -34,35 +34,48 @@ role's rank 0 (an actor on the same proc) takes its own in `data_parallel`."""
 STORE_TIMEOUT = timedelta(seconds=300)
 
 
-class Rendezvous(Actor):
-    """Spawned on a role's mesh before its data-parallel actors: opens, on proc 0,
-    the store their process group meets at.
+def serve_store(loopback: bool) -> tuple[str, int]:
+    """Open, in this proc, the TCPStore a process group meets at; (address, port)
+    the other ranks dial. `loopback`: a run on this host only, which no other
+    machine can reach (127.0.0.1).
 
     The port is the kernel's pick for a socket bound here and held from then on,
     so no other process can take it before rank 0 serves on it (a port found free
     and let go can be handed to another group meanwhile: two groups on one port
-    exchange each other's tensors, silently)."""
+    exchange each other's tensors, silently).
+
+    Not guarded against other local users: torch 2.13's TCPStore takes no key or
+    credential (its options are port, server or not, workers, timeout, multi-tenant,
+    a listening fd and libuv; each client's handshake is a fixed public magic number)
+    and serves TCP only, and any client may list every key (LIST_KEYS), so a secret
+    key prefix would hide nothing. gloo (the only transport this torch builds is
+    plain TCP) takes none either. On loopback, any local process can reach both."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1" if loopback else "", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # The store serves on the socket (master_listen_fd) and owns it from here on.
+    _STORES[port] = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        STORE_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+    address = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+    return address, port
+
+
+class Rendezvous(Actor):
+    """Spawned on a role's mesh before its data-parallel actors: opens, on proc 0,
+    the store their process group meets at (`serve_store`)."""
 
     @endpoint
     def address(self, loopback: bool) -> tuple[str, int]:
-        """(address, port) the other ranks dial. `loopback`: a run on this host
-        only, which no other machine can reach (127.0.0.1)."""
-        listener = socket.socket()
-        listener.bind(("127.0.0.1" if loopback else "", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        # The store serves on the socket (master_listen_fd) and owns it from here on.
-        _STORES[port] = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            None,
-            True,
-            STORE_TIMEOUT,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        address = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
-        return address, port
+        """(address, port) the other ranks dial (`serve_store`)."""
+        return serve_store(loopback)
 
 
 def data_parallel(

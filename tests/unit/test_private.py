@@ -375,3 +375,34 @@ def test_a_run_refuses_a_shared_fork_server_of_another_user(strangers_socket, mo
         zygote.server()
     assert path in str(refused.value) and "\n" not in str(refused.value)
     assert stop() == (0, 0)
+
+
+# --- torch.distributed's store: the gap, stated -------------------------------
+
+STORE_CLIENT = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=10))
+print(sorted(store.list_keys()), store.get(sys.argv[2]).decode())
+store.set(sys.argv[2], "forged")
+"""
+
+
+@needs_root
+def test_another_user_can_read_and_write_a_process_groups_store():
+    """The gap this cannot close: torch 2.13's TCPStore (what `Rendezvous` serves
+    on loopback) takes no key or credential and lists its keys to any client, so a
+    process of another uid reads and overwrites what the ranks exchange (gloo's
+    addresses). Loopback keeps other machines out, not other local users. This test
+    states it; it fails once the store is guarded (then turn it around)."""
+    from meshrl.procs.parallel import _STORES, serve_store
+
+    address, port = serve_store(loopback=True)
+    store = _STORES.pop(port)
+    key = f"default_pg/0//{uuid.uuid4().hex}"
+    store.set(key, "rank 0's address")
+    probe = as_nobody(STORE_CLIENT, str(port), key, timeout=60)
+    assert address == "127.0.0.1" and probe.returncode == 0, probe.stderr
+    assert key in probe.stdout and "rank 0's address" in probe.stdout
+    assert store.get(key) == b"forged"
