@@ -10,19 +10,39 @@ or a crash of the caller. What contains it is what the kernel enforces
   removals, renames and links only inside the run's own scratch directory
   (also its working directory, HOME and TMPDIR, removed afterwards). Nothing
   may be executed: no other program starts.
+- **Output.** stdin, stdout and stderr are files no path leads to (memfd),
+  opened by the parent before the run and read back through its own
+  descriptors: nothing the program puts in its directory (a FIFO, a symlink)
+  is ever opened by the parent.
 - **Network.** A seccomp filter refuses every socket (any family) and
   io_uring; Landlock refuses TCP bind and connect; where the kernel allows,
   the run also has its own network namespace (no device but loopback).
 - **Other processes.** A PID namespace where allowed (everything the program
   forks dies with the run); Landlock refuses signals and ptrace across the
   domain's edge; seccomp refuses ptrace, process_vm_*, mounts and namespaces.
+  Without a PID namespace, seccomp refuses setsid and setpgid (the wall limit
+  kills the process group, which nothing can leave), and where the program
+  keeps the caller's uid, prlimit64, sched_setaffinity, sched_setscheduler,
+  sched_setparam, sched_setattr, migrate_pages and move_pages unless aimed at
+  pid 0 or the program's first process (its pid at the filter's making: a
+  forked child cannot name itself by number), setpriority and ioprio_set
+  except for one such process (not a group or the user); where Landlock cannot
+  scope signals (ABI < 6) also kill (allowed: 0, its own pid, its own group),
+  tkill, tgkill, rt_(tg)sigqueueinfo (its own pid only) and pidfd_send_signal.
 - **Users.** As root, each run gets a uid of its own (no two concurrent runs
   share one, so file permissions separate them too). Otherwise the program
   keeps the caller's uid, and seccomp also refuses chmod, chown, utime and
-  xattr changes by path, which Landlock does not cover.
+  xattr changes, by path and by descriptor (fchmod, fchown, fsetxattr,
+  fremovexattr, the *at forms), which Landlock does not cover.
+- **Scratch.** With a mount namespace (the same launcher), the scratch is a
+  tmpfs of `scratch_mb` and `scratch_files` inodes (the program meets ENOSPC).
+  Without one, the parent measures it every `WATCH_S` (and once at the end)
+  and stops the run past either bound ("scratch limit"); a program may then
+  overshoot by what it writes in one interval (each file at most
+  `max_output_bytes`, the file size limit).
 - **Limits** (setrlimit): CPU time, address space (`memory_mb`), file size
   (`max_output_bytes`: output and files alike), open files, processes; the
-  wall limit kills the process group.
+  wall limit kills the process group (and with it the PID namespace).
 - **Environment.** PATH, HOME, TMPDIR and LANG only; `python -I` ignores
   PYTHON* variables and the user's site directory.
 
@@ -60,7 +80,10 @@ from meshrl.envs.sandbox_probe import (  # noqa: F401 - the sandbox's API, re-ex
     probe,
 )
 
-SETUP_FAILED = 111  # sandbox_child's exit status when a mechanism fails to apply
+SETUP_FAILED = 111
+SCRATCH_MB = 64  # what one program's scratch directory may hold
+SCRATCH_FILES = 4096
+WATCH_S = 0.05  # how often the scratch is measured where no tmpfs bounds it  # sandbox_child's exit status when a mechanism fails to apply
 _uids = itertools.count()
 _uids_lock = threading.Lock()
 # Read-only everywhere the interpreter and its libraries may live.
@@ -197,6 +220,8 @@ def _child_spec(
     memory_mb: int,
     max_output_bytes: int,
     max_procs: int,
+    scratch_mb: int,
+    scratch_files: int,
 ) -> dict:
     """The settings `sandbox_child` applies before the program."""
     # A uid of its own counts only the program's processes; a shared one counts
@@ -215,16 +240,39 @@ def _child_spec(
         ("RLIMIT_CORE", 0),
         ("RLIMIT_NPROC", nproc),
     ]
+    namespaces = bool(isolation.launcher)
     return {
         "uid": uid,
         "limits": limits,
         "seccomp": isolation.seccomp,
         "shared_uid": uid is None,
+        "pidns": namespaces,
+        "userns": namespaces and os.geteuid() != 0,
+        # The tmpfs holds the program's files and its main.py (one inode more,
+        # and the root directory's).
+        "scratch": {"bytes": scratch_mb * 2**20, "inodes": scratch_files + 2}
+        if namespaces
+        else None,
         "landlock": isolation.landlock_abi,
         "read": [*isolation.python_paths, *SYSTEM_READ],
         "audit": isolation.audit_hook,
         "fork_ok": max_procs > 1,
     }
+
+
+def _anonymous(name: str, data: bytes = b"") -> int:
+    """A descriptor of a file no path leads to (the program's stdin, stdout,
+    stderr): what the parent reads back is what was written to it, whatever the
+    program does to its directory."""
+    try:
+        fd = os.memfd_create(f"meshrl-sandbox-{name}", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    if data:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def run_python(
@@ -236,11 +284,14 @@ def run_python(
     max_procs: int | None = None,
     read_paths: tuple[str, ...] = (),
     isolation: Isolation | None = None,
+    scratch_mb: int = SCRATCH_MB,
+    scratch_files: int = SCRATCH_FILES,
 ) -> SandboxResult:
     """Run `code` with `stdin` in a fresh sandboxed interpreter (see the module
     docstring). `read_paths`: files or directories the program may read (the
-    task's inputs). `max_procs` > 1 lets it fork. `isolation` defaults to
-    `require()`: everything this machine allows."""
+    task's inputs). `max_procs` > 1 lets it fork. `scratch_mb`, `scratch_files`:
+    what its scratch directory may hold. `isolation` defaults to `require()`:
+    everything this machine allows."""
     isolation = isolation or require()
     memory_mb = memory_mb or _policy.memory_mb
     max_procs = max_procs or _policy.max_procs
@@ -250,47 +301,57 @@ def run_python(
     if isolation.run_uid:
         with _uids_lock:
             uid = _UID_BASE + (os.getpid() % 4096) * 4096 + next(_uids) % 4096
+    fds: list[int] = []
     try:
-        for name, text in (("main.py", code), ("stdin.txt", stdin), ("stdout", ""), ("stderr", "")):
-            with open(os.path.join(scratch, name), "w") as f:
-                f.write(text)
-            if uid is not None:
-                os.chown(os.path.join(scratch, name), uid, uid)
+        with open(os.path.join(scratch, "main.py"), "w") as f:
+            f.write(code)
         if uid is not None:
+            os.chown(os.path.join(scratch, "main.py"), uid, uid)
             os.chown(scratch, uid, uid)
-        spec = _child_spec(isolation, uid, timeout_s, memory_mb, max_output_bytes, max_procs)
+        spec = _child_spec(
+            isolation,
+            uid,
+            timeout_s,
+            memory_mb,
+            max_output_bytes,
+            max_procs,
+            scratch_mb,
+            scratch_files,
+        )
         spec["read"] += [os.path.realpath(path) for path in read_paths]
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
-        out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-        with (
-            open(os.path.join(scratch, "stdin.txt")) as fin,
-            open(out_path, "w") as fout,
-            open(err_path, "w") as ferr,
-        ):
-            proc = subprocess.Popen(
-                [
-                    *isolation.launcher,
-                    isolation.python,
-                    "-I",
-                    "-B",
-                    "-c",
-                    f"SPEC = {spec!r}\n{_child_source()}",
-                ],
-                cwd=scratch,
-                env=env,
-                stdin=fin,
-                stdout=fout,
-                stderr=ferr,
-                close_fds=True,
-                start_new_session=True,  # its own process group: the whole tree is killed
-            )
-            try:
-                timed_out = _wait(proc, timeout_s)
-            finally:
-                _kill_group(proc)
-        stdout, out_cut = _read(out_path, max_output_bytes)
-        stderr, err_cut = _read(err_path, max_output_bytes)
+        fds += [_anonymous("stdin", stdin.encode()), _anonymous("stdout"), _anonymous("stderr")]
+        fin, fout, ferr = fds
+        proc = subprocess.Popen(
+            [
+                *isolation.launcher,
+                isolation.python,
+                "-I",
+                "-B",
+                "-c",
+                f"SPEC = {spec!r}\n{_child_source()}",
+            ],
+            cwd=scratch,
+            env=env,
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            close_fds=True,
+            start_new_session=True,  # its own process group: the whole tree is killed
+        )
+        # Without the tmpfs (no mount namespace), the parent measures the scratch.
+        watch = None if spec["scratch"] else _scratch_watch(scratch, scratch_mb, scratch_files)
+        try:
+            timed_out, over = _wait(proc, timeout_s, watch)
+        finally:
+            _kill_group(proc)
+        if watch and not over:  # also what a program left that exited before a check
+            over = watch()
+        stdout, out_cut = _read(fout, max_output_bytes)
+        stderr, err_cut = _read(ferr, max_output_bytes)
     finally:
+        for fd in fds:
+            os.close(fd)
         shutil.rmtree(scratch, ignore_errors=True)
     code_ = proc.returncode
     return SandboxResult(
@@ -298,7 +359,8 @@ def run_python(
         stderr=stderr,
         exit_code=code_,
         timed_out=timed_out,
-        error=_reason(
+        error=over
+        or _reason(
             code_, timed_out, stderr, out_cut or err_cut, timeout_s, memory_mb, max_output_bytes
         ),
         duration_s=time.monotonic() - started,
@@ -306,27 +368,70 @@ def run_python(
     )
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for the child's exit; True when `timeout_s` passed first. A pidfd
-    wakes the moment it exits: `Popen.wait(timeout)` polls with sleeps that
-    grow to 50 ms, which was most of a trivial program's latency."""
+def _scratch_watch(scratch: str, scratch_mb: int, scratch_files: int):
+    """A check of the scratch directory's bytes and entries, for where no tmpfs
+    bounds them: the reason to stop the run, or ''. It stops counting past the
+    limit, so a directory of a million files costs no more than one of the limit."""
+    limit = scratch_mb * 2**20
+    reason = f"scratch limit ({scratch_mb} MB, {scratch_files} files)"
+
+    def check() -> str:
+        count, used, folders = 0, 0, [scratch]
+        while folders:
+            try:
+                entries = os.scandir(folders.pop())
+            except OSError:
+                return reason + ": a directory the sandbox cannot list"
+            with entries:
+                for entry in entries:
+                    count += 1
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    used += info.st_blocks * 512
+                    if count > scratch_files + 1 or used > limit:  # main.py is one
+                        return reason
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+        return ""
+
+    return check
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, watch=None) -> tuple[bool, str]:
+    """Wait for the child's exit: (True when `timeout_s` passed first, the
+    reason `watch` gave to stop it early or ''). A pidfd wakes the moment it
+    exits: `Popen.wait(timeout)` polls with sleeps that grow to 50 ms, which was
+    most of a trivial program's latency. `watch` runs every `WATCH_S`."""
+    deadline = time.monotonic() + timeout_s
     try:
         fd = os.pidfd_open(proc.pid)
     except (AttributeError, OSError):
-        try:
-            proc.wait(timeout=timeout_s)
-            return False
-        except subprocess.TimeoutExpired:
-            return True
+        fd = None
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout_s * 1000):
-            return True
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True, ""
+            step = min(left, WATCH_S) if watch else left
+            if fd is None:
+                try:
+                    proc.wait(timeout=step)
+                    return False, ""
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                if poller.poll(step * 1000):
+                    proc.wait()
+                    return False, ""
+            if watch and (reason := watch()):
+                return False, reason
     finally:
-        os.close(fd)
-    proc.wait()
-    return False
+        if fd is not None:
+            os.close(fd)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -343,12 +448,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read(path: str, limit: int) -> tuple[str, bool]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError:
-        return "", False
+def _read(fd: int, limit: int) -> tuple[str, bool]:
+    """What was written to the parent's own descriptor `fd` (never reopened by
+    path: the program may have replaced anything in its directory)."""
+    data = os.pread(fd, limit + 1, 0)
     return data[:limit].decode("utf-8", errors="replace"), len(data) >= limit
 
 

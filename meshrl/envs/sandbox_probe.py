@@ -17,9 +17,13 @@ from pathlib import Path
 
 # Run uids for a root caller: one per run, far above any account's.
 _UID_BASE = 0x3F000000
-# No network; a PID namespace whose processes all die with its first one, which
-# dies with `unshare` (--kill-child): nothing the code forks outlives the run.
-NAMESPACES = ("--net", "--pid", "--fork", "--kill-child", "--")
+# No network; a mount namespace (the scratch directory becomes a tmpfs of
+# bounded size there); a PID namespace whose processes all die with its first
+# one, which dies with `unshare` (--kill-child): nothing the code forks outlives
+# the run. Unprivileged, `--map-root-user` lets the child mount the tmpfs; it
+# then drops every capability before anything else.
+NAMESPACES = ("--net", "--mount", "--pid", "--fork", "--kill-child", "--")
+USERNS = ("--user", "--map-root-user")
 MINIMUM = ("files", "network")
 HOW_TO = {
     "files": "Landlock (Linux >= 5.13 with 'landlock' in the lsm= boot list)",
@@ -40,7 +44,7 @@ class Isolation:
     python_paths: tuple[str, ...] = ()
     """Its install: what Landlock lets a program read besides the system's."""
     launcher: tuple[str, ...] = ()
-    """The command prefix that enters new network and PID namespaces, or ()."""
+    """The command prefix that enters new network, mount and PID namespaces, or ()."""
     run_uid: bool = False
     """Each run gets a uid of its own (the caller is root)."""
     audit_hook: bool = True
@@ -53,7 +57,7 @@ class Isolation:
         if self.seccomp:
             names.append("seccomp")
         if self.launcher:
-            names += ["netns", "pidns"]
+            names += ["netns", "pidns", "scratch-tmpfs"]
         if self.run_uid:
             names.append("run-uid")
         names.append("rlimits")
@@ -92,11 +96,12 @@ def _seccomp_filters() -> bool:
 def probe(without: frozenset[str] = frozenset()) -> Isolation:
     """What this kernel and user allow, minus the mechanisms named in `without`
     ("landlock", "seccomp", "namespaces", "audit_hook": for tests that prove
-    what each one contains on its own)."""
+    what each one contains on its own; "landlock_scopes": Landlock ABI 5 at
+    most, as on kernels before 6.12, whose Landlock cannot scope signals)."""
     launcher: tuple[str, ...] = ()
     unshare = shutil.which("unshare")
     if unshare and "namespaces" not in without:
-        prefix = (unshare, *NAMESPACES) if os.geteuid() == 0 else (unshare, "--user", *NAMESPACES)
+        prefix = (unshare, *NAMESPACES) if os.geteuid() == 0 else (unshare, *USERNS, *NAMESPACES)
         try:
             ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
         except (OSError, subprocess.SubprocessError):
@@ -106,7 +111,11 @@ def probe(without: frozenset[str] = frozenset()) -> Isolation:
     return Isolation(
         python=python,
         python_paths=python_paths,
-        landlock_abi=0 if "landlock" in without else _landlock_abi(),
+        landlock_abi=0
+        if "landlock" in without
+        else min(_landlock_abi(), 5)
+        if "landlock_scopes" in without
+        else _landlock_abi(),
         seccomp="seccomp" not in without and _seccomp_filters(),
         launcher=launcher,
         run_uid=os.geteuid() == 0,

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 # Each program's body runs step by step: a step that raises is a step refused.
 # First it switches off the audit hook of the sandbox before Landlock, whose
@@ -134,6 +135,21 @@ import signal
 attempt("kill", lambda: os.kill(BYSTANDER, signal.SIGKILL))
 attempt("killpg", lambda: os.killpg(os.getpgid(BYSTANDER), signal.SIGKILL))
 """,
+    # A file the program may read and its user owns (a task input, the venv):
+    # metadata changed through a descriptor, which Landlock does not cover.
+    "metadata_by_fd": """
+attempt("fchmod", lambda: os.chmod(os.open(OWNED, os.O_RDONLY), 0o777))
+attempt("fchown", lambda: os.chown(os.open(OWNED, os.O_RDONLY), 65534, 65534))
+attempt("fsetxattr", lambda: os.setxattr(os.open(OWNED, os.O_RDONLY), "user.meshrl", b"x"))
+""",
+    # Another process of the same user, reached by its number.
+    "processes": """
+import resource
+attempt("prlimit", lambda: resource.prlimit(BYSTANDER, resource.RLIMIT_NOFILE, (3, 3)))
+attempt("setpriority", lambda: os.setpriority(os.PRIO_PROCESS, BYSTANDER, 19))
+attempt("affinity", lambda: os.sched_setaffinity(BYSTANDER, {0}))
+attempt("sched", lambda: os.sched_setscheduler(BYSTANDER, os.SCHED_IDLE, os.sched_param(0)))
+""",
 }
 
 
@@ -143,6 +159,8 @@ MODES = {
     "everything": frozenset(),
     "kernel_only": frozenset({"audit_hook"}),
     "landlock_and_seccomp": frozenset({"audit_hook", "namespaces"}),
+    # ... and a Landlock that cannot scope signals (kernels before 6.12).
+    "landlock_v5_and_seccomp": frozenset({"audit_hook", "namespaces", "landlock_scopes"}),
 }
 
 
@@ -160,6 +178,23 @@ class World:
     datagrams: socket.socket
     unix: socket.socket
     bystander: subprocess.Popen
+    owned: str
+    """A file of the caller's that programs may read (`read_paths`)."""
+
+    def state(self) -> tuple:
+        """The owned file's metadata and the bystander's settings, as the host sees them."""
+        info = os.stat(self.owned)
+        pid = self.bystander.pid
+        return (
+            info.st_mode,
+            info.st_uid,
+            info.st_gid,
+            os.listxattr(self.owned),
+            Path(f"/proc/{pid}/limits").read_text(),  # prlimit needs CAP_SYS_RESOURCE
+            os.getpriority(os.PRIO_PROCESS, pid),
+            os.sched_getaffinity(pid),
+            os.sched_getscheduler(pid),
+        )
 
     @classmethod
     def make(cls) -> World:
@@ -192,13 +227,22 @@ class World:
         bystander = subprocess.Popen(
             [*(drop if os.geteuid() == 0 else []), "sleep", "120"], start_new_session=True
         )
-        return cls(outside, victim, secret, secret_text, listener, datagrams, unix, bystander)
+        owned = os.path.join(tempfile.mkdtemp(prefix="meshrl-owned-"), "input.txt")
+        with open(owned, "w") as f:
+            f.write("a task input")
+        os.chmod(owned, 0o644)
+        os.chmod(os.path.dirname(owned), 0o755)
+        world = cls(
+            outside, victim, secret, secret_text, listener, datagrams, unix, bystander, owned
+        )
+        world.before = world.state()
+        return world
 
     def program(self, name: str) -> str:
         constants = (
             f"VICTIM = {self.victim!r}\nOUTSIDE = {self.outside!r}\nSECRET = {self.secret!r}\n"
             f"HOST, PORT = {self.listener.getsockname()!r}\nBYSTANDER = {self.bystander.pid}\n"
-            f"UNIX = {self.unix.getsockname()!r}\n"
+            f"UNIX = {self.unix.getsockname()!r}\nOWNED = {self.owned!r}\n"
         )
         return constants + _PRELUDE + ESCAPES[name]
 
@@ -217,6 +261,10 @@ class World:
             found.append("the secret was read")
         if self.bystander.poll() is not None:
             found.append("the bystander process died")
+        elif self.state() != self.before:
+            found.append(
+                f"the owned file or the bystander changed: {self.before} -> {self.state()}"
+            )
         servers = (
             (self.listener, "a connection"),
             (self.datagrams, "a datagram"),
@@ -237,6 +285,7 @@ class World:
             os.killpg(self.bystander.pid, signal.SIGKILL)
         self.bystander.wait()
         shutil.rmtree(self.outside)
+        shutil.rmtree(os.path.dirname(self.owned))
 
 
 _FIRST = """
@@ -264,24 +313,20 @@ attempt("kill", lambda: os.kill(OTHER_PID, signal.SIGKILL))
 
 def _scratch_of(secret: str, timeout_s: float = 10.0) -> tuple[str, int]:
     """The scratch directory holding `secret` and the pid of the program running
-    in it, as the host sees them."""
+    in it, as the host sees them (through /proc/PID/cwd: where the run has a
+    mount namespace, its files lie in a tmpfs only it sees)."""
     deadline = time.monotonic() + timeout_s
-    root = tempfile.gettempdir()
+    prefix = os.path.join(tempfile.gettempdir(), "meshrl-sandbox-")
     while time.monotonic() < deadline:
-        for name in os.listdir(root):
-            path = os.path.join(root, name, "mine.txt")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                with open(path) as f:
-                    if f.read() != secret:
-                        continue
+                if not os.readlink(f"/proc/{pid}/cwd").startswith(prefix):
+                    continue
+                with open(f"/proc/{pid}/cwd/mine.txt") as f:
+                    if f.read() == secret:
+                        return os.readlink(f"/proc/{pid}/cwd"), int(pid)
             except OSError:
                 continue
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    if os.readlink(f"/proc/{pid}/cwd") == os.path.dirname(path):
-                        return os.path.dirname(path), int(pid)
-                except OSError:
-                    continue
         time.sleep(0.05)
     raise TimeoutError("the first sandbox never wrote its file")
 
@@ -298,7 +343,7 @@ def cross_run(run_python, **kwargs) -> list[str]:
     try:
         other, pid = _scratch_of(secret)
         second = run_python(f"OTHER = {other!r}\nOTHER_PID = {pid}\n" + _SECOND, **kwargs)
-        with open(os.path.join(other, "done"), "w"):
+        with open(f"/proc/{pid}/cwd/done", "w"):
             pass
     finally:
         thread.join()
@@ -306,7 +351,7 @@ def cross_run(run_python, **kwargs) -> list[str]:
     result = first["result"]
     if secret in second.stdout:
         found.append("the second run read the first's file")
-    listing = "['done', 'main.py', 'mine.txt', 'stderr', 'stdin.txt', 'stdout'] True"
+    listing = "['done', 'main.py', 'mine.txt'] True"
     if result.stdout.strip() != listing:
         found.append(f"the first run's files changed or it died: {result.stdout!r} {result.error}")
     return found
@@ -320,7 +365,7 @@ def run_escapes(run_python, isolation) -> dict[str, list[str]]:
     for name in ESCAPES:
         world = World.make()
         try:
-            result = run_python(world.program(name), isolation=isolation)
+            result = run_python(world.program(name), isolation=isolation, read_paths=(world.owned,))
             found[name] = world.breaches(result.stdout)
             if "Traceback" in result.stderr and "sandbox: " not in result.stderr:
                 found[name].append(f"the program failed: {result.stderr.strip()[-300:]}")
