@@ -30,7 +30,9 @@ A checkpoint cannot run code and proves its bytes:
   SHA-256. A checkpoint is hashed against it each time it is restored (a
   resume, a rewind: `problem`), whatever was found before; one without a
   manifest is damaged. `latest()` skips a damaged one and says so, so
-  `resume=auto` and a rewind fall back to the newest intact checkpoint.
+  `resume=auto` and a rewind fall back to the newest intact checkpoint (a
+  look that reads nothing, e.g. a message naming the newest, takes the last
+  hash's word while no file of the checkpoint changed since).
 """
 
 from __future__ import annotations
