@@ -152,6 +152,18 @@ seen["ok"] = [run_python("print(6 * 7)").stdout]
 seen["loop"] = [run_python("while True:\\n    pass", timeout_s=0.5).error]
 bomb = "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass"
 seen["bomb"] = [run_python(bomb, timeout_s=1.0, max_procs=8).error]
+# Without namespaces: leaving the process group (refused), and a full scratch.
+bare = probe(MODES["landlock_and_seccomp"])
+leave = "import os, time\\nfor leave in (os.setsid, lambda: os.setpgid(0, 0)):\\n    if os.fork() == 0:"
+leave += "\\n        try:\\n            leave()\\n        except OSError:\\n            pass"
+leave += "\\n        time.sleep(5)\\n        os._exit(0)\\ntime.sleep(20)"
+seen["setsid"] = [run_python(leave, timeout_s=0.5, isolation=bare).error]
+fill = "made = 0\\ntry:\\n    while True:\\n        open(f'f{made}', 'w').close()\\n        made += 1"
+fill += "\\nexcept OSError as error:\\n    print('stopped', made, error.errno)"
+seen["scratch"] = [
+    (lambda r: r.error or r.stdout)(run_python(fill, scratch_files=100, isolation=isolation))
+    for isolation in (probe(), bare)
+]
 print(json.dumps(seen))
 """
 
@@ -214,6 +226,9 @@ def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
     assert seen.pop("ok") == ["42\n"]
     assert seen.pop("loop") == ["wall time limit (0.5s)"]
     assert seen.pop("bomb")[0].startswith("wall time")
+    # The forks that tried to leave the process group died with it (below: none left).
+    assert seen.pop("setsid") == ["wall time limit (0.5s)"]
+    assert seen.pop("scratch") == ["stopped 100 28\n", "scratch limit (64 MB, 100 files)"]
     assert len(seen) == len(MODES) * (len(ESCAPES) + 1)
     assert not any(seen.values()), {k: v for k, v in seen.items() if v}
     assert not sandbox_procs()
