@@ -465,7 +465,7 @@ class Algorithm:
 
     def reload_reference(self) -> None:
         """A replaced reference takes its frozen weights from the newest checkpoint."""
-        saved = self.ckpt.latest()
+        saved = self.ckpt.latest(rehash=True)
         if saved is None:
             raise RemoteCallError(
                 "reference lost (a reference is recovered from a checkpoint: set checkpoint.every)",

@@ -288,7 +288,7 @@ class Coevolve(Algorithm):
     def recover(self, player: Player, lost: RoleLost) -> int:
         """`player`'s trainer from the newest checkpoint, on new procs; its replicas
         pull the restored weights. Returns the checkpoint's step."""
-        path = self.ckpt.latest()
+        path = self.ckpt.latest(rehash=True)
         if path is None:
             raise lost  # no checkpoint (checkpoint.every = 0)
         self.sup.spend_recovery(lost.role, lost)
