@@ -23,20 +23,24 @@ procs outlive it until SLURM's SIGKILL (`KillWait`, or the partition's
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshrl.config.policy import port_free
+from meshrl.procs import channels
 from meshrl.procs.slurm_faults import note_lost, quarantined
 from meshrl.procs.slurm_queue import (
     GONE,
@@ -52,6 +56,7 @@ from meshrl.procs.slurm_queue import (
     slurm,
     unhealthy,
 )
+from meshrl.procs.tls import CA_ENV, RunCA
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +89,12 @@ class Allocation:
         return _listening(self.addresses[index], self.port + self.slot(index))
 
     def workers(self) -> list[str]:
-        """Monarch worker addresses (`ProcId@tcp://addr:port`) of the running job."""
+        """Monarch worker addresses (`ProcId@tls://addr:port`) of the running job."""
         from monarch._src.job.service_identity import service_proc_addr
 
         return [
             service_proc_addr(
-                f"tcp://{addr}:{self.port + self.slot(i)}", self.service_ids[self.slot(i)]
+                f"tls://{addr}:{self.port + self.slot(i)}", self.service_ids[self.slot(i)]
             )
             for i, addr in enumerate(self.addresses)
         ]
@@ -164,6 +169,10 @@ class Allocations:
         ids = serialize_service_proc_ids(alloc.service_ids)
         worker = f"{shlex.quote(cfg.python_exe)} -m meshrl.procs.slurm"
         lines += [
+            # The run's CA, for the workers' certificates (`meshrl.procs.tls`): in the
+            # script's environment, which only the job's user and SLURM's administrators
+            # read, never on a command line.
+            f"export {CA_ENV}={shlex.quote(run_ca().bundle())}",
             f"export MONARCH_SERVICE_PROC_IDS={shlex.quote(ids)}",
             f"export {PORT_ENV}={alloc.port} MESHRL_NODES_PER_RESTART={alloc.count}",
             # Notices for the controller, in the job's comment (it reads them with squeue).
@@ -192,6 +201,8 @@ class Allocations:
             out = subprocess.run(
                 ["sbatch", "--parsable"],
                 input=self.script(alloc, role),
+                # The job's output files (and what its steps write) its user's only.
+                env=dict(os.environ, SLURM_UMASK="0077"),
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -423,10 +434,25 @@ def controller_transport(by_name: Any) -> Any:
         if not ipaddress.ip_address(i[4][0]).is_loopback
         and not ipaddress.ip_address(i[4][0]).is_link_local
     ]
-    return by_name if routable else "tcp://127.0.0.1:0"
+    return by_name if routable else "tls://127.0.0.1:0"
 
 
 # --- the Monarch job ---------------------------------------------------------------------
+
+_ca: RunCA | None = None
+
+
+def run_ca() -> RunCA:
+    """This controller's run CA, made and installed for this process on first use (one
+    per process: the hosts that join a run later must trust the same one)."""
+    global _ca
+    if _ca is None:
+        ca = RunCA.create()
+        directory = tempfile.mkdtemp(prefix="meshrl-tls-")  # 0700
+        atexit.register(shutil.rmtree, directory, True)
+        ca.install(os.path.join(directory, "tls"), [])
+        _ca = ca
+    return _ca
 
 
 def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
@@ -437,8 +463,10 @@ def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
     from monarch._src.job.job import JobState, JobTrait
 
     # The workers dial this process back: by its host name, or on a cluster whose
-    # nodes share this host (their NodeAddr loopback), at 127.0.0.1.
-    configure(default_transport=controller_transport(ChannelTransport.TcpWithHostname))
+    # nodes share this host (their NodeAddr loopback), at 127.0.0.1; over TLS with
+    # the run's certificates, both ends checked.
+    run_ca()
+    configure(default_transport=controller_transport(ChannelTransport.Tls))
 
     class SlurmJob(JobTrait):
         def __init__(self) -> None:
@@ -517,10 +545,15 @@ def serve() -> None:
     # SLURM's SIGTERM (preemption, requeue) must not end the procs before the
     # controller wrote its checkpoint; its SIGKILL after KillWait/GraceTime does.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure(default_transport=controller_transport(ChannelTransport.TcpWithHostname))
-    print(f"meshrl worker on {node} at tcp://{addr}:{port}", flush=True)
+    # Private channels on this node too, and this node's certificate from the run's
+    # CA (handed over in the job's environment, then dropped from it).
+    channels.seal()
+    ca = RunCA.from_bundle(os.environ.pop(CA_ENV))
+    ca.install(os.path.join(tempfile.mkdtemp(prefix="meshrl-tls-"), "tls"), [node, addr])
+    configure(default_transport=controller_transport(ChannelTransport.Tls))
+    print(f"meshrl worker on {node} at tls://{addr}:{port}", flush=True)
     run_worker_loop_forever(
-        address=service_proc_addr(f"tcp://{addr}:{port}", ids[index]),
+        address=service_proc_addr(f"tls://{addr}:{port}", ids[index]),
         ca="trust_all_connections",
     )
 

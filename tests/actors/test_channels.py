@@ -9,9 +9,11 @@ the kernel must refuse every connection."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from monarch.actor import Actor, endpoint
@@ -27,6 +29,22 @@ pytestmark = [pytest.mark.actors, pytest.mark.timeout(240)]
 needs_root = pytest.mark.skipif(
     not other_user.available(), reason="acting as another user needs root and setpriv"
 )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port}")
 
 
 class Who(Actor):
@@ -112,3 +130,77 @@ def test_monarchs_log_is_its_users_only():
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     reached = other_user.reached_by_nobody(set(), [directory])
     assert reached["files"] == [], reached
+
+
+WORKER = """
+import os, sys
+from meshrl.procs import channels
+from meshrl.procs.tls import CA_ENV, RunCA
+channels.seal()
+RunCA.from_bundle(os.environ.pop(CA_ENV)).install(sys.argv[2], [])
+from monarch._rust_bindings.monarch_hyperactor.config import configure
+from monarch.actor import run_worker_loop_forever
+configure(default_transport="tls://127.0.0.1:0")
+print("serving", flush=True)
+run_worker_loop_forever(address=sys.argv[1], ca="trust_all_connections")
+"""
+
+TLS_CLIENT = """
+import socket, ssl, sys
+context = ssl.create_default_context(cafile=sys.argv[3])
+context.check_hostname = False
+if len(sys.argv) > 4:
+    context.load_cert_chain(sys.argv[4], sys.argv[5])
+try:
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) as raw:
+        with context.wrap_socket(raw) as tls:
+            tls.settimeout(float(sys.argv[2]))
+            print("answered" if tls.recv(64) else "closed")
+except TimeoutError:
+    print("accepted")  # the handshake held: the server waits for the client's first frame
+except (ssl.SSLError, OSError) as error:
+    print("refused:", error)
+"""
+
+
+def test_a_tls_worker_talks_only_to_holders_of_the_runs_certificates(tmp_path):
+    """Monarch's TLS transport with the run's CA (SLURM's workers): a client without a
+    certificate, or with one another CA signed, is refused by the worker in the
+    handshake; a client with a certificate the run's CA issued is accepted."""
+    from meshrl.procs.tls import CA_ENV, RunCA
+
+    ca, rogue = RunCA.create(), RunCA.create()
+    port = free_port()
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, f"tls://127.0.0.1:{port}", str(tmp_path / "worker")],
+        env=dict(os.environ, **{CA_ENV: ca.bundle()}),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout.readline().strip() == "serving"
+        wait_listening(port)
+        files = {}
+        for name, authority in (("run", ca), ("rogue", rogue)):
+            cert, key = authority.issue([])
+            (tmp_path / f"{name}.crt").write_bytes(cert)
+            (tmp_path / f"{name}.key").write_bytes(key)
+            files[name] = [str(tmp_path / f"{name}.crt"), str(tmp_path / f"{name}.key")]
+        (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+
+        def client(*cert: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-c", TLS_CLIENT, str(port), "3", str(tmp_path / "ca.crt"), *cert],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            return out.stdout.strip() or out.stderr
+
+        assert "certificate required" in client()
+        assert client(*files["rogue"]).startswith("refused:")
+        assert client(*files["run"]) == "accepted"
+    finally:
+        worker.kill()
+        worker.wait()

@@ -7,9 +7,11 @@ controller talks TCP to its nodes; the suite's other runs use Unix sockets), wit
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from meshrl.procs import zygote
-from tests.conftest import DEFAULT_CONFIG, REPO
+from tests.conftest import DEFAULT_CONFIG, REPO, own_pids
+from tests.support import other_user
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
@@ -130,13 +133,35 @@ def assert_ledger_exact(records: list[dict]):
 # --- the same script on SLURM -----------------------------------------------------------
 
 
+def another_user_view(run_dir) -> dict:
+    """A running SLURM run as uid 65534 sees it: the workers' addresses (from the jobs'
+    output), what a TLS handshake without the run's certificate gets from each, and
+    what of the run's Unix sockets and files it reaches."""
+    workers = []
+    for path in glob.glob(os.path.join(run_dir, "slurm", "*.out")):
+        with open(path) as f:
+            workers += re.findall(r"meshrl worker on \S+ at (\S+)", f.read())
+    refused = []
+    for address in workers:
+        host, port = address.split("://", 1)[1].rsplit(":", 1)
+        refused.append(other_user.tls_without_certificate(host, int(port)))
+    ours = own_pids()
+    return {
+        "workers": workers,
+        "without_certificate": refused,
+        "reached": other_user.reached_by_nobody(ours, [str(run_dir)]),
+    }
+
+
 def test_grpo_on_slurm_learns_over_rdma_with_each_role_on_nodes_of_its_own(
     slurm_cluster, tmp_path, no_stray_procs
 ):
     cluster = slurm_cluster
     began = time.monotonic()
     proc = start(cluster, tmp_path, "grpo", "steps=40", "job.hosts.policy=3", "placement.policy=1")
+    checked, seen = at_step(tmp_path, "grpo", 3, lambda: another_user_view(tmp_path / "grpo"), proc)
     out = finish(proc)
+    checked.join(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     records = history(tmp_path, "grpo")
     assert len(records) == 40
@@ -155,6 +180,12 @@ def test_grpo_on_slurm_learns_over_rdma_with_each_role_on_nodes_of_its_own(
     assert len(nodes["policy"]) == 3 and len(nodes["trainer"]) == len(nodes["environment"]) == 1
     assert sum(len(n) for n in nodes.values()) == len({n for ns in nodes.values() for n in ns})
     assert nodes == {role: where["nodes"] for role, where in jobs.items()}
+    # Another user of the cluster: the workers talk TLS with the run's certificates only,
+    # and nothing of the run (its directory, the jobs' output) is readable.
+    view = seen["result"]
+    assert view["workers"] and all(w.startswith("tls://") for w in view["workers"]), view
+    assert all("certificate required" in r for r in view["without_certificate"]), view
+    assert view["reached"] == {"sockets": [], "files": []}, view
     print(f"GRPO on SLURM: 40 steps in {time.monotonic() - began:.1f}s, {first:.3f} -> {last:.3f}")
     assert_clean_end(cluster)
 

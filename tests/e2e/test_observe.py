@@ -19,6 +19,7 @@ import pytest
 from meshrl.observe.monarch import ACTORS_SQL, STEP_MESSAGES_SQL, STEPS_SQL
 from meshrl.procs.proc_pool import monarch_pids
 from tests.conftest import REPO, descendants, listeners, own_pids
+from tests.support import other_user
 from tests.support.runs import grpo_command
 
 
@@ -114,6 +115,9 @@ def test_dashboard_telemetry_and_profile_of_a_running_run(tmp_path, no_stray_pro
             }
             wide = [(a, p) for a, p in listeners(ours) if not a.startswith(("127.", "::1"))]
             assert not wide, f"the run listens beyond loopback: {wide}"
+            if other_user.available():  # another local user: no channel, no file of the run
+                reached = other_user.reached_by_nobody(ours, [str(run_dir)])
+                assert reached == {"sockets": [], "files": []}, reached
 
             def summary_ready():
                 summary = _get(f"{dashboard}/api/summary", token)

@@ -110,3 +110,29 @@ def reached_by_nobody(pids: set[int], paths: list[str] = ()) -> dict[str, list[s
     )
     assert probe.returncode == 0, probe.stderr
     return json.loads(probe.stdout)
+
+
+TLS_PROBE = r"""
+import socket, ssl, sys
+host, port = sys.argv[1], int(sys.argv[2])
+context = ssl.create_default_context()
+context.check_hostname = False
+context.verify_mode = ssl.CERT_NONE  # an intruder takes any server; it has no certificate
+try:
+    with socket.create_connection((host, port), timeout=10) as raw:
+        with context.wrap_socket(raw) as tls:
+            tls.sendall(b"\0" * 64)
+            tls.settimeout(10)
+            data = tls.recv(64)
+            print("answered" if data else "closed")
+except (ssl.SSLError, OSError) as error:
+    print("refused:", error)
+"""
+
+
+def tls_without_certificate(host: str, port: int) -> str:
+    """What uid 65534 sees when it talks TLS, with no client certificate, to `host:port`
+    and sends a few bytes: `refused: ...` (the server's alert), `closed`, or `answered`."""
+    probe = as_nobody(TLS_PROBE, host, str(port))
+    assert probe.returncode == 0, probe.stderr
+    return probe.stdout.strip()
