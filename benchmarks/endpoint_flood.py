@@ -1,18 +1,25 @@
 """Does a flood of abusive requests to the policy endpoint slow the run that
 serves it? GRPO trains with `policy.serve_port` open; the same run's steps are
 timed without a flood, then while another process (16 client threads) sends at
-least 500 requests the endpoint must refuse (300 MB bodies, 5 MB prompts, malformed JSON, unknown
-models, subnormal temperatures, guessed episode URLs) and 100 connections sit
-idle.
+least 500 requests the endpoint must refuse and 100 connections sit idle.
+
+The flooder is the run's own user: it reads the run's token from status.json
+(`endpoint_token`; 0600, its owner's) and sends it where a request is meant to
+pass the token check and be refused later: 300 MB bodies (413), 5 MB prompts,
+malformed JSON, unknown models and subnormal temperatures (400). Guessed
+episode URLs (404) need no token. Calls without the token or with a wrong one
+(401) and calls whose Host names another server (421) are kinds of their own.
 
     python benchmarks/endpoint_flood.py
     python benchmarks/endpoint_flood.py --steps 20 --requests 2000
 
 Every setting it does not measure is pinned here (task, batch, lengths, seed,
 threads), so a change to a shipped config cannot move its figure. Prints the
-median step time of each phase and, as its last line, a JSON object with
-quiet_step_s, flood_step_s, requests, refused and rate_ratio (quiet / flood:
-the share of its step rate the run keeps under the flood; goal >= 0.8).
+median step time of each phase, the answers by kind and by status and, as its
+last line, a JSON object with quiet_step_s, flood_step_s, requests, refused
+(answers with the status their kind expects), by_status, unexpected (answers
+any other way: their kind and status) and rate_ratio (quiet / flood: the share
+of its step rate the run keeps under the flood; goal >= 0.8).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ sys.path.insert(0, REPO)
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from benchmarks.pins import UNMEASURED  # noqa: E402
 from meshrl.config import load_config  # noqa: E402
+from meshrl.observe.status import STATUS_FILE  # noqa: E402
 
 PINNED = [
     "task.name=reverse_digits",
@@ -53,38 +61,67 @@ PINNED = [
 _CHAT = {"model": "meshrl-policy", "messages": [{"role": "user", "content": "12>"}]}
 _LONG = json.dumps({"model": "meshrl-policy", "prompt": "7" * (5 << 20)}).encode()
 
-
-def abusive(i: int) -> tuple[str, str, bytes, dict]:
-    """The i-th request of the flood: (method, path, body, headers)."""
-    chat = _CHAT
-    kind = i % 6
-    if kind == 0:  # a 300 MB body, announced
-        return "POST", "/v1/completions", b"{", {"Content-Length": str(300 << 20)}
-    if kind == 1:  # a 5 MB prompt
-        return "POST", "/v1/completions", _LONG, {}
-    if kind == 2:
-        return "POST", "/v1/chat/completions", b"{not json", {}
-    if kind == 3:
-        return "POST", "/v1/chat/completions", json.dumps({**chat, "model": "gpt"}).encode(), {}
-    if kind == 4:
-        body = json.dumps({**chat, "temperature": 1e-39}).encode()
-        return "POST", "/v1/chat/completions", body, {}
-    path = f"/episodes/{i % 3}.0.{i % 8}~guess/v1/chat/completions"
-    return "POST", path, json.dumps(chat).encode(), {}
+KINDS = {  # the flood's kinds of request, in turn, and the status each must get
+    "body_300mb": "413",
+    "prompt_5mb": "400",
+    "malformed": "400",
+    "unknown_model": "400",
+    "subnormal_temperature": "400",
+    "guessed_episode": "404",
+    "no_token": "401",
+    "wrong_token": "401",
+    "wrong_host": "421",
+}
 
 
-def flood(port: int, stop: threading.Event, counts: dict, lock: threading.Lock, offset: int):
+def abusive(i: int, token: str) -> tuple[str, str, str, bytes, dict]:
+    """The i-th request of the flood: (kind, method, path, body, headers). Where
+    it is meant to pass the token check, it carries `token`."""
+    kind = list(KINDS)[i % len(KINDS)]
+    chat = json.dumps(_CHAT).encode()
+    auth = {"Authorization": f"Bearer {token}"}
+    if kind == "body_300mb":  # announced; the body never comes
+        return kind, "POST", "/v1/completions", b"{", {**auth, "Content-Length": str(300 << 20)}
+    if kind == "prompt_5mb":
+        return kind, "POST", "/v1/completions", _LONG, auth
+    if kind == "malformed":
+        return kind, "POST", "/v1/chat/completions", b"{not json", auth
+    if kind == "unknown_model":
+        body = json.dumps({**_CHAT, "model": "gpt"}).encode()
+        return kind, "POST", "/v1/chat/completions", body, auth
+    if kind == "subnormal_temperature":
+        body = json.dumps({**_CHAT, "temperature": 1e-39}).encode()
+        return kind, "POST", "/v1/chat/completions", body, auth
+    if kind == "guessed_episode":  # an episode's URL is its own credential: no token
+        path = f"/episodes/{i % 3}.0.{i % 8}~guess/v1/chat/completions"
+        return kind, "POST", path, chat, {}
+    if kind == "no_token":
+        return kind, "POST", "/v1/chat/completions", chat, {}
+    if kind == "wrong_token":
+        return kind, "POST", "/v1/chat/completions", chat, {"Authorization": "Bearer guess"}
+    # wrong_host: the token, but a name that is not the server's (DNS rebinding)
+    return kind, "POST", "/v1/chat/completions", chat, {**auth, "Host": "rebound.example"}
+
+
+def flood(
+    port: int,
+    token: str,
+    stop: threading.Event,
+    counts: dict,
+    lock: threading.Lock,
+    offset: int,
+):
     i = offset
     while not stop.is_set():
-        method, path, body, headers = abusive(i)
+        kind, method, path, body, headers = abusive(i, token)
         i += 16
         status = "error"
         try:
             if "Content-Length" in headers:  # the body never comes: say 300 MB, send 1 byte
                 with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\n"
-                    head += f"Content-Length: {headers['Content-Length']}\r\n\r\n"
-                    s.sendall(head.encode() + body)
+                    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+                    s.sendall(head.encode() + b"\r\n" + body)
                     status = s.recv(64).split(b" ")[1].decode()
             else:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -94,17 +131,35 @@ def flood(port: int, stop: threading.Event, counts: dict, lock: threading.Lock, 
         except (OSError, IndexError):
             pass
         with lock:
-            counts[status] = counts.get(status, 0) + 1
+            counts[f"{kind} {status}"] = counts.get(f"{kind} {status}", 0) + 1
 
 
-def attacker(port: int, requests: int) -> None:
-    """The flood, from a process of its own (as another local user's would be):
-    100 idle connections, 16 threads until `requests` were sent; prints the
-    answers' counts as JSON."""
+def run_token(status_path: str, timeout_s: float = 120.0) -> str:
+    """The run's endpoint token, read from its status.json as the run's own user
+    would (the run writes it there at its next status write)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(status_path) as f:
+                token = json.load(f).get("endpoint_token")
+            if token:
+                return token
+        except (OSError, ValueError):  # not written yet, or mid-replace
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{status_path} has no endpoint_token after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def attacker(port: int, status_path: str, requests: int) -> None:
+    """The flood, from a process of its own (as another client's would be): 100
+    idle connections, 16 threads until `requests` were sent; prints the answers'
+    counts ("kind status": n) as JSON."""
+    token = run_token(status_path)
     stop, lock, counts = threading.Event(), threading.Lock(), {}
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
     clients = [
-        threading.Thread(target=flood, args=(port, stop, counts, lock, k), daemon=True)
+        threading.Thread(target=flood, args=(port, token, stop, counts, lock, k), daemon=True)
         for k in range(16)
     ]
     for client in clients:
@@ -124,9 +179,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps timed in each phase")
     parser.add_argument("--requests", type=int, default=500, help="at least this many")
     parser.add_argument("--attack", type=int, default=0, help=argparse.SUPPRESS)  # the child
+    parser.add_argument("--status", default="", help=argparse.SUPPRESS)  # its status.json
     args = parser.parse_args()
     if args.attack:
-        attacker(args.attack, args.requests)
+        attacker(args.attack, args.status, args.requests)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,28 +204,56 @@ def main() -> int:
         try:
             algo.train(2)  # warm: the first steps pay for compilation and caches
             quiet = [r["time/step_s"] for r in algo.train(args.steps)[-args.steps :]]
+            status_path = os.path.join(run_dir, "flood", STATUS_FILE)
             child = subprocess.Popen(
-                [sys.executable, __file__, "--attack", str(port), "--requests", str(args.requests)],
+                [
+                    sys.executable,
+                    __file__,
+                    *("--attack", str(port), "--status", status_path),
+                    *("--requests", str(args.requests)),
+                ],
                 stdout=subprocess.PIPE,
                 text=True,
             )
             flooded = []
             while len(flooded) < args.steps or child.poll() is None:
                 flooded += [r["time/step_s"] for r in algo.train(1)[-1:]]
-            counts = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+            out = child.communicate(timeout=60)[0].strip()
+            if child.returncode != 0 or not out:
+                raise SystemExit(f"the flooder failed (exit code {child.returncode})")
+            counts = json.loads(out.splitlines()[-1])
+            unauthorized = algo.collector.server.unauthorized  # the server's own count
         finally:
             algo.stop(save=False)
     q, f = statistics.median(quiet), statistics.median(flooded)
     sent = sum(counts.values())
-    refused = sum(n for status, n in counts.items() if status in ("400", "404", "413"))
+    by_kind: dict[str, dict[str, int]] = {kind: {} for kind in KINDS}
+    by_status: dict[str, int] = {}
+    for key, n in counts.items():
+        kind, status = key.split(" ")
+        by_kind[kind][status] = by_kind[kind].get(status, 0) + n
+        by_status[status] = by_status.get(status, 0) + n
+    refused = sum(
+        n for kind, answers in by_kind.items() for s, n in answers.items() if s == KINDS[kind]
+    )
+    unexpected = {
+        key: n for key, n in counts.items() if key.split(" ")[1] != KINDS[key.split(" ")[0]]
+    }
     print(f"{'phase':<10}{'steps':>7}{'median step s':>15}")
     print(f"{'quiet':<10}{len(quiet):>7}{q:>15.3f}")
-    print(f"{'flood':<10}{len(flooded):>7}{f:>15.3f}   {sent} requests, answers {counts}")
+    print(f"{'flood':<10}{len(flooded):>7}{f:>15.3f}   {sent} requests")
+    print(f"{'kind':<24}{'expects':>8}  answers")
+    for kind, answers in by_kind.items():
+        print(f"{kind:<24}{KINDS[kind]:>8}  {json.dumps(dict(sorted(answers.items())))}")
+    print(f"by status: {json.dumps(dict(sorted(by_status.items())))}")
+    print(f"the server counted {unauthorized} calls without the token")
     result = {
         "quiet_step_s": round(q, 4),
         "flood_step_s": round(f, 4),
         "requests": sent,
         "refused": refused,
+        "by_status": dict(sorted(by_status.items())),
+        "unexpected": unexpected,
         "rate_ratio": round(q / f, 3),
     }
     print(json.dumps(result))
