@@ -30,7 +30,10 @@ class PolicyConfig:
     serve_port: int = 0
     """Serve the policy replicas at http://127.0.0.1:PORT/v1 (OpenAI-compatible,
     `meshrl.envs.endpoint`) while the run trains; 0: not served (an `agent:` task serves
-    them on a free port of its own)."""
+    them on a free port of its own). Callers need the run's token, printed at start and
+    kept in status.json (`endpoint_token`): `Authorization: Bearer TOKEN`, the OpenAI
+    client's api_key (401 without it); the Host header must name 127.0.0.1, localhost
+    or [::1] with this port (421 otherwise)."""
     gpu_memory_utilization: float = 0.5
     """vllm: the share of its GPU a replica's engine may take."""
     share_prefix: bool = True
