@@ -198,6 +198,9 @@ def show(run_dir: str, status: dict) -> None:
     for key in ("dashboard_url", "telemetry_url"):
         if status.get(key):
             print(f"{key.split('_')[0]}: {status[key]}")
+    if status.get("endpoint_url"):  # its token stays in the file, never on a screen
+        where = os.path.join(run_dir, STATUS_FILE)
+        print(f"policy endpoint: {status['endpoint_url']} (its token: endpoint_token in {where})")
     for role, where in status.get("slurm", {}).items():
         print(f"SLURM {role}: job {where['job_id']} on {','.join(where['nodes']) or '-'}")
     if status.get("quarantined"):
