@@ -14,7 +14,7 @@ import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from meshrl.config import ModelConfig, OptimConfig
-from meshrl.loop.checkpoint import load_state, save_state
+from meshrl.model.files import load_state, save_state
 from meshrl.model.losses import value_loss
 from meshrl.model.models import completion_values, device_for_this_proc, load_value_model
 from meshrl.model.optim import build_optimizer

@@ -19,9 +19,9 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
-from meshrl.loop.checkpoint import read
 from meshrl.model.continuous import ContinuousEngine, Settings
 from meshrl.model.engines import make_engine
+from meshrl.model.files import read
 from meshrl.model.generation import drilled_lengths, left_padded
 from meshrl.model.models import device_for_this_proc, load_model, stop_token_ids
 from meshrl.model.routing import moe_problem, routers

@@ -10,7 +10,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.config import ModelConfig
-from meshrl.loop.checkpoint import load_state, save_state
+from meshrl.model.files import load_state, save_state
 from meshrl.model.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.observe.telemetry import observed
 from meshrl.procs.faults import Drillable

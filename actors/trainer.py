@@ -27,9 +27,9 @@ import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint
 
 from meshrl.config import ModelConfig, OptimConfig
-from meshrl.loop.checkpoint import load_state, save_state
-from meshrl.loop.export import save_hf
 from meshrl.model import lora
+from meshrl.model.files import load_state, save_state
+from meshrl.model.hf import save_hf
 from meshrl.model.losses import nll_loss
 from meshrl.model.models import completion_logprobs, device_for_this_proc, load_model
 from meshrl.model.optim import build_optimizer

@@ -425,7 +425,7 @@ def check_vision(quick: bool) -> dict:
 
 
 def check_checkpoint(quick: bool) -> dict:
-    from meshrl.loop.checkpoint import load_state, save_state
+    from meshrl.model.files import load_state, save_state
 
     on = device()
     cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=2)

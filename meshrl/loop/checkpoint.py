@@ -21,7 +21,8 @@ deleting it, so a crash mid-delete never leaves a half-deleted one counted.
 A checkpoint cannot run code and proves its bytes:
 
 - Every file is read with `torch.load(weights_only=True)` (tensors and plain
-  containers). The loop's state is written in that form (`to_plain`: prompts
+  containers: `meshrl.model.files`, where the roles' parts are written and read
+  too). The loop's state is written in that form (`to_plain`: prompts
   and batches as tagged dicts, arrays as tensors). A file that holds anything
   else is refused in one line naming it. FSDP shards' index (torch's DCP
   `.metadata`, a pickle) is read by an unpickler that builds only DCP's own
@@ -47,15 +48,12 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from meshrl.config import ConfigError
+from meshrl.model.files import CheckpointError, read
 
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 DELETING = ".deleting_"
 """Prefix an old checkpoint is renamed to before it is deleted: never counted."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message is one line."""
 
 
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -232,26 +230,6 @@ def _check(path: str, manifest: str) -> str:
     return ""
 
 
-def read(path: str, device: Any = "cpu") -> Any:
-    """A file of a checkpoint, read as tensors and plain containers only
-    (`weights_only=True`: nothing in it can run code); anything else is refused
-    in one line naming the file."""
-    import pickle
-
-    import torch
-
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
-        # torch's message wraps the reason (the global refused) in boilerplate.
-        parts = [" ".join(p.split()) for p in str(error).split("\n\n") if p.strip()]
-        boiler = ("Weights only load failed", "Check the documentation", "Please file an issue")
-        reason = [p for p in parts if not p.startswith(boiler)] or parts or [type(error).__name__]
-        raise CheckpointError(
-            f"{path} is not a checkpoint file meshrl can read safely: {reason[0]}"
-        ) from None
-
-
 _PLAIN = "__meshrl__"
 
 
@@ -391,30 +369,6 @@ _said: set[str] = set()
 def step_of(path: str) -> int:
     """Steps done when the checkpoint at `path` was written."""
     return int(_NAME.match(os.path.basename(path.rstrip("/"))).group(1))
-
-
-def save_state(path: str, **parts) -> None:
-    """torch.save of the state dicts of `parts` (modules, optimizers, schedulers)
-    and plain values, written under a temporary name and renamed."""
-    import torch
-
-    state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
-    torch.save(state, path + ".tmp")
-    with open(path + ".tmp", "rb") as f:  # on the disk from the host that wrote it
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def load_state(path: str, **parts) -> dict:
-    """Load what `save_state` wrote into `parts`; returns the plain values.
-
-    Read onto the CPU: each part's `load_state_dict` puts a tensor where its target
-    lives (a parameter's device; an optimizer's `step` counter stays on the CPU, as
-    torch keeps it unless the optimizer is fused or capturable)."""
-    state = read(path, "cpu")
-    for key, target in parts.items():
-        target.load_state_dict(state[key])
-    return {k: v for k, v in state.items() if k not in parts}
 
 
 class Checkpointer:

@@ -1,6 +1,6 @@
-"""Checkpoints that cannot run code (`meshrl.loop.checkpoint`), without a run: a
-pickle payload in the FSDP shards' index is refused and real shards load, and the
-loop state round-trips as tensors and plain containers."""
+"""Checkpoints that cannot run code (`meshrl.loop.checkpoint`, `meshrl.model.files`),
+without a run: a pickle payload in the FSDP shards' index is refused and real
+shards load, and the loop state round-trips as tensors and plain containers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshrl.loop import checkpoint
+from meshrl.model.files import read
 from meshrl.types import Completions, Prompt
 from tests.support.checkpoints import Payload
 
@@ -55,7 +56,7 @@ def test_the_loop_state_round_trips_as_tensors_and_plain_containers(tmp_path):
     )
     state = {"ahead": [([prompt], batch, 1)], "rng": (3, (1, 2), None)}
     torch.save(checkpoint.to_plain(state), tmp_path / "loop.pt")
-    back = checkpoint.from_plain(checkpoint.read(str(tmp_path / "loop.pt")))
+    back = checkpoint.from_plain(read(str(tmp_path / "loop.pt")))
     ((prompts, completions, behind),) = back["ahead"]
     assert prompts[0].text == "12>" and prompts[0].data == {"tests": ["a"], "n": 3}
     assert np.array_equal(prompts[0].images[0], picture) and prompts[0].images[1] == "p.png"

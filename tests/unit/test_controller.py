@@ -171,6 +171,18 @@ def test_the_core_has_no_import_cycle_and_imports_no_upper_layer():
 
 
 @pytest.mark.unit
+def test_the_actors_import_nothing_from_the_loop():
+    """Checkpoint files and HF directories lie below both (`meshrl.model.files`,
+    `meshrl.model.hf`): an actor stands on the core beneath the controller's loop."""
+    folder = os.path.join(REPO, "actors")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            imported = _imports(os.path.join(folder, name))
+            upward = sorted(i for i in imported if i.split(".")[:2] == ["meshrl", "loop"])
+            assert not upward, f"actors/{name} imports {upward}"
+
+
+@pytest.mark.unit
 def test_every_actor_enters_transformers_through_one_module():
     """A colocated policy and trainer import their modules in two threads of one
     proc: entered by two routes at once, transformers' circular imports were seen

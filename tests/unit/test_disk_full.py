@@ -15,7 +15,7 @@ def test_a_model_that_does_not_fit_leaves_no_directory_for_model_path(small_disk
     """`save_hf` (the final model, an export) on a disk too small for the weights:
     one OSError naming the directory, and neither it nor a partial one is left."""
     from meshrl.config import ModelConfig
-    from meshrl.loop.export import save_hf
+    from meshrl.model.hf import save_hf
     from meshrl.model.models import load_model
 
     cfg = ModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)
