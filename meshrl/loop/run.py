@@ -38,6 +38,7 @@ from meshrl.observe.status import table as status_table
 from meshrl.procs import faultlog, mesh, slurm, slurm_faults
 from meshrl.procs.mesh import RoleMeshes
 from meshrl.procs.pool import Detector
+from meshrl.procs.proc_pool import alive
 from meshrl.weights.publisher import SHM_DIR
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class Run:
         self.roles: dict[str, Role] = {}
         self.status: StatusFile | None = None
         self.profiler: Profiler | None = None
-        self.observe = Observe.of(cfg.run)  # Monarch's telemetry and dashboard, if on
+        self.observe = Observe.of(cfg.run, alive)  # Monarch's telemetry and dashboard, if on
         self.meshes = RoleMeshes(
             procs,
             cfg.job,

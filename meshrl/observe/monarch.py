@@ -26,10 +26,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from meshrl.config import ConfigError
-from meshrl.procs.proc_pool import alive
 
 STEPS_SQL = (
     "SELECT CAST(split_part(fields_json, '|', 2) AS BIGINT) AS step, "
@@ -69,7 +69,12 @@ class Observe:
     """Monarch telemetry (and dashboard) for one run's job; `None` of it when off."""
 
     def __init__(
-        self, telemetry: bool, dashboard: bool = False, port: int = 8265, host: str = "127.0.0.1"
+        self,
+        telemetry: bool,
+        dashboard: bool = False,
+        port: int = 8265,
+        host: str = "127.0.0.1",
+        alive: Callable[[int], bool] | None = None,
     ):
         self.on = telemetry or dashboard
         self.dashboard = dashboard
@@ -80,13 +85,17 @@ class Observe:
         self.admin_url: str | None = None
         self.client: Any = None
         self._sidecar_pid: int | None = None
+        self.alive = alive
+        """Whether a pid runs on this machine (a zombie does not): `close` waits with
+        it for Monarch's sidecar to end. Handed in by the run (`alive` of
+        `procs/proc_pool.py`: observe stands below procs); None: `close` does not wait."""
 
     @classmethod
-    def of(cls, run: Any) -> Observe | None:
+    def of(cls, run: Any, alive: Callable[[int], bool]) -> Observe | None:
         """From a `run:` config section; None when telemetry is off."""
         if not (run.telemetry or run.dashboard):
             return None
-        return cls(run.telemetry, run.dashboard, run.dashboard_port, run.dashboard_host)
+        return cls(run.telemetry, run.dashboard, run.dashboard_port, run.dashboard_host, alive)
 
     def enable(self, job: Any, kind: str) -> None:
         """Ask `job` for telemetry, before its `state()`."""
@@ -166,7 +175,7 @@ class Observe:
         pid, self._sidecar_pid = self._sidecar_pid, None
         # Monarch's own stop waits 10 s, then kills it: it may still be exiting.
         deadline = time.monotonic() + 5.0
-        while pid is not None and alive(pid):
+        while pid is not None and self.alive is not None and self.alive(pid):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 print(f"Monarch's telemetry sidecar (pid {pid}) outlived its job: killed")

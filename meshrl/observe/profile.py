@@ -164,7 +164,7 @@ class Profiler:
     `[first, last]`, and at the end gather the traces and write the summary."""
 
     def __init__(self, run_dir: str, steps: list[int], meshes: Any, wait: Any, timeout_s: float):
-        """`meshes`: the run's `RoleMeshes`; `wait`: `meshrl.procs.mesh.wait`."""
+        """`meshes`: the run's `RoleMeshes`; `wait`: `wait` of `procs/mesh.py`."""
         self.first, self.last = steps
         self.wait = wait
         self.dir = os.path.join(run_dir, "profile", f"steps_{self.first}-{self.last}")

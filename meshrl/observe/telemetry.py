@@ -162,7 +162,7 @@ RANK_ENV = "MESHRL_RANK"
 
 def proc_rank() -> int:
     """This proc's rank in its role: Monarch's, or for a member of an elastic
-    role (a mesh of one proc each, `meshrl.procs.pool`) the rank its Watch was given."""
+    role (a mesh of one proc each, `procs/pool.py`) the rank its Watch was given."""
     given = os.environ.get(RANK_ENV)
     return int(given) if given is not None else current_rank().rank
 

@@ -1,5 +1,6 @@
 """Monarch's telemetry and mesh admin for a run, without procs: telemetry Monarch did
-not start is one line, and `meshrl status` shows Monarch's state beside meshrl's."""
+not start is one line, `close` waits for Monarch's sidecar, and `meshrl status` shows
+Monarch's state beside meshrl's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def test_telemetry_that_monarch_did_not_start_is_one_line():
     with pytest.raises(ConfigError, match=r"'run.telemetry'.*job.kind=slurm") as info:
         observe.started(SimpleNamespace(apply_id=None), state, "slurm")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.unit
+def test_close_waits_for_the_sidecar_with_the_pid_check_the_run_hands_in():
+    """observe/ stands below procs/: the run hands `Observe.of` the pid check
+    (`alive` of procs/proc_pool.py), and `close` waits with it for the sidecar."""
+    answers, asked = iter([True, True, False]), []
+    run = SimpleNamespace(telemetry=True, dashboard=False, dashboard_port=0, dashboard_host="")
+    observe = Observe.of(run, lambda pid: asked.append(pid) or next(answers))
+    observe._sidecar_pid = 4242  # what `started` took from Monarch's sidecar
+    observe.close()
+    assert asked == [4242, 4242, 4242]
 
 
 @pytest.mark.unit
