@@ -567,24 +567,25 @@ class RoleMeshes:
 
     def rendezvous(self, role: str, timeout_s: float = 60.0) -> tuple[str, int]:
         """(address, port) of the role's rank 0 for torch.distributed: a store its
-        proc 0 opens now and serves from then on (`parallel.Rendezvous`), on
-        loopback when every host of the run is this one."""
-        from meshrl.procs.parallel import Rendezvous
+        proc 0 opens now and serves from then on (`parallel.Rendezvous`); when every
+        host of the run is this one, a FileStore in a directory only this uid can
+        open (`parallel.private_store`), removed at the latest with these meshes."""
+        from meshrl.procs.parallel import Rendezvous, remove_with
 
         probe = self.spawn(role, "rendezvous", Rendezvous)
         loopback = self.job_cfg.kind in ("local", "process")
         answer = probe.slice(procs=0).address.call_one(loopback)
-        return tuple(wait(answer, f"{role}.rendezvous", timeout_s))
+        return remove_with(self, tuple(wait(answer, f"{role}.rendezvous", timeout_s)))
 
     def rendezvous_each(self, role: str, timeout_s: float = 60.0) -> list[tuple[str, int]]:
         """`rendezvous` on every proc of `role`: one store per proc, for process
         groups that each proc leads (a tensor-parallel policy replica's)."""
-        from meshrl.procs.parallel import Rendezvous
+        from meshrl.procs.parallel import Rendezvous, remove_with
 
         probe = self.spawn(role, "rendezvous_each", Rendezvous)
         loopback = self.job_cfg.kind in ("local", "process")
         answers = wait(probe.address.call(loopback), f"{role}.rendezvous", timeout_s)
-        return [tuple(address) for _, address in answers.items()]
+        return [remove_with(self, tuple(address)) for _, address in answers.items()]
 
     def _give_back(self, role: str, mesh: Any, watch: Any, timeout_s: float) -> bool:
         """Stop `role`'s actors and give its procs to the pool, if they are poolable

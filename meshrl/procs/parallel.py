@@ -18,8 +18,12 @@ rank writing its own shards.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import tempfile
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -32,24 +36,79 @@ _STORES: dict[int, dist.TCPStore] = {}
 """The torch.distributed stores `Rendezvous` opened in this proc, by port, until the
 role's rank 0 (an actor on the same proc) takes its own in `data_parallel`."""
 STORE_TIMEOUT = timedelta(seconds=300)
+FILE_STORE = "file://"
+"""How a `master` names a FileStore (`private_store`) rather than a TCP address."""
+_PRIVATE_DIRS: set[str] = set()
+"""The store directories `private_store` made in this proc and has not removed yet."""
+
+
+def private_store() -> str:
+    """A `master` address for a process group whose ranks all run on this host:
+    ``file://`` and the path of a torch.distributed FileStore in a new directory of
+    its own, mode 0700 (`tempfile.mkdtemp`). Only this uid (and root) can list the
+    directory or open the store in it, the kernel enforcing it, so no other local
+    user reads or rewrites what the ranks exchange (gloo's addresses), as any
+    could at a TCPStore on loopback (`serve_store`).
+
+    What stays reachable: gloo's own listening sockets on 127.0.0.1, plain TCP
+    with no credential. Another local user can connect to them; established
+    connections between ranks are the kernel's and out of its reach, but a
+    connection that gloo's listener takes before the real peer's, announcing the
+    pair's sequence number while a group forms, would be taken for that peer.
+
+    The directory goes with `remove_private_store` (the `Rendezvous` that made it
+    stopping: its role's procs stopped at the run's close or replaced), or at
+    this proc's exit (and with the controller's `RoleMeshes`: `remove_with`);
+    torch itself removes the store file once every rank's FileStore is gone."""
+    where = tempfile.mkdtemp(prefix="meshrl-store-")
+    if not _PRIVATE_DIRS:
+        atexit.register(_remove_private_stores)
+    _PRIVATE_DIRS.add(where)
+    return FILE_STORE + os.path.join(where, "store")
+
+
+def remove_private_store(address: str) -> None:
+    """Remove the directory of `private_store`'s `address` (made in this proc), if
+    still there."""
+    where = os.path.dirname(address[len(FILE_STORE) :])
+    if where in _PRIVATE_DIRS:
+        _PRIVATE_DIRS.discard(where)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def remove_with(owner: object, master: tuple[str, int]) -> tuple[str, int]:
+    """`master`, whose `private_store` directory (if it is one) is also removed when
+    `owner` (the controller's `RoleMeshes`, on this host) is collected or this
+    process exits: for a proc 0 killed before it could remove its own."""
+    if master[0].startswith(FILE_STORE):
+        where = os.path.dirname(master[0][len(FILE_STORE) :])
+        weakref.finalize(owner, shutil.rmtree, where, True)
+    return master
+
+
+def _remove_private_stores() -> None:
+    for where in list(_PRIVATE_DIRS):
+        remove_private_store(FILE_STORE + os.path.join(where, "store"))
 
 
 def serve_store(loopback: bool) -> tuple[str, int]:
     """Open, in this proc, the TCPStore a process group meets at; (address, port)
     the other ranks dial. `loopback`: a run on this host only, which no other
-    machine can reach (127.0.0.1).
+    machine can reach (127.0.0.1); `Rendezvous` gives such a run a `private_store`
+    instead.
 
     The port is the kernel's pick for a socket bound here and held from then on,
     so no other process can take it before rank 0 serves on it (a port found free
     and let go can be handed to another group meanwhile: two groups on one port
     exchange each other's tensors, silently).
 
-    Not guarded against other local users: torch 2.13's TCPStore takes no key or
-    credential (its options are port, server or not, workers, timeout, multi-tenant,
-    a listening fd and libuv; each client's handshake is a fixed public magic number)
-    and serves TCP only, and any client may list every key (LIST_KEYS), so a secret
-    key prefix would hide nothing. gloo (the only transport this torch builds is
-    plain TCP) takes none either. On loopback, any local process can reach both."""
+    Not guarded: torch 2.13's TCPStore takes no key or credential (its options are
+    port, server or not, workers, timeout, multi-tenant, a listening fd and libuv;
+    each client's handshake is a fixed public magic number) and serves TCP only,
+    and any client may list every key (LIST_KEYS), so a secret key prefix would hide
+    nothing. Across hosts (slurm) this is the gap that remains: whoever can reach
+    rank 0's host at this port can read and rewrite the rendezvous. gloo (the only
+    transport this torch builds is plain TCP) takes no credential either."""
     listener = socket.socket()
     listener.bind(("127.0.0.1" if loopback else "", 0))
     listener.listen(128)
@@ -69,13 +128,27 @@ def serve_store(loopback: bool) -> tuple[str, int]:
 
 
 class Rendezvous(Actor):
-    """Spawned on a role's mesh before its data-parallel actors: opens, on proc 0,
-    the store their process group meets at (`serve_store`)."""
+    """Spawned on a role's mesh before its data-parallel actors: on proc 0 (on
+    each proc: `RoleMeshes.rendezvous_each`), where the process group it leads
+    meets. A run on this host only: a `private_store`, removed when this actor
+    stops (its procs stopped at the run's close, or replaced after a loss) or its
+    proc exits. Across hosts: a TCPStore this proc serves (`serve_store`)."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
 
     @endpoint
     def address(self, loopback: bool) -> tuple[str, int]:
-        """(address, port) the other ranks dial (`serve_store`)."""
+        """`master` for `data_parallel`: (``file://`` path, 0) on this host only
+        (`loopback`), else (address, port) the other ranks dial."""
+        if loopback:
+            self.made.append(private_store())
+            return self.made[-1], 0
         return serve_store(loopback)
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        for address in self.made:
+            remove_private_store(address)
 
 
 def data_parallel(
@@ -91,19 +164,25 @@ def data_parallel(
 ) -> torch.nn.Module:
     """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
     place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
-    group); itself when there is one proc. `master` is rank 0's (address,
-    port): from `Rendezvous` (whose store rank 0 takes), or any free port of
-    the caller's choosing. `timeout`: how long a collective waits for the other
-    ranks before it fails (default: torch's). Returns the module to call."""
+    group); itself when there is one proc. `master` is where the ranks meet, from
+    `Rendezvous`: a FileStore's (``file://`` path, 0) when every rank runs on this
+    host (`private_store`), else rank 0's (address, port), whose store rank 0
+    takes; or any free port of the caller's choosing. `timeout`: how long a
+    collective waits for the other ranks before it fails (default: torch's).
+    Returns the module to call."""
     if world_size == 1:
         return model
     address, port = master
-    store = _STORES.pop(port, None) if rank == 0 else None
-    if store is None and rank > 0:
-        store = dist.TCPStore(address, port, world_size, False, STORE_TIMEOUT)
+    if address.startswith(FILE_STORE):  # this host only: each rank opens the file
+        store = dist.FileStore(address[len(FILE_STORE) :], world_size)
+    else:
+        store = _STORES.pop(port, None) if rank == 0 else None
+        if store is None and rank > 0:
+            store = dist.TCPStore(address, port, world_size, False, STORE_TIMEOUT)
     # A run on this host: gloo listens on loopback too, not on the address the host
     # name resolves to.
-    loopback = address == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ
+    local = address.startswith(FILE_STORE) or address == "127.0.0.1"
+    loopback = local and "GLOO_SOCKET_IFNAME" not in os.environ
     if loopback and "lo" in {name for _, name in socket.if_nameindex()}:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.

@@ -1,6 +1,8 @@
 """Actors on real Monarch procs: generation, training, weight sync, scoring."""
 
+import os
 import random
+import stat
 
 import pytest
 import torch
@@ -218,10 +220,15 @@ def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
 
     meshes = RoleMeshes({"critic": 2})
     try:
+        before = set(listeners(own_pids()))
         master = meshes.rendezvous("critic")
-        # The store listens from the start, on loopback only (a run on this host).
-        at_port = {address for address, port in listeners(own_pids()) if port == master[1]}
-        assert master[0] == "127.0.0.1" and at_port == {"127.0.0.1"}
+        # A run on this host: the group meets at a FileStore in a directory of this
+        # uid's, mode 0700; no TCP store listens for it.
+        assert set(listeners(own_pids())) <= before
+        assert master[0].startswith("file:///") and master[1] == 0
+        where = os.path.dirname(master[0][len("file://") :])
+        info = os.stat(where)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
         critic = meshes["critic"].spawn(
             "critic", Critic, MODEL, OptimConfig(lr=1e-2), 50, 10.0, 3, master
         )
@@ -263,6 +270,7 @@ def test_critic_mesh_loads_the_backbone_and_fits_returns(actors):
         assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])
     finally:
         meshes.stop()
+    assert not os.path.exists(where)  # gone with the run's procs
 
 
 def test_fsdp_trainer_syncs_full_weights_and_checkpoints_its_shards(

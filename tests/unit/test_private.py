@@ -377,32 +377,57 @@ def test_a_run_refuses_a_shared_fork_server_of_another_user(strangers_socket, mo
     assert stop() == (0, 0)
 
 
-# --- torch.distributed's store: the gap, stated -------------------------------
+# --- torch.distributed's store: a run on this host ------------------------------
 
-STORE_CLIENT = """
-import sys
-from datetime import timedelta
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=10))
-print(sorted(store.list_keys()), store.get(sys.argv[2]).decode())
-store.set(sys.argv[2], "forged")
+STORE_PROBE = """
+import os, sys
+where, path = sys.argv[1], sys.argv[2]
+for what, attempt in [
+    ("list", lambda: os.listdir(where)),
+    ("read", lambda: open(path, "rb").close()),
+    ("write", lambda: open(path, "r+b").close()),
+    ("create", lambda: open(os.path.join(where, "planted"), "xb").close()),
+]:
+    try:
+        attempt()
+        print(what, "allowed")
+    except PermissionError:
+        print(what, "refused")
 """
 
 
 @needs_root
-def test_another_user_can_read_and_write_a_process_groups_store():
-    """The gap this cannot close: torch 2.13's TCPStore (what `Rendezvous` serves
-    on loopback) takes no key or credential and lists its keys to any client, so a
-    process of another uid reads and overwrites what the ranks exchange (gloo's
-    addresses). Loopback keeps other machines out, not other local users. This test
-    states it; it fails once the store is guarded (then turn it around)."""
-    from meshrl.procs.parallel import _STORES, serve_store
+def test_another_user_cannot_reach_a_local_process_groups_store():
+    """A process group whose ranks all run on this host meets at a FileStore in a
+    directory of its own, mode 0700 (`private_store`, what `Rendezvous` gives a
+    local or process job): a process of another uid can neither list the directory
+    nor open the store to read or rewrite what the ranks exchange (gloo's
+    addresses), nor plant a file beside it; the kernel refuses each. (Across hosts
+    the store is still a TCPStore, with no credential: `serve_store`.)"""
+    import torch.distributed as dist
 
-    address, port = serve_store(loopback=True)
-    store = _STORES.pop(port)
-    key = f"default_pg/0//{uuid.uuid4().hex}"
-    store.set(key, "rank 0's address")
-    probe = as_nobody(STORE_CLIENT, str(port), key, timeout=60)
-    assert address == "127.0.0.1" and probe.returncode == 0, probe.stderr
-    assert key in probe.stdout and "rank 0's address" in probe.stdout
-    assert store.get(key) == b"forged"
+    from meshrl.procs.parallel import FILE_STORE, private_store, remove_private_store
+
+    address = private_store()
+    path = address[len(FILE_STORE) :]
+    where = os.path.dirname(path)
+    try:
+        store = dist.FileStore(path, 1)
+        key = f"default_pg/0//{uuid.uuid4().hex}"
+        store.set(key, "rank 0's address")
+        info = os.stat(where)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+        probe = as_nobody(STORE_PROBE, where, path)
+        assert probe.returncode == 0, probe.stderr
+        assert probe.stdout.split("\n")[:4] == [
+            "list refused",
+            "read refused",
+            "write refused",
+            "create refused",
+        ], probe.stdout
+        assert store.get(key) == b"rank 0's address"
+        assert os.listdir(where) == ["store"]
+        del store
+    finally:
+        remove_private_store(address)
+    assert not os.path.exists(where)
