@@ -10,7 +10,7 @@ spawns procs and actors as the run's user. The kernel scopes abstract names by
 network namespace only, which a notebook's kernel cannot enter.
 
 So meshrl moves them into the file system. A few lines of C (compiled once per
-machine, `meshrl.weights.native.compile_library`) take the place of `bind` and
+machine, `meshrl.procs.compiled`) take the place of `bind` and
 `connect` for Monarch's own code: an abstract address `\\0NAME` becomes
 `<channel dir>/NAME`, a pathname socket in a directory made by `mkdtemp`
 (mode 0700, this user's), and every Unix socket Monarch binds by path is made
@@ -40,6 +40,8 @@ import shutil
 import stat
 import tempfile
 import threading
+
+from meshrl.procs import compiled
 
 DIR_ENV = "MESHRL_CHANNEL_DIR"
 LIB_ENV = "MESHRL_CHANNEL_LIB"
@@ -132,12 +134,10 @@ _made: str | None = None  # the channel directory this process made (removed at 
 
 def library_path() -> str:
     """The compiled library (built on first use); ChannelsUnavailable without a compiler."""
-    from meshrl.weights import native
-
     path = os.environ.get(LIB_ENV)
     if path and _owned_file(path):
         return path
-    path = native.compile_library("channels", SOURCE, ["-O2", "-shared", "-fPIC"])
+    path = compiled.compile_library("channels", SOURCE, ["-O2", "-shared", "-fPIC"])
     if path is None:
         raise ChannelsUnavailable(
             "Monarch's local channels cannot be made private: no C compiler ($CC or cc) "

@@ -10,30 +10,21 @@ threads (`torch.get_num_threads()`, the share meshrl gives each proc), one
 ctypes call per thread, which releases the GIL.
 
 The C source below is compiled once per machine with the system's C compiler
-(`$CC`, else `cc`; 0.2-0.5 s) into `$XDG_CACHE_HOME/meshrl` (default
-`~/.cache/meshrl`), a directory that must belong to this user and be writable
-by no one else; otherwise into a private temporary directory, once per process.
-The file's name holds a hash of the source, the compiler and the machine, so
-nodes of another architecture sharing a home directory build their own. No
-compiler, a failed build, or `MESHRL_NATIVE=0`: torch does the same work
+(0.2-0.5 s; `meshrl.procs.compiled` says where it is kept and why that is safe).
+No compiler, a failed build, or `MESHRL_NATIVE=0`: torch does the same work
 (`available()` says which runs); the sums are equal either way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from meshrl.procs import compiled
 
 SOURCE = r"""
 #include <stddef.h>
@@ -113,92 +104,14 @@ void meshrl_copy_sums(size_t count, uint8_t **dst, const uint8_t **src, const si
 """
 
 FLAGS = ["-O3", "-shared", "-fPIC"]
-CACHE_ENV = "XDG_CACHE_HOME"
 ENABLE_ENV = "MESHRL_NATIVE"  # "0": torch only
 SPLIT_BYTES = 1 << 20  # less than this in all: one thread
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
-_private: str | None = None  # a per-process build directory, removed at exit
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _private_dir(path: str) -> bool:
-    """Whether `path` is a directory of this user's that no one else can write."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISDIR(info.st_mode)
-        and info.st_uid == os.getuid()
-        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
-
-
-def _cache_dir() -> str:
-    """The per-user build cache, or (when it is not private) a per-process one."""
-    global _private
-    base = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "meshrl")
-    with contextlib.suppress(OSError):
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    if _private_dir(path):
-        return path
-    if _private is None:
-        import atexit
-
-        _private = tempfile.mkdtemp(prefix="meshrl-native-")
-        atexit.register(shutil.rmtree, _private, True)
-    return _private
-
-
-def _build(
-    compiler: str, name: str = "copy_sums", source: str = SOURCE, flags: list[str] = FLAGS
-) -> str:
-    """The shared library's path, built unless a build of this exact source,
-    flags, compiler and machine is there already."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30
-    ).stdout
-    key = "\0".join([source, " ".join(flags), version, platform.machine(), platform.system()])
-    directory = _cache_dir()
-    path = os.path.join(directory, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
-    if os.path.exists(path):
-        return path
-    with tempfile.TemporaryDirectory(dir=directory) as work:
-        source_path = os.path.join(work, f"{name}.c")
-        with open(source_path, "w") as f:
-            f.write(source)
-        built = os.path.join(work, f"{name}.so")
-        subprocess.run(
-            [compiler, *flags, source_path, "-o", built],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.chmod(built, 0o700)
-        os.replace(built, path)  # atomic: another proc may build the same at once
-    return path
-
-
-def compile_library(name: str, source: str, flags: list[str]) -> str | None:
-    """A shared library of meshrl's own C `source`, built once per machine into the
-    private cache (as the copy-and-sum kernel is); None without a compiler or where
-    the build fails."""
-    compiler = _compiler()
-    if compiler is None:
-        return None
-    try:
-        return _build(compiler, name, source, flags)
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def library() -> ctypes.CDLL | None:
@@ -208,12 +121,14 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _library
         _tried = True
-        compiler = _compiler()
-        if os.environ.get(ENABLE_ENV, "1") == "0" or compiler is None:
+        if os.environ.get(ENABLE_ENV, "1") == "0":
+            return None
+        path = compiled.compile_library("copy_sums", SOURCE, FLAGS)
+        if path is None:
             return None
         try:
-            lib = ctypes.CDLL(_build(compiler))
-        except (OSError, subprocess.SubprocessError):
+            lib = ctypes.CDLL(path)
+        except OSError:
             return None
         fn = lib.meshrl_copy_sums
         fn.restype = None

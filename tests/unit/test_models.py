@@ -294,6 +294,7 @@ def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_spl
     word-tailed, unaligned and streaming-sized pairs, one batch split over 1 to 3
     threads at 64-byte cuts inside the pairs, and read-only pairs; every copy
     bitwise."""
+    from meshrl.procs import compiled
     from meshrl.weights import checksum as sums
     from meshrl.weights import native
 
@@ -336,7 +337,7 @@ def test_the_compiled_copy_and_sum_equals_torchs_on_every_size_alignment_and_spl
     with monkeypatch.context() as torch_only:
         torch_only.setattr(native, "library", lambda: None)
         check()
-    if native._compiler() is None:
+    if compiled._compiler() is None:
         pytest.skip("no C compiler here: weight sync runs torch's two passes (checked above)")
     assert native.available(), "a C compiler is here, but the fused kernel did not build"
     check()
@@ -350,18 +351,23 @@ def test_the_compiled_kernel_is_built_only_in_a_directory_no_one_else_can_write(
     import ctypes
     import os
 
+    from meshrl.procs import compiled
     from meshrl.weights import native
 
-    if native._compiler() is None:
+    if compiled._compiler() is None:
         pytest.skip("no C compiler here: nothing is built")
     shared = tmp_path / "meshrl"
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(native, "_private", None)
-    path = native._build(native._compiler())
+    monkeypatch.setenv(compiled.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(compiled, "_private", None)
+
+    def build() -> str:
+        return compiled._build(compiled._compiler(), "copy_sums", native.SOURCE, native.FLAGS)
+
+    path = build()
     assert not path.startswith(str(shared)) and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
     assert not list(shared.iterdir())
     ctypes.CDLL(path).meshrl_copy_sums  # noqa: B018 - it loads and has the kernel
     os.chmod(shared, 0o700)
-    assert native._build(native._compiler()).startswith(str(shared))
+    assert build().startswith(str(shared))
