@@ -66,15 +66,9 @@ def listeners(pids: set[int]) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket that one of `pids` listens on."""
     import ipaddress
 
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-        except OSError:
-            continue
+    from tests.support.other_user import socket_inodes
+
+    inodes = socket_inodes(pids)
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

@@ -135,7 +135,7 @@ _made: str | None = None  # the channel directory this process made (removed at 
 def library_path() -> str:
     """The compiled library (built on first use); ChannelsUnavailable without a compiler."""
     path = os.environ.get(LIB_ENV)
-    if path and _owned_file(path):
+    if path and compiled.owned(path, stat.S_IFREG, stat.S_IWGRP | stat.S_IWOTH, follow=True):
         return path
     path = compiled.compile_library("channels", SOURCE, ["-O2", "-shared", "-fPIC"])
     if path is None:
@@ -147,25 +147,9 @@ def library_path() -> str:
     return path
 
 
-def _owned_file(path: str) -> bool:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.getuid()
-        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
-
-
 def private_dir(path: str) -> bool:
     """Whether `path` is a directory of this user's that no one else can enter."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+    return compiled.owned(path, stat.S_IFDIR, 0o077)
 
 
 def channel_dir() -> str:

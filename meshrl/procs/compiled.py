@@ -29,17 +29,24 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def _private_dir(path: str) -> bool:
-    """Whether `path` is a directory of this user's that no one else can write."""
+def owned(path: str, kind: int, forbidden: int, follow: bool = False) -> bool:
+    """Whether `path` is a file of type `kind` (`stat.S_IFDIR`, `stat.S_IFREG`) of
+    this user's, none of the mode bits `forbidden` set (a link is not followed
+    unless `follow`)."""
     try:
-        info = os.lstat(path)
+        info = os.stat(path) if follow else os.lstat(path)
     except OSError:
         return False
     return (
-        stat.S_ISDIR(info.st_mode)
+        stat.S_IFMT(info.st_mode) == kind
         and info.st_uid == os.getuid()
-        and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        and not info.st_mode & forbidden
     )
+
+
+def _private_dir(path: str) -> bool:
+    """Whether `path` is a directory of this user's that no one else can write."""
+    return owned(path, stat.S_IFDIR, stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _cache_dir() -> str:

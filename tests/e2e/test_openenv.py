@@ -17,6 +17,7 @@ from meshrl.config import ConfigError, TaskConfig, load_config
 from meshrl.envs import make_task
 from meshrl.types import Prompt
 from tests.conftest import DEFAULT_CONFIG, descendants
+from tests.support import other_user
 from tests.support.runs import grpo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -214,9 +215,6 @@ def test_a_server_meshrl_starts_answers_only_with_its_token():
     user (nobody) too, which cannot read the token from the server's command
     line or environment either."""
     import json
-    import shutil
-    import subprocess
-    import sys
     import urllib.error
     import urllib.request
     from urllib.parse import urlsplit
@@ -251,15 +249,8 @@ def test_a_server_meshrl_starts_answers_only_with_its_token():
         stranger = GenericEnvClient(base_url=address).sync()
         with pytest.raises(ConnectionError, match="HTTP 403"):
             stranger.connect()
-        if os.geteuid() == 0 and shutil.which("setpriv"):
-            drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-            out = subprocess.run(
-                [*drop, sys.executable, "-c", AS_ANOTHER_USER, address, str(server.proc.pid)],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                cwd="/",
-            )
+        if other_user.available():
+            out = other_user.as_nobody(AS_ANOTHER_USER, address, str(server.proc.pid), timeout=30)
             assert out.returncode == 0, out.stderr[-2000:]
             seen = json.loads(out.stdout)
             token = urlsplit(server.url).path.strip("/")

@@ -29,7 +29,8 @@ def as_nobody(code: str, *args: str, timeout: float = 60) -> subprocess.Complete
     )
 
 
-def _inodes(pids: set[int]) -> set[str]:
+def socket_inodes(pids: set[int]) -> set[str]:
+    """The inodes of every socket one of `pids` holds open."""
     found = set()
     for pid in pids:
         try:
@@ -45,7 +46,7 @@ def _inodes(pids: set[int]) -> set[str]:
 def unix_listeners(pids: set[int]) -> list[str]:
     """Every Unix stream socket one of `pids` listens on, as `/proc/net/unix` names
     it: `@name` for an abstract socket, the path for a pathname one."""
-    inodes, found = _inodes(pids), []
+    inodes, found = socket_inodes(pids), []
     with open("/proc/net/unix") as table:
         next(table)
         for line in table:

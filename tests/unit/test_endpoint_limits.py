@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,6 +19,7 @@ from meshrl.config import GenerationConfig
 from meshrl.envs.endpoint import MAX_BODY_BYTES, PolicyServer, Router, Sampled
 from meshrl.envs.rollout import ChatFormat
 from meshrl.model.tokenizer import build_char_tokenizer
+from tests.support import other_user
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -237,7 +234,6 @@ def test_the_openai_client_sends_the_token_as_its_api_key(server):
     assert len(server.router.asked) == 1
 
 
-OTHER_USER = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
 AS_ANOTHER_USER = """
 import http.client, json, os, sys
 port = int(sys.argv[1])
@@ -252,19 +248,11 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
-)
+@pytest.mark.skipif(not other_user.available(), reason="needs root and setpriv")
 def test_another_local_user_is_refused(server):
     """A process of another user (nobody, uid 65534) that knows the port: 401 on
     every stateless route, and nothing is generated from its prompt."""
-    out = subprocess.run(
-        [*OTHER_USER, sys.executable, "-c", AS_ANOTHER_USER, str(server.port)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd="/",
-    )
+    out = other_user.as_nobody(AS_ANOTHER_USER, str(server.port), timeout=30)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout)
     assert seen == {

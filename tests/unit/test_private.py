@@ -18,11 +18,11 @@ import torch
 from meshrl.weights import publisher as publisher_module
 from meshrl.weights.publisher import WeightPublisher
 from meshrl.weights.receiver import WeightReceiver
+from tests.support import other_user
+from tests.support.other_user import DROP, NOBODY, as_nobody
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-NOBODY = 65534
-DROP = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--")
 PROBE_OPEN = """
 import errno, sys
 try:
@@ -33,20 +33,8 @@ sys.exit(0)
 """
 
 needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="acting as another user needs root and setpriv",
+    not other_user.available(), reason="acting as another user needs root and setpriv"
 )
-
-
-def as_nobody(code: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    """Run `python -c code args` as uid 65534 (no groups)."""
-    return subprocess.run(
-        [*DROP, sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd="/",
-    )
 
 
 def model() -> torch.nn.Module:
