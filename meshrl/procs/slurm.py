@@ -23,18 +23,15 @@ procs outlive it until SLURM's SIGKILL (`KillWait`, or the partition's
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,10 +102,17 @@ class Allocations:
     give a role a new one, cancel them all. `exclude`: nodes no job may get
     (quarantined ones, `faults.quarantine_after`)."""
 
-    def __init__(self, cfg: Any, log_dir: str, exclude: set[str] | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        log_dir: str,
+        exclude: set[str] | None = None,
+        cpu_meshes: set[str] | None = None,
+    ):
         self.cfg = cfg  # a meshrl.procs.job.JobConfig
         self.log_dir = log_dir
         self.exclude = exclude if exclude is not None else set()
+        self.cpu_meshes = cpu_meshes or set()  # host meshes of CPU-only roles: no GPUs asked
         self.jobs: dict[str, Allocation] = {}
         self.ports_taken: set[int] = set()
         self.port_holds: dict[int, list[socket.socket]] = {}  # base -> held names
@@ -158,7 +162,7 @@ class Allocations:
             "account": cfg.account,
             "qos": cfg.qos,
             "time": cfg.time_limit,
-            "gpus-per-node": cfg.gpus_per_node if role not in ("environment",) else None,
+            "gpus-per-node": cfg.gpus_per_node if role not in self.cpu_meshes else None,
         }
         lines += [f"#SBATCH --{key}={value}" for key, value in optional.items() if value]
         if cfg.time_limit:
@@ -448,15 +452,14 @@ def run_ca() -> RunCA:
     global _ca
     if _ca is None:
         ca = RunCA.create()
-        directory = tempfile.mkdtemp(prefix="meshrl-tls-")  # 0700
-        atexit.register(shutil.rmtree, directory, True)
-        ca.install(os.path.join(directory, "tls"), [])
+        ca.install([])
         _ca = ca
     return _ca
 
 
-def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
-    """A Monarch job whose host meshes are SLURM allocations of their own (`Allocations`)."""
+def make_job(cfg: Any, meshes: dict[str, int], cpu_meshes: set[str] | None = None) -> Any:
+    """A Monarch job whose host meshes are SLURM allocations of their own
+    (`Allocations`); those in `cpu_meshes` ask for no GPUs."""
     from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
     from monarch._rust_bindings.monarch_hyperactor.config import configure
     from monarch._src.actor.bootstrap import attach_to_workers
@@ -471,7 +474,8 @@ def make_job(cfg: Any, meshes: dict[str, int]) -> Any:
     class SlurmJob(JobTrait):
         def __init__(self) -> None:
             super().__init__()
-            self.allocations = Allocations(cfg, log_dir, quarantined)  # (the set: it grows)
+            # (`quarantined`: the set itself, it grows)
+            self.allocations = Allocations(cfg, log_dir, quarantined, cpu_meshes)
             self.meshes = dict(meshes)
 
         def _create(self, client_script: str | None) -> None:
@@ -549,7 +553,7 @@ def serve() -> None:
     # CA (handed over in the job's environment, then dropped from it).
     channels.seal()
     ca = RunCA.from_bundle(os.environ.pop(CA_ENV))
-    ca.install(os.path.join(tempfile.mkdtemp(prefix="meshrl-tls-"), "tls"), [node, addr])
+    ca.install([node, addr])
     configure(default_transport=controller_transport(ChannelTransport.Tls))
     print(f"meshrl worker on {node} at tls://{addr}:{port}", flush=True)
     run_worker_loop_forever(

@@ -4,15 +4,15 @@ A job whose hosts are other machines (SLURM) talks TCP; Monarch 0.7 then serves
 its channels with `trust_all_connections` unless its TLS transport (`tls://`) is
 used. meshrl uses it with a certificate authority made for the run at its start:
 
-- the controller draws the CA (ECDSA P-256) and a certificate for itself, keys
-  0600 in a 0700 directory (`meshrl.procs.channels.channel_dir()`);
+- the controller draws the CA (ECDSA P-256) and a certificate for itself;
 - each SLURM worker gets the CA's certificate and key through its job (the batch
   script's environment, which only the job's user and SLURM's administrators can
-  read, never a command line), writes them into a 0700 directory of its own on
-  its node, drops them from its environment, and issues its own certificate for
-  its node's names and addresses;
+  read, never a command line), drops the CA's key from its environment, and
+  issues its own certificate for its node's names and addresses;
 - Monarch reads `HYPERACTOR_TLS_CERT`, `HYPERACTOR_TLS_KEY` and
-  `HYPERACTOR_TLS_CA`. Tried here: its server asks for a client certificate and
+  `HYPERACTOR_TLS_CA`, which take the PEM text itself as well as a path: meshrl
+  passes the text, so no key is written to disk (none is left behind when SLURM
+  kills a worker). Tried here: its server asks for a client certificate and
   refuses a connection without one ("certificate required") or with one another
   CA signed; its client checks the server's certificate against the same CA. Both
   ends are authenticated: a host without the run's CA can neither connect nor
@@ -28,12 +28,6 @@ import socket
 
 CA_ENV = "MESHRL_TLS_CA_PEM"  # the CA's certificate and key, handed to a worker by its job
 VALID_DAYS = 400
-
-
-def _write_private(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _names(extra: list[str]) -> tuple[list[str], list[str]]:
@@ -157,23 +151,19 @@ class RunCA:
         )
         return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
-    def install(self, directory: str, names: list[str]) -> dict[str, str]:
-        """Issue this host's certificate into `directory` (a private one, made here:
-        0700, files 0600) and point Monarch at it (`HYPERACTOR_TLS_*` in this
-        process's environment, which the procs it starts inherit); the paths."""
-        os.makedirs(directory, mode=0o700, exist_ok=False)
+    def install(self, names: list[str]) -> None:
+        """Issue this host's certificate and point Monarch at it: `HYPERACTOR_TLS_*`
+        in this process's environment (which the procs it starts inherit) hold the
+        PEM text itself, so no key is ever written to disk, and none is left behind
+        when SLURM kills the worker. A process's environment is readable by its
+        user (and root) only, as a 0600 file would be."""
         cert, key = self.issue(names)
-        paths = {
-            "HYPERACTOR_TLS_CA": os.path.join(directory, "ca.crt"),
-            "HYPERACTOR_TLS_CERT": os.path.join(directory, "host.crt"),
-            "HYPERACTOR_TLS_KEY": os.path.join(directory, "host.key"),
-        }
-        _write_private(paths["HYPERACTOR_TLS_CA"], self.cert_pem)
-        _write_private(paths["HYPERACTOR_TLS_CERT"], cert)
-        _write_private(paths["HYPERACTOR_TLS_KEY"], key)
-        os.environ.update(paths)  # what the processes started from here read
+        os.environ.update(
+            HYPERACTOR_TLS_CA=self.cert_pem.decode(),
+            HYPERACTOR_TLS_CERT=cert.decode(),
+            HYPERACTOR_TLS_KEY=key.decode(),
+        )
         # This process read its settings from its environment when it loaded Monarch.
         from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
 
         reload_config_from_env()
-        return paths

@@ -137,7 +137,7 @@ import os, sys
 from meshrl.procs import channels
 from meshrl.procs.tls import CA_ENV, RunCA
 channels.seal()
-RunCA.from_bundle(os.environ.pop(CA_ENV)).install(sys.argv[2], [])
+RunCA.from_bundle(os.environ.pop(CA_ENV)).install([])
 from monarch._rust_bindings.monarch_hyperactor.config import configure
 from monarch.actor import run_worker_loop_forever
 configure(default_transport="tls://127.0.0.1:0")
@@ -172,7 +172,7 @@ def test_a_tls_worker_talks_only_to_holders_of_the_runs_certificates(tmp_path):
     ca, rogue = RunCA.create(), RunCA.create()
     port = free_port()
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, f"tls://127.0.0.1:{port}", str(tmp_path / "worker")],
+        [sys.executable, "-c", WORKER, f"tls://127.0.0.1:{port}"],
         env=dict(os.environ, **{CA_ENV: ca.bundle()}),
         cwd=REPO,
         stdout=subprocess.PIPE,
