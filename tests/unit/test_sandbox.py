@@ -20,10 +20,26 @@ from tests.support.sandbox_escapes import ESCAPES, MODES, cross_run, run_escapes
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 
+@pytest.fixture(autouse=True)
+def own_scratch(monkeypatch):
+    """This test's runs make their scratch directories (and the escapes their
+    folders) in a folder of its own: tempfile's default directory, pointed
+    there. `sandbox_procs` counts the programs running in it, so with
+    `pytest -n 2` a test neither sees nor kills the other worker's programs."""
+    folder = tempfile.mkdtemp(prefix="meshrl-sbtest-")
+    os.chmod(folder, 0o1777)  # as /tmp: a run's own uid, and nobody, make their scratch here
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def sandbox_procs() -> set[int]:
-    """Live processes running the sandbox's interpreter (its guard is on the command line)."""
-    found = set()
-    for entry in os.listdir("/proc"):
+    """Live processes running the sandbox's interpreter (its guard is on the
+    command line) for this test: their HOME, the run's scratch directory, lies
+    in `tempfile.gettempdir()` (`own_scratch`). A process whose environment
+    cannot be read counts as this test's."""
+    found, folder = set(), tempfile.gettempdir()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
@@ -31,9 +47,30 @@ def sandbox_procs() -> set[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"addaudithook" in cmdline and state != "Z":
+        if b"addaudithook" not in cmdline or state == "Z":
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            environ = None
+        homes = [os.fsdecode(item[5:]) for item in environ or () if item.startswith(b"HOME=")]
+        if not homes or (
+            os.path.dirname(homes[0]) == folder
+            and os.path.basename(homes[0]).startswith("meshrl-sandbox-")
+        ):
             found.add(int(entry))
     return found
+
+
+def procs_left(before: set[int] = frozenset(), within_s: float = 5.0) -> set[int]:
+    """This test's sandbox processes beyond `before` once they had up to
+    `within_s` to go: a SIGKILLed process on a loaded machine takes a moment
+    to exit. Empty as soon as none is left."""
+    deadline = time.monotonic() + within_s
+    while (left := sandbox_procs() - before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
 
 
 def test_a_program_gets_stdin_and_reports_output_and_status():
@@ -56,7 +93,7 @@ def test_an_infinite_loop_is_stopped_at_the_wall_limit():
     result = run_python("while True:\n    pass", timeout_s=1.0)
     assert result.timed_out and result.error == "wall time limit (1s)"
     assert time.monotonic() - started < 5
-    assert not sandbox_procs()
+    assert not procs_left()
 
 
 def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_run():
@@ -67,7 +104,7 @@ def test_a_fork_bomb_is_bounded_and_nothing_outlives_the_run():
     started = time.monotonic()
     result = run_python(bomb, timeout_s=2.0, max_procs=8)
     assert result.timed_out and time.monotonic() - started < 10
-    assert sandbox_procs() - before == set()
+    assert procs_left(before) == set()
 
 
 def test_a_huge_allocation_fails_inside_the_sandbox():
@@ -217,6 +254,7 @@ def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
             capture_output=True,
             text=True,
             timeout=90,
+            env={**os.environ, "TMPDIR": tempfile.gettempdir()},  # its runs: `own_scratch`
         )
         assert out.returncode == 0, out.stderr[-2000:]
     finally:
@@ -231,4 +269,4 @@ def test_the_unprivileged_path_contains_the_same_programs(monkeypatch):
     assert seen.pop("scratch") == ["stopped 100 28\n", "scratch limit (64 MB, 100 files)"]
     assert len(seen) == len(MODES) * (len(ESCAPES) + 1)
     assert not any(seen.values()), {k: v for k, v in seen.items() if v}
-    assert not sandbox_procs()
+    assert not procs_left()
