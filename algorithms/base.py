@@ -398,6 +398,7 @@ class Algorithm:
             cfg.checkpoint,
             after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
             collector=self.collector,
+            same_size=("policy",),  # a replica's sampling stream is its own
         )
         self.ckpt.recover = sup.recover
         if cfg.placement.policy_tp == 1:
@@ -440,10 +441,11 @@ class Algorithm:
     @property
     def frozen_copy(self) -> Any:
         """The reference mesh when it holds a frozen copy of the starting policy
-        (pulled from the trainer once, saved in checkpoints); None when there is
-        none, or when it is a model of its own (distillation's teacher)."""
+        (spawned with `frozen_copy=True`: pulled from the trainer once, saved in
+        checkpoints); None when there is none, or when it is a model of its own
+        (distillation's teacher)."""
         reference = self.reference
-        return reference if reference is not None and reference.name == "reference" else None
+        return reference if reference is not None and reference.frozen_copy else None
 
     def spawn_evaluator(self, run: Any) -> Evaluator | None:
         """The held-out sets' `Evaluator` (None without `eval.every`): on the policy

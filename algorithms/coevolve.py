@@ -209,7 +209,8 @@ class Coevolve(Algorithm):
             procs[f"trainer_{name}"] = cfg.placement.trainer
         # The players' policies generate at once, and their trainers train at once.
         busy = [tuple(f"{role}_{n}" for n in names) for role in ("policy", "trainer")]
-        run = self.meshes = Run(cfg, self.name, procs, busy_together=busy)
+        trains = tuple(f"trainer_{n}" for n in names)  # each player's: sized as a trainer
+        run = self.meshes = Run(cfg, self.name, procs, busy_together=busy, trains=trains)
         # The actors' own figures (time/policy/generate_s, ...) per player: a/..., b/...
         run.meshes.metric_prefix = {role: f"{role.rsplit('_', 1)[1]}/" for role in procs}
         self.sup = sup = Supervisor(run, cfg.faults, self.state)

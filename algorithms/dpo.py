@@ -113,10 +113,15 @@ class DPO(Algorithm):
             if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
                 self.load_pairs()
                 procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
-                run = self.meshes = Run(cfg, self.name, procs)
+                run = self.meshes = Run(cfg, self.name, procs, trains=("trainer",))
                 self.trainer = self.spawn_trainer(run)
                 self.reference = run.spawn(
-                    "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
+                    "reference",
+                    Reference,
+                    cfg.model,
+                    cfg.run.seed,
+                    cfg.trainer.layout,
+                    frozen_copy=True,  # the starting (SFT) weights, pulled once
                 )
                 self.sup = sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(sup)

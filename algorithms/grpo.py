@@ -100,7 +100,13 @@ class GRPO(Algorithm):
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(
-                    cfg, self.name, *self.placement(), elastic=self.elastic, beside=self.beside()
+                    cfg,
+                    self.name,
+                    *self.placement(),
+                    elastic=self.elastic,  # pools that grow and shrink
+                    beside=self.beside(),
+                    trains=("trainer",),  # gradients and Adam's moments: sized so
+                    cpu_only=("environment",),  # no GPU for the scorers
                 )
                 self.trainer = self.spawn_trainer(run)
                 self.policy = self.spawn_policy(run)
@@ -188,7 +194,9 @@ class GRPO(Algorithm):
         cfg = self.cfg
         if cfg.kl_coef <= 0:
             return None
-        return run.spawn("reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout)
+        return run.spawn(
+            "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout, frozen_copy=True
+        )
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).

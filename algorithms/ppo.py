@@ -113,7 +113,13 @@ class PPO(Algorithm):
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
                 run = self.meshes = Run(
-                    cfg, self.name, *self.placement(), elastic=self.elastic, beside=self.beside()
+                    cfg,
+                    self.name,
+                    *self.placement(),
+                    elastic=self.elastic,
+                    beside=self.beside(),
+                    trains=("trainer", "critic"),
+                    cpu_only=("environment",),
                 )
                 self.trainer = self.spawn_trainer(run)
                 self.critic = run.spawn(
@@ -133,7 +139,12 @@ class PPO(Algorithm):
                 self.reference = self.reward_model = None
                 if cfg.kl_coef > 0:  # a frozen copy of the starting weights
                     self.reference = run.spawn(
-                        "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout
+                        "reference",
+                        Reference,
+                        cfg.model,
+                        cfg.run.seed,
+                        cfg.trainer.layout,
+                        frozen_copy=True,
                     )
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(

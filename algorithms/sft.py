@@ -88,7 +88,8 @@ class SFT(Algorithm):
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
             if self.meshes is None:  # --- one mesh: the trainer ---
                 self.load_data()
-                run = self.meshes = Run(cfg, self.name, {"trainer": cfg.placement.trainer})
+                procs = {"trainer": cfg.placement.trainer}
+                run = self.meshes = Run(cfg, self.name, procs, trains=("trainer",))
                 self.trainer = self.spawn_trainer(run)
                 self.sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(self.sup)

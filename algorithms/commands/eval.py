@@ -81,7 +81,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, float]:
     start_from(cfg.model, "model.path")
     tokenizer, context, state = load_tokenizer(cfg.model), context_length(cfg.model), LoopState()
     procs = {"policy": cfg.placement.policy, "environment": cfg.placement.environment}
-    with Run(cfg, "eval", procs) as run:
+    with Run(cfg, "eval", procs, cpu_only=("environment",)) as run:
         policy = run.spawn(
             "policy", Policy, cfg.model, cfg.run.seed, cfg.policy, context, run.shm_prefix
         )

@@ -393,7 +393,7 @@ class Checkpointer:
         cfg: CheckpointConfig,
         after_restore=None,
         collector=None,
-        same_size: tuple[str, ...] = ("policy",),
+        same_size: tuple[str, ...] = (),
         subdirs: dict[str, str] | None = None,
     ):
         self.run, self.state, self.cfg = run, state, cfg

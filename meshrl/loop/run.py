@@ -1,6 +1,6 @@
 """A run: its directory, its meshes and their lifetime, and its stop request.
 
-    with Run(cfg, "grpo", procs={"policy": 2, "trainer": 1}) as run:
+    with Run(cfg, "grpo", procs={"policy": 2, "trainer": 1}, trains=("trainer",)) as run:
         policy = run.spawn("policy", Policy, cfg.model)
         trainer = run.spawn("trainer", Trainer, cfg.model, rendezvous=True)
         ...
@@ -86,8 +86,11 @@ class Role:
     `role.slice(procs=i)`); the mesh behind them is replaced when the role's
     procs are (`Run.respawn`), and `respawns` counts how often."""
 
-    def __init__(self, run: Run, name: str, make: Any):
+    def __init__(self, run: Run, name: str, make: Any, frozen_copy: bool = False):
         self.name, self._run, self._make = name, run, make
+        self.frozen_copy = frozen_copy
+        """Its actors hold a frozen copy of the starting policy (a KL reference),
+        as its spawn said: pulled from the trainer once, restored from checkpoints."""
         self.actors = make()
         self.stream: Role | None = None  # a policy's running-batch endpoint (`PolicyStream`)
         self.respawns = 0
@@ -149,9 +152,14 @@ class Run:
     `share` maps a role to another whose procs it runs in (colocation); roles in
     `busy_together` compute at the same time and share the cores (see
     `RoleMeshes`); `elastic` roles' pools can grow and shrink (`scale`); `beside`
-    maps a role to another on whose hosts its procs run. With `checkpoint.resume` the run continues in the
-    checkpoint's directory (`resume_from`). Use as a context manager, or call
-    `close()`; both are safe to call twice."""
+    maps a role to another on whose hosts its procs run. A role's other
+    properties are said here too, never read from its name: `trains`, the roles
+    whose procs hold gradients and optimizer state (the memory check sizes them
+    so, `check_fits`); `cpu_only`, the roles that take no GPU (`RoleMeshes`'
+    `cpu_roles`, and no `gpus-per-node` in their SLURM jobs). With
+    `checkpoint.resume` the run continues in the checkpoint's directory
+    (`resume_from`). Use as a context manager, or call `close()`; both are safe
+    to call twice."""
 
     def __init__(
         self,
@@ -162,13 +170,15 @@ class Run:
         busy_together: list[tuple[str, ...]] | None = None,
         elastic: tuple[str, ...] = (),
         beside: dict[str, str] | None = None,
+        trains: tuple[str, ...] = (),
+        cpu_only: tuple[str, ...] = (),
     ):
         self.cfg, self.name = cfg, name
         self.timeout_s = cfg.run.call_timeout_s
         if (
             cfg.job.kind == "local"
         ):  # before any proc starts (a process or SLURM job's hosts are their own)
-            check_fits(procs, share or {}, cfg.model)
+            check_fits(procs, share or {}, cfg.model, trains)
         self.resume_from = find_resume(cfg)
         if self.resume_from is None:
             self.dir = make_run_dir(cfg.run.dir, cfg.run.name, name)
@@ -195,6 +205,7 @@ class Run:
             procs,
             cfg.job,
             threads_per_proc=cfg.placement.threads_per_proc or None,
+            cpu_roles=cpu_only,
             share=share,
             busy_together=busy_together,
             observe=self.observe,
@@ -240,12 +251,15 @@ class Run:
         *args: Any,
         rendezvous: bool = False,
         share: str | None = None,
+        frozen_copy: bool = False,
         **kwargs: Any,
     ) -> Role:
         """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
         also `master=(address, port)` of rank 0 for torch.distributed, a fresh
         one each time the role is spawned again. `share`: `role` is a second actor
-        on the procs of role `share` (spawned, replaced and stopped with them)."""
+        on the procs of role `share` (spawned, replaced and stopped with them).
+        `frozen_copy`: its actors will hold a frozen copy of the starting policy
+        (`Role.frozen_copy`)."""
         if share is not None:
             self.meshes.share[role] = self.meshes.share.get(share, share)
 
@@ -259,7 +273,7 @@ class Run:
             return self.meshes.spawn(role, role, actor_class, *args, **kwargs, **extra)
 
         try:
-            self.roles[role] = handle = Role(self, role, make)
+            self.roles[role] = handle = Role(self, role, make, frozen_copy)
         except BaseException:
             self.close()
             raise
@@ -435,19 +449,19 @@ def machine_bytes() -> int:
     return total
 
 
-def check_fits(procs: dict[str, int], share: dict[str, str], model: Any) -> None:
+def check_fits(
+    procs: dict[str, int], share: dict[str, str], model: Any, trains: tuple[str, ...] = ()
+) -> None:
     """A placement whose procs cannot all live in this machine's memory is one
     line naming the key, before any proc starts (spawning them first took
     minutes to fail). Each proc: `PROC_BYTES` and its copy of the weights; a
-    trainer or critic proc also its gradients and Adam's two moments."""
+    proc of a role in `trains` (a trainer, a critic: `Run`'s `trains`) also its
+    gradients and Adam's two moments."""
     from meshrl.model.models import weight_bytes
 
     weights = weight_bytes(model)
     own = {role: n for role, n in procs.items() if role not in share}
-    need = sum(
-        n * (PROC_BYTES + weights * (4 if role in ("trainer", "critic") else 1))
-        for role, n in own.items()
-    )
+    need = sum(n * (PROC_BYTES + weights * (4 if role in trains else 1)) for role, n in own.items())
     have = machine_bytes()
     if need > have:
         counts = ", ".join(f"{role}={n}" for role, n in own.items())

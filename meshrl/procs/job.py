@@ -123,21 +123,24 @@ def mesh_name(cfg: JobConfig, role: str) -> str:
     return f"{cfg.name}{role}" if cfg.kind == "kubernetes" else role
 
 
-def build_job(cfg: JobConfig, roles: list[str], observe: Any = None) -> Any:
+def build_job(
+    cfg: JobConfig, roles: list[str], observe: Any = None, cpu_roles: tuple[str, ...] = ()
+) -> Any:
     """The Monarch job for `roles` (None for `local`, unless `observe`, a
     `meshrl.observe.monarch.Observe`, asks for telemetry: a `LocalJob`). Nothing is
-    started yet. Before anything of Monarch's serves: this process's channels and
-    those of every process it starts are made private (`meshrl.procs.channels`)."""
+    started yet; `cpu_roles` ask for no GPUs (SLURM). Before anything of Monarch's
+    serves: this process's channels and those of every process it starts are made
+    private (`meshrl.procs.channels`)."""
     from meshrl.procs import channels
 
     channels.seal()
-    job = _job(cfg, roles, observe is not None)
+    job = _job(cfg, roles, observe is not None, cpu_roles)
     if observe is not None:
         observe.enable(job, cfg.kind)
     return job
 
 
-def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
+def _job(cfg: JobConfig, roles: list[str], observed: bool, cpu_roles: tuple = ()) -> Any:
     meshes = {mesh_name(cfg, role): cfg.hosts_for(role) for role in roles}
     if cfg.kind == "local":
         if observed:  # Monarch's telemetry hangs on a job; this one is this host
@@ -158,7 +161,7 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool) -> Any:
     if cfg.kind == "slurm":
         from meshrl.procs.slurm import make_job
 
-        return make_job(cfg, meshes)
+        return make_job(cfg, meshes, {mesh_name(cfg, role) for role in cpu_roles})
     try:
         from monarch.job.kubernetes import ImageSpec, KubernetesJob
     except (ImportError, RuntimeError):

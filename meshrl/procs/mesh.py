@@ -261,7 +261,8 @@ class RoleMeshes:
     of its own. A role's ranks are numbered hosts-major and its actor mesh is
     flattened to one dimension, `procs`, so callers slice it the same way on
     one host or many. On a GPU host a host's roles take consecutive GPUs in
-    the order given (policy 0.., then trainer ..), except `cpu_roles`.
+    the order given (policy 0.., then trainer ..), except `cpu_roles`: roles
+    whose procs take no GPU (an environment's; none unless the caller says so).
     `share` maps a role to another whose procs it runs on (e.g. {"policy":
     "trainer"}: policy actors in the trainer's procs); it has no mesh of its own.
     `beside` maps a role to another on whose hosts its procs run (e.g. {"policy_tp":
@@ -278,7 +279,7 @@ class RoleMeshes:
         counts: dict[str, int],
         job: Any = None,
         threads_per_proc: int | None = None,
-        cpu_roles: tuple[str, ...] = ("environment",),
+        cpu_roles: tuple[str, ...] = (),
         share: dict[str, str] | None = None,
         busy_together: list[tuple[str, ...]] | None = None,
         observe: Any = None,
@@ -333,7 +334,7 @@ class RoleMeshes:
         self._spawn_args: dict[str, tuple] = {}
         try:
             hosted = [role for role in self.counts if role not in self.beside]
-            self.job = build_job(self.job_cfg, hosted, observe)
+            self.job = build_job(self.job_cfg, hosted, observe, cpu_roles)
             self._hosts = host_meshes(self.job_cfg, self.job, hosted, observe)
             for role, count in self.counts.items():
                 offset = device_offset

@@ -258,3 +258,92 @@ def test_notebook_calls_work_on_every_algorithm_or_say_why_not(tmp_path):
         grpo.train("ten")
     grpo.set_temperature(0.5)
     assert grpo.cfg.generation.temperature == 0.5 and grpo.meshes is None
+
+
+# --- a role's properties are said where it is spawned --------------------------------------
+
+
+@pytest.mark.unit
+def test_the_memory_check_sizes_the_roles_said_to_train_as_trainers(monkeypatch):
+    """A role in `trains` is sized with its gradients and Adam's moments, whatever
+    its name; no other role is, whatever its name."""
+    from meshrl.config import ConfigError
+    from meshrl.loop import run as run_module
+    from meshrl.model.models import ModelConfig, weight_bytes
+
+    model = ModelConfig()
+    weights = weight_bytes(model)
+    procs = {"trainer_a": 1, "trainer": 1}
+    # Room for two procs with one copy of the weights each, and a little more.
+    monkeypatch.setattr(
+        run_module, "machine_bytes", lambda: 2 * (run_module.PROC_BYTES + weights) + weights
+    )
+    run_module.check_fits(procs, {}, model)  # nothing trains: both sized as replicas
+    with pytest.raises(ConfigError, match="need about"):
+        run_module.check_fits(procs, {}, model, trains=("trainer_a",))
+
+
+@pytest.mark.unit
+def test_each_algorithm_says_which_of_its_roles_train(monkeypatch, tmp_path):
+    """The trainers of every algorithm reach the memory check as trainers: PPO's
+    critic too, and co-evolution's `trainer_a`/`trainer_b` (sized as replicas
+    when the check read the role's name)."""
+    from algorithms.coevolve import Coevolve, CoevolveConfig
+    from algorithms.ppo import PPO, PPOConfig
+    from meshrl.loop import run as run_module
+
+    class Checked(Exception):
+        pass
+
+    said = {}
+
+    def check_fits(procs, share, model, trains=()):
+        said["procs"], said["trains"] = procs, trains
+        raise Checked  # before any proc starts
+
+    monkeypatch.setattr(run_module, "check_fits", check_fits)
+    cases = [
+        (GRPO, GRPOConfig, "grpo_default.yaml", ("trainer",)),
+        (PPO, PPOConfig, "ppo.yaml", ("trainer", "critic")),
+        (Coevolve, CoevolveConfig, "coevolve.yaml", ("trainer_a", "trainer_b")),
+        (DPO, DPOConfig, "dpo.yaml", ("trainer",)),
+    ]
+    for algorithm, schema, config, trains in cases:
+        path = f"{REPO}/algorithms/configs/{config}"
+        cfg = configure(tmp_path, algorithm.name, schema=schema, path=path)
+        with pytest.raises(Checked):
+            algorithm(cfg).run()
+        assert said["trains"] == trains, algorithm.name
+        assert set(trains) <= set(said["procs"]), algorithm.name
+
+
+@pytest.mark.unit
+def test_no_role_is_told_by_its_name_in_the_library():
+    """Whether a role trains, takes no GPU, keeps its size on resume or holds a
+    frozen copy is said at its spawn: `meshrl/` compares no role's name with one
+    of the algorithms' role names, and has no such name as a default."""
+    import re
+
+    names = "trainer|critic|policy|environment|reference"
+    test = re.compile(
+        rf"""(role|\.name)\s*(==|!=|\bin\b|\bnot in\b)\s*\(?["']({names})["']"""
+        rf"""|tuple\[str, \.\.\.\] = \(["']({names})["']"""
+    )
+    # Still to go (#67 item 5), each for its reason:
+    left = {
+        "dispatch.py",  # "policy"/"environment" label its own two queues (generate, score)
+        "elastic.py",  # `check` names the roles that scale before any run says so (config)
+        "faults.py",  # the `faults:` drills name roles in the config
+        "rollout.py",  # (envs/) "policy"/"environment" label its own waiter's calls
+    }
+    found = []
+    for root, _, files in os.walk(f"{REPO}/meshrl"):
+        for file in files:
+            if file.endswith(".py") and file not in left:
+                with open(os.path.join(root, file)) as f:
+                    found += [
+                        f"{file}:{i}: {line.strip()}"
+                        for i, line in enumerate(f, 1)
+                        if test.search(line)
+                    ]
+    assert found == [], "\n".join(found)
