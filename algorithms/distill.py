@@ -40,7 +40,7 @@ from meshrl.envs import make_task
 from meshrl.loop.export import start_from
 from meshrl.loop.run import Role, Run
 from meshrl.model.losses import group_advantages, masked_mean, scale_of
-from meshrl.model.tokenizer import context_length, load_tokenizer
+from meshrl.model.tokenizer import check_tokenizer_fits, context_length, load_tokenizer
 from meshrl.types import Completions, TrainBatch
 
 
@@ -76,6 +76,7 @@ class DistillConfig(GRPOConfig):
                 "model; `make run ARGS=run.name=teacher` writes one to runs/teacher/final)"
             )
         self.teacher.validate("teacher")
+        check_tokenizer_fits(self.teacher, "teacher")
         if self.kl_coef:
             raise ConfigError(
                 "config key 'kl_coef': must be 0 in distillation (the KL is to the teacher)"

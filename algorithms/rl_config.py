@@ -22,7 +22,7 @@ from meshrl.config import (
     check_placement,
     validate_sections,
 )
-from meshrl.envs import make_task
+from meshrl.envs import check_task, make_task
 from meshrl.envs.sandbox import SandboxConfig
 from meshrl.loop.checkpoint import CheckpointConfig
 from meshrl.loop.dispatch import RolloutConfig
@@ -30,9 +30,25 @@ from meshrl.loop.elastic import PoolConfig
 from meshrl.loop.evaluation import EvalConfig
 from meshrl.loop.weight_sync import WeightsConfig
 from meshrl.model.engines import vllm_missing
+from meshrl.model.models import check_tensor_parallel
 from meshrl.model.routing import check_routing
+from meshrl.model.tokenizer import check_tokenizer_fits
 from meshrl.procs.faults import FaultsConfig
 from meshrl.procs.job import JobConfig
+
+
+def check_inputs(model: ModelConfig, placement: PlacementConfig, task: TaskConfig | None) -> None:
+    """What a run's config names, checked by the layers that know it, when the
+    config loads (an algorithm config's `validate`, so the CLI and `load_config`
+    in Python both refuse it before any proc is spawned): a saved model's
+    tokenizer against its vocabulary (`meshrl.model`), the tensor parallelism
+    of `placement` against the model's layers (`meshrl.model`, `meshrl.procs`),
+    the environment `task.name` resolves to and the rows of `task.dataset`
+    (`meshrl.envs`). The sections' own `validate` checks their keys' values."""
+    check_tokenizer_fits(model)
+    check_tensor_parallel(model, placement)
+    if task is not None:
+        check_task(task)
 
 
 @dataclass
@@ -79,6 +95,8 @@ class RLConfig:
 
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
+        check_placement(self.model, self.placement)
+        check_inputs(self.model, self.placement, self.task)
         if self.rollout.dispatch == "pull" and (
             make_task(self.task).multi_turn or self.reward_model.path
         ):
@@ -128,7 +146,6 @@ class RLConfig:
             raise ConfigError("config key 'kl_coef': must be >= 0")
         if self.max_staleness < 0:
             raise ConfigError("config key 'max_staleness': must be >= 0")
-        check_placement(self.model, self.placement)
         if self.placement.policy_tp > 1:
             refused = {
                 "policy.continuous": self.policy.continuous,
@@ -236,6 +253,7 @@ class OfflineConfig:
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
         check_placement(self.model, self.placement)
+        check_inputs(self.model, self.placement, None)
         for key in ("steps", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")

@@ -30,7 +30,7 @@ from meshrl.config import (
     TaskConfig,
     load_config,
 )
-from meshrl.envs import make_task
+from meshrl.envs import check_task, make_task
 from meshrl.envs.sandbox import SandboxConfig
 from meshrl.loop.checkpoint import CheckpointConfig
 from meshrl.loop.evaluation import EvalConfig, Evaluator
@@ -63,6 +63,7 @@ class EvaluateConfig:
     def validate(self) -> None:
         for section in (self.generation, self.policy, self.task, self.placement, self.eval):
             section.validate()
+        check_task(self.task)  # (the model is checked when `start_from` resolves it)
         self.sandbox.check_task(self.task.name)
         if not self.eval.sets:
             raise ConfigError("config key 'eval.sets': no set to evaluate")

@@ -26,9 +26,14 @@ from meshrl.config.files import check as _check
 from meshrl.config.policy import PolicyConfig  # noqa: F401
 from meshrl.config.trainer import TrainerConfig  # noqa: F401
 from meshrl.config.vision import VisionConfig
-from meshrl.model.architectures import ARCHITECTURES, VISION_ARCHITECTURES
 
 SHARDINGS = ("ddp", "fsdp", "tp", "fsdp_tp")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
+"""`model.arch`'s embedded text models (built by `meshrl.model.architectures`)."""
+VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Embedded vision-language models (`meshrl.model.vision`): LLaVA, a CLIP vision tower
+and projector in front of the Llama above; Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
+their vision tower and M-RoPE language model at the Llama's sizes (`meshrl.model.mrope`)."""
 
 # --- shared sections -------------------------------------------------------------
 
@@ -130,9 +135,10 @@ class ModelConfig:
         )
         if self.path is not None:
             _check(os.path.isdir(self.path), f"{prefix}.path", f"no such directory: {self.path}")
-            if os.path.isfile(os.path.join(self.path, "config.json")):
-                _check_tokenizer_fits(self.path, f"{prefix}.path")
-            else:  # another run's output: `meshrl.loop.export.model_source` resolves it
+            # A saved model's tokenizer is checked against its vocabulary when the run
+            # starts (`meshrl.model.tokenizer.check_tokenizer_fits`).
+            if not os.path.isfile(os.path.join(self.path, "config.json")):
+                # another run's output: `meshrl.loop.export.model_source` resolves it
                 run = os.path.isfile(os.path.join(self.path, "config.yaml"))
                 saved = os.path.isfile(os.path.join(self.path, "COMPLETE"))
                 _check(
@@ -160,28 +166,6 @@ class ModelConfig:
             f"{prefix}.num_heads",
             f"hidden_size {self.hidden_size} is not divisible by {self.num_heads} heads",
         )
-
-
-def _check_tokenizer_fits(path: str, key: str) -> None:
-    """The tokenizer saved with a model must not have ids past the model's
-    embedding table (every id it can emit must index a row)."""
-    from transformers import AutoConfig
-
-    from meshrl.model.architectures import saved_tokenizer
-
-    try:
-        vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size  # (a VLM's: its LM's)
-        tokenizer = saved_tokenizer(path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"config key '{key}': cannot load {path}: {first_paragraph(error)}"
-        ) from None
-    _check(
-        len(tokenizer) <= vocab,
-        key,
-        f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's vocabulary "
-        f"(vocab_size in config.json) has {vocab}",
-    )
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
@@ -366,22 +350,8 @@ class TaskConfig:
     """Episode steps an environment proc runs at once (threads)."""
 
     def validate(self) -> None:
-        from meshrl.envs import TASKS, env_class
-
-        if ":" in self.name:
-            try:
-                cls = env_class(self.name)
-            except (ImportError, AttributeError) as error:
-                _check(False, "task.name", f"cannot import '{self.name}': {error}")
-            # An adapter checks the rest of the name (the module, the server's URL).
-            problem = cls.check_name(self.name) if hasattr(cls, "check_name") else ""
-            _check(not problem, "task.name", problem)
-        else:
-            _check(
-                self.name in TASKS,
-                "task.name",
-                f"'{self.name}' is not one of {sorted(TASKS)} (or a module:Class path)",
-            )
+        """The keys' values; the environment `name` resolves to and the dataset's rows
+        are checked when the run starts (`meshrl.envs.check_task`)."""
         _check(self.num_digits >= 1, "task.num_digits", "must be >= 1")
         _check(
             self.max_digits == 0 or self.max_digits >= self.num_digits,
@@ -409,12 +379,6 @@ class TaskConfig:
                 "task.dataset",
                 f"no such file or directory: {self.dataset}",
             )
-            from meshrl.envs.dataset import DatasetError, task_rows
-
-            try:  # checked now, before any proc starts
-                task_rows(self.dataset, self.prompt_field, self.answer_field)
-            except DatasetError as error:
-                raise ConfigError(f"config key 'task.dataset': {error}") from None
 
 
 @dataclass
@@ -528,45 +492,14 @@ class RunConfig:
 
 
 def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
-    """The trainer's layout against the model: LoRA trains with ddp; tensor
-    parallelism needs a model whose layers it can split."""
+    """The trainer's layout against the model's training: LoRA trains with ddp.
+    (Whether tensor parallelism can split the model's layers is checked when the
+    run starts: `meshrl.model.models.check_tensor_parallel`.)"""
     _check(
         not model.lora.rank or placement.sharding == "ddp",
         "model.lora.rank",
         f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
     )
-    checks = []  # (the key the error names, its words' prefix, the key refused, tp degree)
-    if placement.policy_tp > 1:
-        checks.append(("placement.policy_tp", "", "placement.policy_tp", placement.policy_tp))
-    if placement.trainer_tp > 1:
-        key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
-        checks.append(("placement.sharding", f"{placement.sharding}: ", key, placement.trainer_tp))
-    if not checks:
-        return
-    from meshrl.procs.tensor_parallel import refusal
-
-    if model.path is None:
-        from meshrl.model.architectures import tiny_config
-
-        config = tiny_config(
-            model.arch,
-            vocab_size=64,
-            hidden_size=model.hidden_size,
-            num_layers=model.num_layers,
-            num_heads=model.num_heads,
-            intermediate_size=model.intermediate_size,
-            max_positions=model.max_positions,
-        )
-    else:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(model.path)
-        except (OSError, ValueError):  # a run directory: the trainer checks when it loads
-            return
-    for where, prefix, key, tp in checks:
-        why = refusal(config, tp, key)
-        _check(why is None, where, f"{prefix}{why}")
 
 
 # --- loading ---------------------------------------------------------------------

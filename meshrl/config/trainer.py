@@ -8,6 +8,8 @@ from meshrl.config.files import check
 
 LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.model.packing)."""
+CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence", "icepop", "geo-mask")
+"""`trainer.correction`'s train-inference mismatch corrections (`meshrl.model.losses`)."""
 CORRECTION_HIGH = {
     "tis": 2.0,
     "mis-token": 2.0,
@@ -65,8 +67,6 @@ class TrainerConfig:
     routing differs either way."""
 
     def validate(self) -> None:
-        from meshrl.model.losses import CORRECTIONS
-
         check(self.micro_batches >= 1, "trainer.micro_batches", "must be >= 1")
         self.recompute_old_logprobs = str(self.recompute_old_logprobs).lower()
         check(

@@ -13,8 +13,11 @@ OpenAI-compatible endpoint that an agent drives (`serve`).
 
 from __future__ import annotations
 
+from meshrl.config import ConfigError, TaskConfig
+from meshrl.config.files import check
 from meshrl.envs.base import Env, Episode, Step
 from meshrl.envs.code import Code
+from meshrl.envs.dataset import DatasetError, task_rows
 from meshrl.envs.digits import ReverseDigits, Task
 from meshrl.envs.math import Countdown, MathAnswer
 from meshrl.envs.tools import Calculator, SlowTool
@@ -61,6 +64,34 @@ def make_task(cfg) -> Env:
     return env_class(cfg.name)(cfg)
 
 
+def check_task(cfg: TaskConfig) -> None:
+    """`task.name` resolves to an environment (an adapter checks the rest of the
+    name: the module, the server's URL) and `task.dataset`'s rows read with the
+    task's fields: a `ConfigError` naming the key otherwise. Run when a run's
+    config is loaded, before any proc is spawned (`TaskConfig.validate` checks
+    the keys' values only)."""
+    if ":" in cfg.name:
+        try:
+            cls = env_class(cfg.name)
+        except (ImportError, AttributeError) as error:
+            raise ConfigError(
+                f"config key 'task.name': cannot import '{cfg.name}': {error}"
+            ) from None
+        problem = cls.check_name(cfg.name) if hasattr(cls, "check_name") else ""
+        check(not problem, "task.name", problem)
+    else:
+        check(
+            cfg.name in TASKS,
+            "task.name",
+            f"'{cfg.name}' is not one of {sorted(TASKS)} (or a module:Class path)",
+        )
+    if cfg.dataset:
+        try:
+            task_rows(cfg.dataset, cfg.prompt_field, cfg.answer_field)
+        except DatasetError as error:
+            raise ConfigError(f"config key 'task.dataset': {error}") from None
+
+
 __all__ = [
     "ADAPTERS",
     "TASKS",
@@ -69,6 +100,7 @@ __all__ = [
     "Step",
     "Task",
     "ReverseDigits",
+    "check_task",
     "env_class",
     "make_task",
 ]

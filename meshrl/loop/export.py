@@ -20,6 +20,7 @@ from meshrl.model import lora
 from meshrl.model.files import load_state
 from meshrl.model.hf import save_hf
 from meshrl.model.models import load_model
+from meshrl.model.tokenizer import check_tokenizer_fits
 
 
 def run_model_config(run_dir: str) -> ModelConfig:
@@ -110,7 +111,8 @@ def start_from(model: ModelConfig, key: str) -> None:
         model.path = model_source(model.path)
     except (OSError, ValueError, checkpoint.CheckpointError) as error:
         raise ConfigError(f"config key '{key}': {error}") from None
-    model.validate(key.rsplit(".", 1)[0])  # the tokenizer of what it resolved to
+    model.validate(key.rsplit(".", 1)[0])
+    check_tokenizer_fits(model, key.rsplit(".", 1)[0])  # the tokenizer of what it resolved to
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# The architectures' names live with their key (`model.arch`), as the config checks them.
+from meshrl.config import ARCHITECTURES, VISION_ARCHITECTURES  # noqa: F401
+
 if TYPE_CHECKING:
     import transformers
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
-VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""Embedded vision-language models (`meshrl.model.vision`): LLaVA, a CLIP vision tower
-and projector in front of the Llama above; Qwen2-VL, Qwen2.5-VL and Qwen3-VL,
-their vision tower and M-RoPE language model at the Llama's sizes (`meshrl.model.mrope`)."""
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 GEMMA_WINDOW = 8
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshrl.config.trainer import CORRECTIONS
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -383,7 +385,7 @@ def dpo_loss(
 # estimate under the trainer's old policy. Each correction below returns
 # detached per-token weights [B, T] that multiply the per-token policy loss.
 
-CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence", "icepop", "geo-mask")
+# CORRECTIONS: their names live with their key (`trainer.correction`), imported above.
 
 
 def tis_weights(log_ratio: torch.Tensor, mask: torch.Tensor, high: float = 2.0) -> torch.Tensor:

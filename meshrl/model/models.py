@@ -38,7 +38,7 @@ from transformers import (
 # AutoModelForCausalLM). This module's import lock serializes them.
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
 
-from meshrl.config import ModelConfig
+from meshrl.config import ModelConfig, PlacementConfig
 from meshrl.model import mrope, vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, tiny_config
 from meshrl.model.packing import (
@@ -59,6 +59,7 @@ from meshrl.model.tree import (
     tree,
     tree_outputs,
 )
+from meshrl.procs import tensor_parallel
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -78,6 +79,23 @@ def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfi
         max_positions=cfg.max_positions,
         **ids,
     )
+
+
+def check_tensor_parallel(cfg: ModelConfig, placement: PlacementConfig) -> None:
+    """Whether `placement`'s tensor parallelism can split this model's layers
+    (`meshrl.procs.tensor_parallel.check_placement`), from its config.json or the
+    embedded model's config at its sizes; another run's directory is checked by
+    the trainer when it loads. Run when a run starts, before any proc is spawned."""
+    if placement.policy_tp == 1 and placement.trainer_tp == 1:
+        return
+    if cfg.path is None:
+        config = embedded_config(cfg, vocab_size=64)  # (the split needs no vocabulary)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.path)
+        except (OSError, ValueError):  # a run directory: the trainer checks when it loads
+            return
+    tensor_parallel.check_placement(placement, config)
 
 
 def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> list[int]:

@@ -10,6 +10,7 @@ actor classes it spawns.)
 
 from __future__ import annotations
 
+import os
 import string
 from typing import Any
 
@@ -25,7 +26,8 @@ from tokenizers.models import WordLevel
 from transformers.models.auto.configuration_auto import AutoConfig
 from transformers.tokenization_utils_tokenizers import PreTrainedTokenizerFast
 
-from meshrl.config import ModelConfig
+from meshrl.config import ConfigError, ModelConfig
+from meshrl.config.files import check, first_paragraph
 from meshrl.model import vision
 from meshrl.model.architectures import VISION_ARCHITECTURES, saved_tokenizer
 
@@ -60,6 +62,31 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_tokenizer_fits(cfg: ModelConfig, prefix: str = "model") -> None:
+    """The tokenizer saved with a model has no id past the model's embedding
+    table (every id it can emit indexes a row): a `ConfigError` naming
+    `<prefix>.path` otherwise. Nothing to check for the embedded model, or for
+    another run's directory until it is resolved (`meshrl.loop.export.start_from`).
+    Run when a run starts, before any proc is spawned."""
+    if cfg.path is None or not os.path.isfile(os.path.join(cfg.path, "config.json")):
+        return
+    key = f"{prefix}.path"
+    try:
+        config = AutoConfig.from_pretrained(cfg.path)
+        vocab = config.get_text_config().vocab_size  # (a VLM's: its LM's)
+        tokenizer = saved_tokenizer(cfg.path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"config key '{key}': cannot load {cfg.path}: {first_paragraph(error)}"
+        ) from None
+    check(
+        len(tokenizer) <= vocab,
+        key,
+        f"the tokenizer in {cfg.path} has {len(tokenizer)} tokens but the model's vocabulary "
+        f"(vocab_size in config.json) has {vocab}",
+    )
 
 
 def max_token_chars(tokenizer: Any) -> int:

@@ -20,6 +20,9 @@ from collections.abc import Iterable
 
 import torch
 
+from meshrl.config import PlacementConfig
+from meshrl.config.files import check
+
 SUPPORTED = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
 """HF tp-plan entries meshrl applies."""
 
@@ -47,6 +50,21 @@ def refusal(config, tp: int, key: str = "placement.tp") -> str | None:
         if heads is not None and heads % tp:
             return f"{key}={tp} does not divide the model's {field} ({heads})"
     return None
+
+
+def check_placement(placement: PlacementConfig, config) -> None:
+    """`placement`'s tensor parallelism against a model of HF `config`: the
+    trainer's (`sharding` tp or fsdp_tp) and each policy replica's (`policy_tp`).
+    A `ConfigError` naming the key where the model's layers cannot be split."""
+    checks = []  # (the key the error names, its words' prefix, the key refused, tp degree)
+    if placement.policy_tp > 1:
+        checks.append(("placement.policy_tp", "", "placement.policy_tp", placement.policy_tp))
+    if placement.trainer_tp > 1:
+        key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
+        checks.append(("placement.sharding", f"{placement.sharding}: ", key, placement.trainer_tp))
+    for where, prefix, key, tp in checks:
+        why = refusal(config, tp, key)
+        check(why is None, where, f"{prefix}{why}")
 
 
 def module_styles(model: torch.nn.Module) -> dict[str, str]:

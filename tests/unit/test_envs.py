@@ -9,7 +9,7 @@ import pytest
 
 from algorithms.grpo import GRPOConfig
 from meshrl.config import ConfigError, TaskConfig, load_config
-from meshrl.envs import make_task
+from meshrl.envs import check_task, make_task
 from meshrl.envs.code import run_tests, split_test
 from meshrl.envs.dataset import DatasetError, read_rows
 from meshrl.envs.math import ArithmeticError_, answers_match, arith, extract_answer
@@ -237,10 +237,10 @@ def test_shipped_sample_datasets_are_their_generators_output(tmp_path, capsys):
 
 def test_your_own_environment_by_import_path():
     cfg = TaskConfig(name="tests.support.envs:Flaky")
-    cfg.validate()
+    check_task(cfg)
     assert make_task(cfg).multi_turn
-    with pytest.raises(ConfigError, match="cannot import 'tests.nope:X'"):
-        TaskConfig(name="tests.nope:X").validate()
+    with pytest.raises(ConfigError, match="'task.name': cannot import 'tests.nope:X'"):
+        check_task(TaskConfig(name="tests.nope:X"))
 
 
 def test_a_disabled_tool_answers_so_and_a_multi_turn_warm_start_trace_masks_the_replies():
