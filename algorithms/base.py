@@ -36,26 +36,12 @@ from meshrl.loop.supervisor import NonFiniteLoss, Supervisor  # noqa: F401 - Non
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import mismatch_metrics, mismatch_weights
 from meshrl.model.tokenizer import context_length, load_tokenizer, vision_format
-from meshrl.procs.mesh import RemoteCallError, wait
+from meshrl.procs.mesh import RemoteCallError, form_groups
 from meshrl.types import Completions, TrainBatch
 
 DROP_REASONS = ("stale", "trainer_rewind")
 REDO_REASONS = ("policy_lost",)
 """Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
-
-
-def form_groups(
-    leaders: Any, followers: Any, replicas: int, tp: int, masters: list, timeout_s: float
-) -> None:
-    """Form `replicas` tensor-parallel groups of `tp` `Policy` actors each: leader i
-    and followers i * (tp - 1) onwards, meeting at `masters[i]`
-    (`RoleMeshes.rendezvous_each`). Every proc joins its group at once
-    (`Policy.join`), then each leader takes its followers (`Policy.follow`)."""
-    for future in [leaders.join.call(masters), followers.join.call(masters)]:
-        wait(future, "policy.join", timeout_s)
-    for i in range(replicas):
-        group = followers.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
-        wait(leaders.slice(procs=i).follow.call_one(group), "policy.follow", 600)
 
 
 class HookLoss:
@@ -195,7 +181,8 @@ class Algorithm:
     def group_replicas(self, run: Any, role: str = "policy") -> None:
         """Form `role`'s tensor-parallel replicas: a fresh store on each leader
         proc, every proc of the leaders and followers joins its group at once
-        (`Policy.join`), and each leader takes its followers (`Policy.follow`)."""
+        (`Policy.join`), and each leader takes its followers (`Policy.follow`;
+        `meshrl.procs.mesh.form_groups`)."""
         leaders, followers = run.roles[role], run.roles[f"{role}_tp"]
         tp = followers.size // leaders.size + 1
         masters = run.meshes.rendezvous_each(role)

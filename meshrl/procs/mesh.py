@@ -238,6 +238,20 @@ def call_all(actors: Any, endpoint: str, *args: Any, what: str, timeout_s: float
     return [value for _, value in values.items()]
 
 
+def form_groups(
+    leaders: Any, followers: Any, replicas: int, tp: int, masters: list, timeout_s: float
+) -> None:
+    """Form `replicas` tensor-parallel groups of `tp` `Policy` actors each: leader i
+    and followers i * (tp - 1) onwards, meeting at `masters[i]`
+    (`RoleMeshes.rendezvous_each`). Every proc joins its group at once
+    (`Policy.join`), then each leader takes its followers (`Policy.follow`)."""
+    for future in [leaders.join.call(masters), followers.join.call(masters)]:
+        wait(future, "policy.join", timeout_s)
+    for i in range(replicas):
+        group = followers.slice(procs=slice(i * (tp - 1), (i + 1) * (tp - 1)))
+        wait(leaders.slice(procs=i).follow.call_one(group), "policy.follow", 600)
+
+
 def split(items: Sequence, num_parts: int) -> list[list]:
     """Contiguous, nearly equal parts (order kept): shards for replicas."""
     size, extra = divmod(len(items), num_parts)

@@ -15,12 +15,12 @@ import torch
 from actors.critic import Critic
 from actors.policy import Policy
 from actors.trainer import Trainer
-from algorithms.base import HookLoss, form_groups
+from algorithms.base import HookLoss
 from algorithms.dpo import DPO, DPOConfig
 from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.model.losses import AGGREGATIONS
-from meshrl.procs.mesh import RoleMeshes, call_all, call_each
+from meshrl.procs.mesh import RoleMeshes, call_all, call_each, form_groups
 from meshrl.types import TrainBatch
 
 pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
