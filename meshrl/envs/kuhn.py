@@ -16,6 +16,11 @@ decision is `<card><seat>:<history>` (player 2 holding a queen after a bet:
 `Q2:b`). The Nash equilibria give player 1 an expected -1/18 chip a game, so a
 strategy's exploitability (the chips a best response wins against it,
 averaged over the two seats) is 0 exactly at equilibrium.
+
+A model plays from its own token sequence per seat (`Game`): games dealt between
+model players and the fixed opponents (`deal`, `FIXED`), their results, and a
+model's strategy read from its log-probs at every decision (`strategy_of`).
+`meshrl.loop.games` plays them over the policy meshes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from meshrl.envs.rollout import EpisodeState
 
 CARDS = "JQK"
 ACTIONS = "cbf"
@@ -154,3 +166,84 @@ def exploitability(strategy: Strategy) -> float:
     """Chips a best response wins per game against `strategy`, averaged over the
     two seats: 0 at a Nash equilibrium, more the more exploitable."""
     return (best_response_value(strategy, 0) + best_response_value(strategy, 1)) / 2
+
+
+# --- model players --------------------------------------------------------------------
+#
+# Each seat a model plays is its own token sequence: its view at its first turn, then
+# its own sampled tokens and the opponent's actions since its last turn
+# (`meshrl.loop.games.Match` writes them, playing over the policy meshes).
+
+FIXED: dict[str, Strategy] = {"random": random_strategy, "heuristic": heuristic_strategy}
+"""The fixed opponents, by name."""
+
+
+@dataclass
+class Game:
+    cards: tuple[str, str]
+    players: tuple[str, str]
+    """Who sits in seat 1 (acts first) and seat 2: a model player's name or a FIXED one."""
+    history: str = ""
+    sequences: dict[int, EpisodeState] = field(default_factory=dict)
+    """Per seat a model plays: its token sequence."""
+    seen: dict[int, int] = field(default_factory=dict)
+    """Per seat: how much of the history its sequence holds."""
+
+    @property
+    def done(self) -> bool:
+        return is_terminal(self.history)
+
+    def chips(self, seat: int) -> int:
+        """What the player in `seat` won (negative: lost) in the finished game."""
+        won = payoff(self.cards, self.history)
+        return won if seat == 0 else -won
+
+
+def deal(count: int, pairings: list[tuple[str, str]], rng: random.Random) -> list[Game]:
+    """`count` games, cards drawn with `rng`, the pairings taking turns (so a
+    player sits in both seats equally often when each pairing has its mirror)."""
+    return [Game(rng.choice(DEALS), pairings[i % len(pairings)]) for i in range(count)]
+
+
+def results(games: list[Game], name: str) -> dict[str, float]:
+    """`name`'s share of games won and mean chips a game."""
+    chips = [g.chips(seat) for g in games for seat in (0, 1) if g.players[seat] == name]
+    return {
+        "win_rate": sum(c > 0 for c in chips) / len(chips),
+        "chips": sum(chips) / len(chips),
+    }
+
+
+def decisions(tokenizer: Any) -> list[tuple[str, str, list[int]]]:
+    """(card, history, token ids) of each of the 12 decisions, the ids as the
+    deciding player's sequence holds them: its view at its first turn, then its
+    own earlier action and the opponent's."""
+    found = []
+    for card in CARDS:
+        for history in DECISIONS:
+            seat = seat_to_act(history)
+            first = "" if seat == 0 else history  # the history at its first turn
+            ids = tokenizer(view(card, seat, first)).input_ids
+            ids += tokenizer(history[len(first) :], add_special_tokens=False).input_ids
+            found.append((card, history, ids))
+    return found
+
+
+def random_actions(history: str) -> str:
+    """The actions random play takes at `history` (check or bet; call or fold a bet)."""
+    return "".join(a for a, p in random_strategy("", history).items() if p > 0)
+
+
+def strategy_of(logprobs: torch.Tensor, keys: list[tuple[str, str, str]]) -> Strategy:
+    """A model's strategy from the log-probs of `meshrl.loop.games.strategy_batch`:
+    its probability of writing c and b at each decision, everything else a fold
+    (as in play; a b facing a bet folds too)."""
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for (card, history, action), logprob in zip(keys, logprobs[:, 0].tolist(), strict=True):
+        probs = table.setdefault((card, history), {"f": 1.0})
+        if action in legal(history):
+            probs[action] = float(torch.tensor(logprob).exp())
+            probs["f"] -= probs[action]
+    for probs in table.values():
+        probs["f"] = max(probs["f"], 0.0)
+    return lambda card, history: table[(card, history)]

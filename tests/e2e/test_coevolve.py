@@ -11,7 +11,7 @@ import torch
 from algorithms.coevolve import Coevolve, CoevolveConfig
 from meshrl.config import load_config
 from meshrl.envs import kuhn
-from meshrl.loop.games import deal
+from meshrl.envs.kuhn import deal
 from tests.support.coevolve import CONFIG
 from tests.support.runs import QUIET, undocumented_metrics
 

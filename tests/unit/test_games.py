@@ -5,7 +5,7 @@ import random
 import pytest
 
 from meshrl.envs import kuhn
-from meshrl.loop.games import Game, deal, results, strategy_batch, strategy_of
+from meshrl.loop.games import strategy_batch
 from meshrl.model.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -46,14 +46,14 @@ def test_a_model_strategy_is_read_at_the_contexts_it_plays_in():
     logprobs = batch.old_logprobs.clone()
     for i, (_, _, action) in enumerate(keys):
         logprobs[i, 0] = -1.3862943611198906 if action == "c" else -0.6931471805599453
-    strategy = strategy_of(logprobs, keys)
+    strategy = kuhn.strategy_of(logprobs, keys)
     assert strategy("K", "") == pytest.approx({"c": 0.25, "b": 0.5, "f": 0.25})
     assert strategy("K", "b") == pytest.approx({"c": 0.25, "f": 0.75})
 
 
 def test_deals_alternate_seats_and_results_count_each_seat():
-    games = deal(4, [("a", "random"), ("random", "a")], random.Random(0))
+    games = kuhn.deal(4, [("a", "random"), ("random", "a")], random.Random(0))
     assert [g.players for g in games] == [("a", "random"), ("random", "a")] * 2
-    won = Game(("K", "J"), ("a", "b"), "cc")
-    lost = Game(("K", "J"), ("b", "a"), "bc")
-    assert results([won, lost], "a") == {"win_rate": 0.5, "chips": (1 - 2) / 2}
+    won = kuhn.Game(("K", "J"), ("a", "b"), "cc")
+    lost = kuhn.Game(("K", "J"), ("b", "a"), "bc")
+    assert kuhn.results([won, lost], "a") == {"win_rate": 0.5, "chips": (1 - 2) / 2}
