@@ -23,18 +23,15 @@ procs outlive it until SLURM's SIGKILL (`KillWait`, or the partition's
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -455,9 +452,7 @@ def run_ca() -> RunCA:
     global _ca
     if _ca is None:
         ca = RunCA.create()
-        directory = tempfile.mkdtemp(prefix="meshrl-tls-")  # 0700
-        atexit.register(shutil.rmtree, directory, True)
-        ca.install(os.path.join(directory, "tls"), [])
+        ca.install([])
         _ca = ca
     return _ca
 
@@ -558,7 +553,7 @@ def serve() -> None:
     # CA (handed over in the job's environment, then dropped from it).
     channels.seal()
     ca = RunCA.from_bundle(os.environ.pop(CA_ENV))
-    ca.install(os.path.join(tempfile.mkdtemp(prefix="meshrl-tls-"), "tls"), [node, addr])
+    ca.install([node, addr])
     configure(default_transport=controller_transport(ChannelTransport.Tls))
     print(f"meshrl worker on {node} at tls://{addr}:{port}", flush=True)
     run_worker_loop_forever(
