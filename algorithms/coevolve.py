@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from algorithms.base import Algorithm, run_main
-from algorithms.rl_config import HeldOutConfig
+from algorithms.rl_config import HeldOutConfig, check_inputs
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -53,16 +53,9 @@ from meshrl.config import (
 )
 from meshrl.config.trainer import TrainerConfig
 from meshrl.envs import kuhn
+from meshrl.envs.kuhn import FIXED, deal, results, strategy_of
 from meshrl.loop.checkpoint import CheckpointConfig, Checkpointer
-from meshrl.loop.games import (
-    FIXED,
-    Match,
-    deal,
-    format_batch,
-    results,
-    strategy_batch,
-    strategy_of,
-)
+from meshrl.loop.games import Match, format_batch, strategy_batch
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import StepLog, add_evaluation
 from meshrl.loop.supervised import supervised_steps
@@ -120,6 +113,7 @@ class CoevolveConfig:
     def validate(self) -> None:
         validate_sections(self)  # each section its own keys
         check_placement(self.model, self.placement)
+        check_inputs(self.model, self.placement, None)
         if self.placement.policy_tp > 1:
             raise ConfigError(
                 "config key 'placement.policy_tp': co-evolution's players sample with "

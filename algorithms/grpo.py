@@ -86,7 +86,13 @@ class GRPOConfig(RLConfig):
 
 
 class GRPO(Algorithm):
+    """The on-policy loop. GRPO's hooks make it GRPO; PPO (ppo.py) runs the same
+    loop with a critic mesh (`spawn_critic`) and GAE advantages, and DAPO, RLOO,
+    REINFORCE++, GSPO and distillation override one hook each."""
+
     name = "grpo"
+    trains: tuple[str, ...] = ("trainer",)
+    """The roles whose procs hold gradients and Adam's moments (sized so)."""
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -105,10 +111,11 @@ class GRPO(Algorithm):
                     *self.placement(),
                     elastic=self.elastic,  # pools that grow and shrink
                     beside=self.beside(),
-                    trains=("trainer",),  # gradients and Adam's moments: sized so
+                    trains=self.trains,
                     cpu_only=("environment",),  # no GPU for the scorers
                 )
                 self.trainer = self.spawn_trainer(run)
+                self.critic = self.spawn_critic(run)  # a value model (PPO); none here
                 self.policy = self.spawn_policy(run)
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.spawn_reference(run)
@@ -117,8 +124,12 @@ class GRPO(Algorithm):
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
-                self.compose(run, [self.trainer, self.frozen_copy, self.policy])
-            run, sup, sync, log = self.meshes, self.sup, self.sync, self.log
+                self.compose(run, [self.trainer, self.critic, self.frozen_copy, self.policy])
+                if self.critic is not None:
+                    self.sup.heal_from_peers("critic", ("train_step",))  # DDP: ranks are replicas
+                    if run.resume_from is None:  # the critic's backbone starts as the policy
+                        self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
+            run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
@@ -150,13 +161,18 @@ class GRPO(Algorithm):
                                 )
                         try:
                             rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
+                            if critic is not None:  # the value of every prefix
+                                batch.old_values = sup.call_rows(critic, "values", batch)
                             batch.advantages = self.compute_advantages(rewards, batch)
+                            advantage_info = self.advantage_metrics(rewards, batch)
                             # Each trainer rank steps on its shard of every minibatch
-                            # (DDP or FSDP2 inside the mesh) ...
+                            # (DDP or FSDP2 inside the mesh), and with a critic each of its
+                            # ranks takes a value step on the same rows at the same time ...
+                            learners = trainer if critic is None else (trainer, critic)
                             with log.timer("train"):
                                 train_metrics = step_metrics(
                                     [
-                                        sup.call_sharded(trainer, "train_step", batch.rows(rows))
+                                        sup.call_sharded(learners, "train_step", batch.rows(rows))
                                         for rows in self.minibatches(len(batch))
                                     ]
                                 )
@@ -175,6 +191,7 @@ class GRPO(Algorithm):
                         {
                             "step": step,
                             **rollout_metrics(rewards, completions, sync),
+                            **advantage_info,
                             **rollout_info,  # after the reward keys: a rollout may refine them
                             **train_metrics,
                             **self.accounting(trained=len(batch)),
@@ -183,6 +200,16 @@ class GRPO(Algorithm):
         return self.log.history
 
     # --- hooks: override one of these for a variant ---------------------------------
+
+    def spawn_critic(self, run: Run) -> Role | None:
+        """A value model's mesh (PPO's critic), which estimates every prefix's value
+        (`batch.old_values`) and takes a value step beside each policy step; none
+        in GRPO, whose baseline is the group."""
+        return None
+
+    def advantage_metrics(self, rewards: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
+        """Figures of the step's advantages to log beside the rewards (none here)."""
+        return {}
 
     def spawn_reference(self, run: Run) -> Role | None:
         """The mesh whose log-probs each batch carries as `ref_logprobs`: with

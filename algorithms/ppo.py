@@ -10,6 +10,9 @@ turns rewards and values into per-token advantages and value targets. Then
 policy step on the trainer mesh and one clipped value step on the critic mesh
 at the same time. New weights go to the policy replicas over RDMA.
 
+The loop is GRPO's (`GRPO.run`, algorithms/grpo.py): PPO adds its critic and
+its advantages through the loop's hooks, not a copy of the step.
+
 Run it:
     python -m algorithms.ppo --config algorithms/configs/ppo.yaml
     python -m algorithms.ppo --config algorithms/configs/ppo.yaml kl_coef=0.1 placement.critic=2
@@ -24,11 +27,10 @@ from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, run_main
+from algorithms.base import RLConfig, run_main
+from algorithms.grpo import GRPO
 from meshrl.config import ConfigError, OptimConfig
-from meshrl.loop.run import Run
-from meshrl.loop.steplog import rollout_metrics
-from meshrl.loop.supervisor import RoleLost, step_metrics
+from meshrl.loop.run import Role, Run
 from meshrl.model.losses import (
     AGGREGATIONS,
     explained_variance,
@@ -89,8 +91,13 @@ class PPOConfig(RLConfig):
             )
 
 
-class PPO(Algorithm):
+class PPO(GRPO):
+    """GRPO's loop (`GRPO.run`) with a critic: its mesh (`spawn_critic`), its
+    value of every prefix in each batch, GAE advantages and a value step beside
+    each policy step."""
+
     name = "ppo"
+    trains = ("trainer", "critic")
 
     def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
         procs, share, busy = super().placement()
@@ -102,122 +109,24 @@ class PPO(Algorithm):
             [*busy, ("trainer", "critic", *ahead)],
         )
 
-    def run(self, num_steps: int | None = None) -> list[dict]:
-        """As `GRPO.run`, with a critic mesh and GAE advantages."""
+    def spawn_critic(self, run: Run) -> Role:
+        """The critic mesh: the policy's backbone with a value head, data-parallel over
+        its procs (it starts from the policy's weights: `GRPO.run` loads them)."""
         from actors.critic import Critic
-        from actors.environment import Environment
-        from actors.reference import Reference
-        from actors.reward_model import RewardModel
 
-        cfg, state = self.cfg, self.state
-        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-                run = self.meshes = Run(
-                    cfg,
-                    self.name,
-                    *self.placement(),
-                    elastic=self.elastic,
-                    beside=self.beside(),
-                    trains=("trainer", "critic"),
-                    cpu_only=("environment",),
-                )
-                self.trainer = self.spawn_trainer(run)
-                self.critic = run.spawn(
-                    "critic",
-                    Critic,
-                    cfg.model,
-                    cfg.critic_optim,
-                    total_steps=cfg.total_updates,
-                    value_clip=cfg.value_clip,
-                    seed=cfg.run.seed,
-                    layout=cfg.trainer.layout,
-                    micro_batches=cfg.trainer.micro_batches,
-                    rendezvous=True,
-                )
-                self.policy = self.spawn_policy(run)
-                self.environment = run.spawn("environment", Environment, *cfg.env_args)
-                self.reference = self.reward_model = None
-                if cfg.kl_coef > 0:  # a frozen copy of the starting weights
-                    self.reference = run.spawn(
-                        "reference",
-                        Reference,
-                        cfg.model,
-                        cfg.run.seed,
-                        cfg.trainer.layout,
-                        frozen_copy=True,
-                    )
-                if cfg.reward_model.path:
-                    self.reward_model = run.spawn(
-                        "reward_model", RewardModel, cfg.reward_model.path
-                    )
-                self.compose(run, [self.trainer, self.critic, self.reference, self.policy])
-                self.sup.heal_from_peers("critic", ("train_step",))  # DDP: ranks are replicas
-                if run.resume_from is None:  # the critic's backbone starts as the policy
-                    self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
-            run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
-            policy, trainer, reference = self.policy, self.trainer, self.reference
-            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
-            # due before each step; its count and the checkpoints due after it (`Steps`).
-            with self.steps(num_steps) as steps:
-                for step in steps:
-                    with log.timer("step"):
-                        # Generate this step's batch (and `max_staleness` batches ahead), split
-                        # over the policy replicas (or by pull: `rollout.dispatch`); score it.
-                        while self.dispatcher is None and len(state.ahead) <= cfg.max_staleness:
-                            batch = self.collector.layout(
-                                self.collector.sample_prompts(cfg.prompts_per_step)
-                            )
-                            if not self.task.multi_turn:  # (episodes are played in `rollout`)
-                                batch.calls = [
-                                    policy.slice(procs=i).generate.call_one(
-                                        ids, cfg.generation, seeds, images
-                                    )
-                                    for i, (ids, seeds, images) in enumerate(batch.shards)
-                                ]
-                            state.ahead.append(batch)
-                        completions, scores, rollout_info = self.next_rollout()
-                        batch = TrainBatch.from_completions(completions)
-                        with log.timer("reference"):  # rows split over the reference procs
-                            if reference is not None:
-                                batch.ref_logprobs = sup.call_rows(
-                                    reference, "logprobs", batch, cfg.generation.temperature
-                                )
-                        try:
-                            rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
-                            batch.old_values = sup.call_rows(critic, "values", batch)  # prefixes
-                            batch.advantages = self.compute_advantages(scores, batch)
-                            advantage_info = self.advantage_metrics(scores, batch)
-                            # Each minibatch: a policy step on the trainer mesh and a value
-                            # step on the critic mesh at the same time, each rank its shard.
-                            with log.timer("train"):
-                                train_metrics = step_metrics(
-                                    [
-                                        sup.call_sharded(
-                                            (trainer, critic), "train_step", batch.rows(rows)
-                                        )
-                                        for rows in self.minibatches(len(batch))
-                                    ]
-                                )
-                            with log.timer("weight_sync"):  # shm on this host, RDMA across
-                                handle = sync.publish(trainer)  # trainer.publish
-                                sync.pull(policy, handle)  # policy.load_weights
-                        except RoleLost as lost:  # trainer or critic lost: back to a checkpoint
-                            self.ckpt.rewind(lost, sup, log, len(batch))
-                            continue
-                    sup.guard_finite(step, train_metrics, self.newest_checkpoint())
-                    self.record_samples(step, completions, scores, batch.advantages)
-                    self.after_step(
-                        step,
-                        {
-                            "step": step,
-                            **rollout_metrics(scores, completions, sync),
-                            **advantage_info,
-                            **rollout_info,
-                            **train_metrics,
-                            **self.accounting(trained=len(batch)),
-                        },
-                    )
-        return self.log.history
+        cfg = self.cfg
+        return run.spawn(
+            "critic",
+            Critic,
+            cfg.model,
+            cfg.critic_optim,
+            total_steps=cfg.total_updates,
+            value_clip=cfg.value_clip,
+            seed=cfg.run.seed,
+            layout=cfg.trainer.layout,
+            micro_batches=cfg.trainer.micro_batches,
+            rendezvous=True,
+        )
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -235,11 +144,10 @@ class PPO(Algorithm):
         """[B, T]: each sequence's score on its last token, minus `kl_coef` times each
         token's KL to the reference."""
         cfg = self.cfg
-        return token_rewards(
-            scores, batch.completion_mask, self.kl_to_reference(batch), cfg.kl_coef
-        )
+        return token_rewards(scores, batch.completion_mask, self.token_kl(batch), cfg.kl_coef)
 
-    def kl_to_reference(self, batch: TrainBatch) -> torch.Tensor | None:
+    def token_kl(self, batch: TrainBatch) -> torch.Tensor | None:
+        """[B, T]: each sampled token's KL to the reference (None without one)."""
         if batch.ref_logprobs is None:
             return None
         return kl_estimate(batch.old_logprobs, batch.ref_logprobs, self.cfg.kl_kind)
@@ -247,7 +155,7 @@ class PPO(Algorithm):
     def advantage_metrics(self, scores: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         """How well the critic predicted the returns, and the shaped rewards' figures."""
         mask, returns = batch.completion_mask, batch.returns
-        rewards, kl = self.shaped_rewards(scores, batch), self.kl_to_reference(batch)
+        rewards, kl = self.shaped_rewards(scores, batch), self.token_kl(batch)
         advantages = (returns - batch.old_values) * mask  # GAE's, before any whitening
         info = {
             "value/explained_variance": explained_variance(batch.old_values, returns, mask),

@@ -25,12 +25,6 @@ from typing import Any
 import torch
 
 from meshrl.envs import kuhn
-from meshrl.envs.kuhn import (  # noqa: F401 - algorithms/coevolve.py imports them from here
-    FIXED,
-    deal,
-    results,
-    strategy_of,
-)
 from meshrl.envs.rollout import EpisodeState, to_completions
 from meshrl.loop.supervised import supervised_batch
 from meshrl.procs.mesh import split, start_each
