@@ -114,8 +114,15 @@ class Algorithm:
         raise NotImplementedError
 
     def after_step(self, step: int, metrics: dict) -> None:
-        """Record the step (metrics.jsonl, the sinks, the progress bar), with the
-        held-out evaluation (`eval:`) when one is due, on the replicas now idle."""
+        """A hook: a variant adds to the step's record or acts on it here, before
+        the loop records it (nothing by default; no `super()` is needed)."""
+
+    def record_step(self, step: int, metrics: dict) -> None:
+        """The loop's last call of a step: the `after_step` hook, then the held-out
+        evaluation (`eval:`) when one is due, on the replicas now idle, then the
+        record (metrics.jsonl, the sinks, the progress bar). The step counts once
+        recorded, so no hook can make the loop run it again."""
+        self.after_step(step, metrics)
         if self.evaluator is not None:
             metrics.update(self.evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
         if self.collector is not None:  # generation sent ahead (`max_staleness`): what it

@@ -186,7 +186,7 @@ class Coevolve(Algorithm):
                         add_evaluation(
                             record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
                         )
-                    self.after_step(step, record)
+                    self.record_step(step, record)
         return self.log.history
 
     # --- the meshes ---------------------------------------------------------------------

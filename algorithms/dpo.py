@@ -156,7 +156,7 @@ class DPO(Algorithm):
                     add_evaluation(
                         record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
                     )
-                    self.after_step(step, record)
+                    self.record_step(step, record)
         return self.log.history
 
     # --- hooks ------------------------------------------------------------------------

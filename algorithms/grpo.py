@@ -186,7 +186,7 @@ class GRPO(Algorithm):
                             continue
                     sup.guard_finite(step, train_metrics, self.newest_checkpoint())
                     self.record_samples(step, completions, rewards, batch.advantages)
-                    self.after_step(
+                    self.record_step(
                         step,
                         {
                             "step": step,

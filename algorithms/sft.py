@@ -120,7 +120,7 @@ class SFT(Algorithm):
                     add_evaluation(
                         record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
                     )
-                    self.after_step(step, record)
+                    self.record_step(step, record)
         return self.log.history
 
     def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:

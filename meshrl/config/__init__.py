@@ -362,18 +362,24 @@ class TaskConfig:
         _check(self.step_timeout_s > 0, "task.step_timeout_s", "must be > 0")
         _check(self.tool_timeout_s > 0, "task.tool_timeout_s", "must be > 0")
         _check(self.env_workers >= 1, "task.env_workers", "must be >= 1")
-        if self.name.startswith("agent:"):
-            _check(bool(self.dataset), "task.dataset", "an agent task takes its prompts from one")
         unknown = sorted(set(self.tools) - {"calc", "python"})
         _check(not unknown, "task.tools", f"{unknown} are not tools (calc, python)")
         if self.dataset:
-            _check(self.name != "reverse_digits", "task.dataset", "reverse_digits has no dataset")
             # A relative path: from the working directory, else from the repository
             # (the shipped samples under meshrl/envs/data work from anywhere).
             repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
             shipped = os.path.join(repo, self.dataset)
             if not os.path.exists(self.dataset) and os.path.exists(shipped):
                 self.dataset = shipped
+
+    def check_dataset(self) -> None:
+        """`task.dataset` against `task.name`, and that it is there: checked once
+        `task.name` resolves (`meshrl.envs.check_task`), so that a bad name is the
+        error a user sees first."""
+        if self.name.startswith("agent:"):
+            _check(bool(self.dataset), "task.dataset", "an agent task takes its prompts from one")
+        if self.dataset:
+            _check(self.name != "reverse_digits", "task.dataset", "reverse_digits has no dataset")
             _check(
                 os.path.exists(self.dataset),
                 "task.dataset",

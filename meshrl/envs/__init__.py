@@ -85,6 +85,7 @@ def check_task(cfg: TaskConfig) -> None:
             "task.name",
             f"'{cfg.name}' is not one of {sorted(TASKS)} (or a module:Class path)",
         )
+    cfg.check_dataset()
     if cfg.dataset:
         try:
             task_rows(cfg.dataset, cfg.prompt_field, cfg.answer_field)

@@ -113,13 +113,18 @@ def test_algorithm_runs_from_python(cls, schema, config, overrides, tmp_path, no
 
 
 class ZeroAdvantageGRPO(GRPO):
-    """The hook a variant overrides: every completion gets advantage 0."""
+    """The hook a variant overrides: every completion gets advantage 0. Its
+    `after_step` adds a key and does not call `super()`: the loop records the step
+    all the same (before, the step was never logged and was run again forever)."""
 
     calls = 0
 
     def compute_advantages(self, rewards, batch):
         ZeroAdvantageGRPO.calls += 1
         return torch.zeros_like(rewards)
+
+    def after_step(self, step, metrics):
+        metrics["variant/step_seen"] = step
 
 
 def test_a_subclass_overriding_one_hook_is_what_runs(tmp_path, no_stray_procs):
@@ -133,6 +138,7 @@ def test_a_subclass_overriding_one_hook_is_what_runs(tmp_path, no_stray_procs):
     cfg.run.name = "zero"
     zero = ZeroAdvantageGRPO(cfg).run()
     assert ZeroAdvantageGRPO.calls == 4
+    assert [r["variant/step_seen"] for r in zero] == [0, 1, 2, 3]
     # Zero advantages zero the policy gradient on the trainer procs; GRPO's do not.
     assert all(r["train/grad_norm"] == 0 for r in zero)
     assert all(r["train/grad_norm"] > 0 for r in base)

@@ -218,8 +218,8 @@ def test_datasets_load_with_field_mapping(tmp_path):
         DatasetError, match="missing field 'prompt'.*fields: answer, extra, question"
     ):
         read_rows(str(tmp_path / "d.jsonl"), ["prompt"], "task.dataset")
-    with pytest.raises(ConfigError, match="task.dataset"):
-        load_config(TaskConfig, None, ["name=math", "dataset=/no/such.jsonl"])
+    with pytest.raises(ConfigError, match="task.dataset"):  # checked once the name resolves
+        load_config(GRPOConfig, DEFAULT_CONFIG, ["task.name=math", "task.dataset=/no/such.jsonl"])
 
 
 def test_shipped_sample_datasets_are_their_generators_output(tmp_path, capsys):
