@@ -205,8 +205,7 @@ class Allocations:
             out = subprocess.run(
                 ["sbatch", "--parsable"],
                 input=self.script(alloc, role),
-                # The job's output files (and what its steps write) its user's only.
-                env=dict(os.environ, SLURM_UMASK="0077"),
+                env=job_environment(),
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -442,6 +441,22 @@ def controller_transport(by_name: Any) -> Any:
 
 
 # --- the Monarch job ---------------------------------------------------------------------
+
+
+def job_environment() -> dict[str, str]:
+    """The environment sbatch hands a role's job (`--export=ALL`): this process's,
+    with the job's output files its user's only, and without this host's socket
+    hook (`meshrl.procs.channels`): the batch script and srun need none, and each
+    worker seals its own node's channels, in a directory of that node's."""
+    env = dict(os.environ, SLURM_UMASK="0077")
+    for name in (channels.DIR_ENV, channels.LIB_ENV):
+        env.pop(name, None)
+    library = os.environ.get(channels.LIB_ENV)
+    preload = [p for p in env.pop("LD_PRELOAD", "").split() if p != library]
+    if preload:
+        env["LD_PRELOAD"] = " ".join(preload)
+    return env
+
 
 _ca: RunCA | None = None
 
