@@ -629,7 +629,7 @@ class Algorithm:
     def accounting(self, trained: int) -> dict:
         """The step's sample ledger and the run's fault counters."""
         return {
-            **self.state.ledger.step_metrics(trained, DROP_REASONS, REDO_REASONS),
+            **self.state.ledger.count_step(trained, DROP_REASONS, REDO_REASONS),
             **self.sup.metrics(),
             **self.scaler.metrics(),
             "samples/skipped_overlong_prompts": self.state.counters["skipped_prompts"],

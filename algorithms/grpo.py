@@ -37,7 +37,7 @@ from algorithms.base import Algorithm, RLConfig, run_main
 from meshrl.config import ConfigError
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import rollout_metrics
-from meshrl.loop.supervisor import RoleLost, step_metrics
+from meshrl.loop.supervisor import RoleLost, merge_optimizer_steps
 from meshrl.model.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
 from meshrl.types import TrainBatch
 
@@ -164,13 +164,15 @@ class GRPO(Algorithm):
                             if critic is not None:  # the value of every prefix
                                 batch.old_values = sup.call_rows(critic, "values", batch)
                             batch.advantages = self.compute_advantages(rewards, batch)
+                            if critic is not None:  # what its value step learns to predict
+                                batch.returns = self.value_targets(rewards, batch)
                             advantage_info = self.advantage_metrics(rewards, batch)
                             # Each trainer rank steps on its shard of every minibatch
                             # (DDP or FSDP2 inside the mesh), and with a critic each of its
                             # ranks takes a value step on the same rows at the same time ...
                             learners = trainer if critic is None else (trainer, critic)
                             with log.timer("train"):
-                                train_metrics = step_metrics(
+                                train_metrics = merge_optimizer_steps(
                                     [
                                         sup.call_sharded(learners, "train_step", batch.rows(rows))
                                         for rows in self.minibatches(len(batch))
@@ -206,6 +208,13 @@ class GRPO(Algorithm):
         (`batch.old_values`) and takes a value step beside each policy step; none
         in GRPO, whose baseline is the group."""
         return None
+
+    def value_targets(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B] rewards -> [B, T]: what a critic learns to predict (PPO: GAE's returns);
+        asked only where `spawn_critic` gave the loop a critic."""
+        raise NotImplementedError(
+            f"{type(self).__name__} spawns a critic: say what it learns (value_targets)"
+        )
 
     def advantage_metrics(self, rewards: torch.Tensor, batch: TrainBatch) -> dict[str, float]:
         """Figures of the step's advantages to log beside the rewards (none here)."""

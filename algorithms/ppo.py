@@ -132,13 +132,26 @@ class PPO(GRPO):
 
     def compute_advantages(self, scores: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] scores -> [B, T] advantages, as every on-policy algorithm's hook: GAE
-        over KL-shaped token rewards. Also sets the critic's targets, `batch.returns`.
-        Needs `batch.old_values` (and `ref_logprobs` when kl_coef > 0)."""
-        cfg, mask = self.cfg, batch.completion_mask
-        advantages, batch.returns = gae(
-            self.shaped_rewards(scores, batch), batch.old_values, mask, cfg.gamma, cfg.lam
+        over KL-shaped token rewards. Needs `batch.old_values` (and `ref_logprobs`
+        when kl_coef > 0); changes nothing in `batch`."""
+        advantages, _ = self.gae(scores, batch)
+        mask = batch.completion_mask
+        return whiten(advantages, mask) if self.cfg.whiten_advantages else advantages
+
+    def value_targets(self, scores: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[B] scores -> [B, T]: what the critic learns to predict, GAE's returns."""
+        return self.gae(scores, batch)[1]
+
+    def gae(self, scores: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] advantages and returns by GAE over the KL-shaped token rewards."""
+        cfg = self.cfg
+        return gae(
+            self.shaped_rewards(scores, batch),
+            batch.old_values,
+            batch.completion_mask,
+            cfg.gamma,
+            cfg.lam,
         )
-        return whiten(advantages, mask) if cfg.whiten_advantages else advantages
 
     def shaped_rewards(self, scores: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B, T]: each sequence's score on its last token, minus `kl_coef` times each

@@ -22,7 +22,7 @@ class Ledger:
     `generated == trained + sum(dropped.values())` after every step.
 
     `dropped` holds the run's totals by reason; `this_step` what was dropped
-    since the last `step_metrics()`, which a step logs (a drop counted between
+    since the last `count_step()`, which a step logs (a drop counted between
     two steps, such as a rewind's, is logged by the step after it).
 
     Work lost with a proc is not a drop: the same samples (same prompts, same
@@ -46,7 +46,7 @@ class Ledger:
         self.redone[reason] += count
         self.redone_this_step[reason] += count
 
-    def step_metrics(
+    def count_step(
         self, trained: int, reasons: tuple[str, ...] = (), redo_reasons: tuple[str, ...] = ()
     ) -> dict[str, int]:
         """Count `trained` samples of this step; the step's drops and repeats by

@@ -389,7 +389,7 @@ def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
     return {key: sum(r[key] for r in records) / len(records) for key in records[0]}
 
 
-def step_metrics(optimizer_steps: list[dict[str, float]]) -> dict[str, float]:
+def merge_optimizer_steps(optimizer_steps: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of one RL step's optimizer steps: means, except `sampling/`
     keys, taken from the first step (before the batch moved the weights)."""
     merged = mean_metrics(optimizer_steps)

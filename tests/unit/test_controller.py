@@ -59,7 +59,7 @@ def test_a_drop_between_steps_is_logged_by_the_next_step_beside_its_own():
     ledger.drop("trainer_rewind", 128)  # a rewind, between two steps
     ledger.generated += 128 + 8
     ledger.drop("env_failed", 8)  # the next step's refill
-    metrics = ledger.step_metrics(trained=128, reasons=("stale",))
+    metrics = ledger.count_step(trained=128, reasons=("stale",))
     assert metrics["samples/dropped_trainer_rewind"] == 128
     assert metrics["samples/dropped_env_failed"] == 8
     assert metrics["samples/dropped_stale"] == 0
@@ -67,7 +67,7 @@ def test_a_drop_between_steps_is_logged_by_the_next_step_beside_its_own():
     assert metrics["samples/generated_total"] == (
         metrics["samples/trained_total"] + metrics["samples/dropped_total"]
     )
-    assert ledger.step_metrics(trained=0)["samples/dropped"] == 0
+    assert ledger.count_step(trained=0)["samples/dropped"] == 0
 
 
 @pytest.mark.unit
