@@ -99,6 +99,7 @@ class Algorithm:
         self.scaler: Any = None
         self.dispatcher: Any = None
         self.reference: Any = None  # a frozen mesh (a reference, a teacher), where one runs
+        self.critic: Any = None  # a value model's mesh (PPO's), where one runs
         self.tokenizer = load_tokenizer(cfg.model)
         self.vision = vision_format(cfg.model)  # None: a text model
         self.context = context_length(cfg.model)
@@ -358,10 +359,10 @@ class Algorithm:
         followers on its leader's (`RoleMeshes`' `beside`)."""
         return {"policy_tp": "policy"} if self.cfg.placement.policy_tp > 1 else {}
 
-    def compose(self, run: Any, stateful: list) -> None:
-        """The pieces an on-policy loop uses, each role's catch-up after a respawn,
-        and the state step 0 starts from: a checkpoint's, or else version 0 on
-        every replica, the warm-start and the reference's copy of the result."""
+    def assemble(self, run: Any, stateful: list) -> None:
+        """The pieces an on-policy loop uses (supervisor, weight sync, collector,
+        evaluator, checkpointer, scaler, dispatcher) and each role's catch-up after a
+        respawn; `stateful`: the roles a checkpoint holds. Nothing runs yet: `start`."""
         cfg, state, policy, trainer = self.cfg, self.state, self.policy, self.trainer
         self.sup = sup = Supervisor(run, cfg.faults, state)
         self.sync = sync = WeightSync.from_config(sup, cfg.weights, wait=not cfg.max_staleness)
@@ -422,6 +423,16 @@ class Algorithm:
         sup.on_respawn("reference", self.reload_reference)
         if self.reference is not None and self.frozen_copy is None:
             sup.on_respawn(self.reference.name)  # a model of its own: it loads it itself
+        if self.critic is not None:
+            sup.heal_from_peers("critic", ("train_step",))  # DDP: its ranks are replicas
+
+    def start(self) -> None:
+        """The state step 0 starts from: a checkpoint's (`checkpoint.resume`), or else
+        version 0 on every replica, the warm-start, the reference's copy of the
+        result, the held-out evaluation before training and the critic's backbone
+        (the policy's weights); then the step log."""
+        cfg, state, sup, sync = self.cfg, self.state, self.sup, self.sync
+        policy, trainer, run = self.policy, self.trainer, self.meshes
         if self.ckpt.resume() is None:
             sync.pull(policy, sync.publish(trainer))  # version 0: the trainer's weights
             if cfg.warm_start.steps:
@@ -431,6 +442,8 @@ class Algorithm:
             if self.evaluator is not None:  # `eval.before`: the held-out sets, untrained
                 self.evaluator.evaluate_before()
         self.log = StepLog(run, cfg.steps, state.step, self.headline)
+        if self.critic is not None and run.resume_from is None:  # it starts as the policy
+            sup.call_all(self.critic, "load_backbone", sync.handle)
 
     @property
     def frozen_copy(self) -> Any:

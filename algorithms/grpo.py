@@ -124,11 +124,8 @@ class GRPO(Algorithm):
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
-                self.compose(run, [self.trainer, self.critic, self.frozen_copy, self.policy])
-                if self.critic is not None:
-                    self.sup.heal_from_peers("critic", ("train_step",))  # DDP: ranks are replicas
-                    if run.resume_from is None:  # the critic's backbone starts as the policy
-                        self.sup.call_all(self.critic, "load_backbone", self.sync.handle)
+                self.assemble(run, [self.trainer, self.critic, self.frozen_copy, self.policy])
+                self.start()  # a checkpoint's state, or version 0, the warm start, the copies
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
