@@ -66,9 +66,7 @@ def listeners(pids: set[int]) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket that one of `pids` listens on."""
     import ipaddress
 
-    from tests.support.other_user import socket_inodes
-
-    inodes = socket_inodes(pids)
+    inodes = channels.socket_inodes(pids)
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

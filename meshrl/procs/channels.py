@@ -40,6 +40,7 @@ import shutil
 import stat
 import tempfile
 import threading
+from collections.abc import Iterable
 
 from meshrl.procs import compiled
 
@@ -289,17 +290,23 @@ def hooked() -> bool:
     return _hooked is not None
 
 
+def socket_inodes(pids: Iterable[int | str]) -> set[str]:
+    """The inodes of every socket the processes `pids` hold open (`"self"`: this one)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        found.add(link[len("socket:[") : -1])
+    return found
+
+
 def abstract_sockets(pid: int | str = "self") -> list[str]:
     """The abstract Unix socket names that process `pid` holds open (from
     `/proc/net/unix` and its descriptors): what any local user could connect to."""
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-    names = []
+    inodes, names = socket_inodes([pid]), []
     with open(f"/proc/{pid}/net/unix") as table:
         next(table)
         for line in table:

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+from meshrl.procs.channels import socket_inodes
+
 NOBODY = 65534
 DROP = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--")
 
@@ -27,20 +29,6 @@ def as_nobody(code: str, *args: str, timeout: float = 60) -> subprocess.Complete
         timeout=timeout,
         cwd="/",
     )
-
-
-def socket_inodes(pids: set[int]) -> set[str]:
-    """The inodes of every socket one of `pids` holds open."""
-    found = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    found.add(target[len("socket:[") : -1])
-        except OSError:
-            continue
-    return found
 
 
 def unix_listeners(pids: set[int]) -> list[str]:
