@@ -121,6 +121,37 @@ class Policy(Drillable, Actor):
         `record_batch`: record this call's entropy and lengths (`policy/*`); work by
         pull computes them from each step's trained groups instead (the calls that
         run during a step are timing there), from the completions' `entropy`."""
+        return self._generate(prompt_ids, generation, seeds, images, record_batch)[0]
+
+    @endpoint
+    @observed
+    def generate_top(
+        self,
+        prompt_ids: list[list[int]],
+        generation: GenerationConfig,
+        seeds: list[int] | None = None,
+        top_logprobs: int = 0,
+    ) -> tuple[Completions, tuple[torch.Tensor, torch.Tensor] | None]:
+        """`generate` for the OpenAI-compatible endpoint (`meshrl.envs.endpoint`):
+        with `top_logprobs` > 0 also each step's that many most likely tokens, as
+        (log-probs, ids) [B, T, k] under the distribution each token was drawn
+        from; None with 0. `generation.temperature` 0 is greedy decoding."""
+        completions, stats = self._generate(
+            prompt_ids, generation, seeds, None, True, top_logprobs
+        )
+        top = stats.get("top_logprobs")
+        return completions, None if top is None else tuple(t.cpu() for t in top)
+
+    def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        generation: GenerationConfig,
+        seeds: list[int] | None,
+        images: tuple[torch.Tensor, torch.Tensor] | None,
+        record_batch: bool,
+        top_logprobs: int = 0,
+    ) -> tuple[Completions, dict]:
+        """`generate`'s work; returns the engine's `stats` beside the completions."""
         self.drill("generate")
         self.check_serving()
         started = time.perf_counter()
@@ -143,6 +174,7 @@ class Policy(Drillable, Actor):
                 seeds,
                 None if images is None else tuple(t.to(self.device) for t in images),
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
+                **({"top_logprobs": top_logprobs} if top_logprobs else {}),
             )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:
@@ -165,7 +197,7 @@ class Policy(Drillable, Actor):
         if record_batch:
             for key, (value, reduce) in completions.policy_metrics().items():
                 record(key, value, reduce)
-        return completions
+        return completions, stats
 
     @endpoint
     def join(self, masters: list[tuple[str, int]]) -> None:

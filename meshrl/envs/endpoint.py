@@ -48,32 +48,60 @@ through this server.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import math
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from meshrl.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 from meshrl.envs.endpoint_http import (
     MAX_BODY_BYTES,  # noqa: F401 - the endpoint's limits, importable from here
     READ_TIMEOUT_S,
     WORKERS,
+    Asked,
     RequestError,
-    asked_tokens,
-    check_body,
     handler,
-    number,
+    read_request,
     text_chars,
 )
 from meshrl.envs.rollout import ChatFormat, share
+from meshrl.envs.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolError,
+    check_tools,
+    chosen,
+    new_id,
+    parse,
+    parser_for_template,
+    parser_name,
+)
 from meshrl.model.tokenizer import max_token_chars
 from meshrl.observe.front import BoundedServer
 from meshrl.procs.mesh import RemoteCallError, wait
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one request's samples are drawn."""
+
+    temperature: float
+    """0: greedy (each step's most likely token)."""
+    top_p: float
+    seed: int | None = None
+    """The request's seed: its samples are a function of it (with the prompt, the
+    settings and the weights), whatever the batch around them."""
+    top_logprobs: int = 0
+
+    def batch_key(self) -> tuple:
+        """Requests that one `policy.generate` call can sample together."""
+        return (self.temperature, self.top_p, self.seed is not None)
 
 
 @dataclass
@@ -81,13 +109,21 @@ class Sampled:
     tokens: list[int]
     logprobs: list[float]
     version: int
+    top: list[list[tuple[int, float]]] | None = None
+    """Each token's most likely alternatives (id, log-prob), when asked for."""
+
+
+def row_seed(seed: int, i: int) -> int:
+    """Sample `i`'s seed of a request with `seed` and several samples (`n` <= 32)."""
+    return ((seed << 5) + i) % 2**62
 
 
 @dataclass
 class _Request:
     ids: list[int]
     max_tokens: int
-    sampling: tuple[float, float]  # temperature, top_p
+    sampling: Sampling
+    seed: int | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -118,15 +154,25 @@ class Router:
         threading.Thread(target=self._dispatch, name="router", daemon=True).start()
 
     def generate(
-        self, ids: list[int], max_tokens: int, temperature: float, top_p: float
-    ) -> Sampled:
-        request = _Request(ids, max_tokens, (temperature, top_p))
+        self, ids: list[int], max_tokens: int, sampling: Sampling, n: int = 1
+    ) -> list[Sampled]:
+        """`n` samples of the prompt `ids`, queued together so that they share a
+        batch (and its prefill: `policy.share_prefix`) where a replica is free."""
+        requests = [
+            _Request(
+                ids,
+                max_tokens,
+                sampling,
+                None if sampling.seed is None else row_seed(sampling.seed, i),
+            )
+            for i in range(n)
+        ]
         with self.cond:
             if self.closed:
                 raise RuntimeError("the policy endpoint is closed")
-            self.waiting.append(request)
+            self.waiting += requests
             self.cond.notify_all()
-        return request.future.result()
+        return [request.future.result() for request in requests]
 
     def close(self) -> None:
         with self.cond:
@@ -144,36 +190,45 @@ class Router:
                 if self.closed:
                     return
                 rank = self.free.pop(0)
-                sampling = self.waiting[0].sampling
-                same = [r for r in self.waiting if r.sampling == sampling]
+                key = self.waiting[0].sampling.batch_key()
+                same = [r for r in self.waiting if r.sampling.batch_key() == key]
                 batch, _ = share(same, len(self.free) + 1)
                 self.waiting = [r for r in self.waiting if all(r is not b for b in batch)]
             threading.Thread(target=self._send, args=(rank, batch), daemon=True).start()
 
     def _send(self, rank: int, batch: list[_Request]) -> None:
-        temperature, top_p = batch[0].sampling
+        sampling = batch[0].sampling
         generation = replace(
             self.generation,
             max_new_tokens=max(r.max_tokens for r in batch),
             min_new_tokens=0,
-            temperature=temperature,
-            top_p=top_p,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
         )
+        seeds = None if sampling.seed is None else [r.seed for r in batch]
+        top = max(r.sampling.top_logprobs for r in batch)
         try:
             future = (
                 self.actors()
                 .slice(procs=rank)
-                .generate.call_one([r.ids for r in batch], generation)
+                .generate_top.call_one([r.ids for r in batch], generation, seeds, top)
             )
             sent = time.perf_counter()
-            result = wait(future, "policy.generate", self.timeout_s)
+            result, tops = wait(future, "policy.generate", self.timeout_s)
             with self.cond:
                 self.generate_s += time.perf_counter() - sent
             rows = zip(result.completion_lists(), result.logprobs.tolist(), strict=True)
-            for request, (tokens, logprobs) in zip(batch, rows, strict=True):
+            for row, (request, (tokens, logprobs)) in enumerate(zip(batch, rows, strict=True)):
                 tokens = tokens[: request.max_tokens]  # the batch sampled to its longest
+                alternatives = None
+                if request.sampling.top_logprobs:
+                    k = request.sampling.top_logprobs
+                    values, ids = (t[row, : len(tokens), :k].tolist() for t in tops)
+                    alternatives = [
+                        list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)
+                    ]
                 request.future.set_result(
-                    Sampled(tokens, logprobs[: len(tokens)], result.weight_version)
+                    Sampled(tokens, logprobs[: len(tokens)], result.weight_version, alternatives)
                 )
         except RemoteCallError as error:
             if error.proc_lost and self.on_lost is not None:
@@ -192,6 +247,51 @@ class Router:
 
 
 @dataclass
+class Answer:
+    """One sample as the client gets it (`PolicyServer._finish`)."""
+
+    sampled: Sampled
+    """The tokens kept (up to the stop string's), their log-probs and version."""
+    text: str
+    """The text: the message's content (chat) or the completion."""
+    finish: str
+    calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
+    tool_error: str = ""
+    """Why the text's tool calls were not returned as `tool_calls` ('' if they were)."""
+
+    def message(self) -> dict:
+        message: dict[str, Any] = {"role": "assistant"}
+        message["content"] = None if self.calls and not self.text else self.text
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in self.calls
+            ]
+        return message
+
+    def answered(self, kind: str) -> dict:
+        """What the client's next call in the episode repeats of this answer."""
+        return self.message() if kind == "chat" else {"text": self.text}
+
+
+@dataclass
+class Reply:
+    """A request's answer: `payload` as JSON, or with `stream` its `chunks()` as
+    server-sent events."""
+
+    payload: dict
+    stream: bool
+    chunks: Callable[[], Iterator[dict]]
+
+
+@dataclass
 class Transcript:
     """One episode's calls as one token sequence (the rollout's `EpisodeState` shape)."""
 
@@ -202,7 +302,8 @@ class Transcript:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    messages: list[tuple[str, str]] = field(default_factory=list)  # chat: (role, text)
+    messages: list[tuple] = field(default_factory=list)
+    """Chat: each message as `_message` compares it (role, text, tool calls)."""
     text: str = ""  # completions: the prompt and the answers so far
     kind: str = ""  # "chat" or "completions", fixed by the first call
     calls: int = 0
@@ -243,7 +344,12 @@ class Transcript:
             raise RequestError("a continuing request adds tool or user messages after the answer")
         return fmt.after_turn(new, self.last_turn, tools)
 
-    def add(self, kind: str, body: dict, added: list[int], sampled: Sampled, text: str) -> None:
+    def add(
+        self, kind: str, body: dict, added: list[int], sampled: Sampled, answered: dict
+    ) -> None:
+        """Record a call: `added` (the new messages' ids), the model's tokens as
+        sampled, and `answered`, the message (chat) or text (completions) the
+        client was given, which its next call must repeat."""
         first = not self.calls
         if first:
             self.prompt_ids = list(added)
@@ -258,9 +364,9 @@ class Transcript:
         self.versions += [sampled.version] * len(sampled.tokens)
         self.kind, self.calls, self.last_turn = kind, self.calls + 1, sampled.tokens
         if kind == "completions":
-            self.text = body["prompt"] + text
+            self.text = body["prompt"] + answered["text"]
         else:
-            self.messages = [_message(m) for m in body["messages"]] + [("assistant", text)]
+            self.messages = [_message(m) for m in body["messages"]] + [_message(answered)]
 
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
@@ -296,11 +402,21 @@ class _BoundedTokenizer:
         return self.inner(text, *args, **kwargs)
 
 
-def _message(message: dict) -> tuple[str, str]:
+def _message(message: dict) -> tuple[str, str, tuple]:
+    """What must stay the same of a message that an episode's next call repeats:
+    its role, its text and its tool calls (each by name and arguments, as JSON
+    values: a framework may re-serialize the arguments, or draw its own ids)."""
     content = message.get("content") or ""
     if isinstance(content, list):  # OpenAI content parts: their text
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(message.get("role", "")), str(content)
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        arguments = function.get("arguments")
+        with contextlib.suppress(TypeError, ValueError):  # else compared as it is
+            arguments = json.dumps(json.loads(arguments), sort_keys=True)
+        calls.append((function.get("name"), arguments))
+    return str(message.get("role", "")), str(content), tuple(calls)
 
 
 class PolicyServer:
@@ -320,8 +436,23 @@ class PolicyServer:
         record_path: str | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
         token: str | None = None,
+        tool_parser: str = "auto",
     ):
         self.router, self.context = router, context
+        self.tool_parser = (
+            parser_for_template(getattr(fmt.tokenizer, "chat_template", None))
+            if tool_parser == "auto"
+            else parser_name(tool_parser)
+        )
+        """How the model's tool calls are read (`meshrl.envs.tool_calls`): the
+        parser named, or the one its chat template implies (None: none known,
+        and a request with `tools` and a tool choice other than none is refused)."""
+        self.tool_call_errors = 0
+        """Answers whose tool-call text did not parse (returned as content)."""
+        self.tool_choice_unmet = 0
+        """Answers without the tool call that `tool_choice` asked for (returned as
+        they are: the sampler is not constrained)."""
+        self._special_texts: list[str] | None = None
         self.model_name, self.sampling = model_name, sampling
         self.record_path = record_path
         """Each answer's record (a JSON line: prompt and completion ids, log-probs,
@@ -435,11 +566,10 @@ class PolicyServer:
 
     # --- answering --------------------------------------------------------------------------
 
-    def answer(self, kind: str, body: dict, key: str | None) -> dict:
+    def answer(self, kind: str, body: dict, key: str | None) -> Reply:
         """One request's OpenAI-shaped answer; under an episode `key`, recorded."""
-        # Without a key: stateless, a one-call episode that nothing trains on.
-        transcript = self.episode(key) if key is not None else Transcript(max_calls=1)
-        check_body(kind, body)
+        transcript = self.episode(key) if key is not None else None
+        asked = read_request(kind, body)
         if body.get("model", self.model_name) != self.model_name:
             raise RequestError(
                 f"model {body.get('model')!r} is not served here: {self.model_name!r}"
@@ -447,83 +577,315 @@ class PolicyServer:
         chars = text_chars(kind, body)
         if chars > self.context * self.token_chars:
             raise RequestError(_too_long(chars, self.context))
-        sampling = self._sampling(body)
-        limit = asked_tokens(body, self.router.generation.max_new_tokens)
+        tools = self._tools(kind, body)
+        sampling, said = self._sampling(asked)
+        if transcript is not None and asked.n != 1:
+            raise RequestError("n must be 1 in an episode: its calls are one sequence of tokens")
+        limit = self.router.generation.max_new_tokens
+        limit = limit if asked.max_tokens is None else min(asked.max_tokens, limit)
         with self.lock:
             self.requests += 1
-        with transcript.lock:  # an episode's calls come one after another
-            if transcript.calls >= transcript.max_calls:
-                # Past the turn limit the episode has ended: the call is answered
-                # with nothing sampled (finish_reason "length"), and the agent
-                # goes on to its reward.
-                transcript.truncated = True
-                return self._reply(kind, body, transcript.context(), "", None, [], "length", -1)
-            added = transcript.continuation(self.format, kind, body)
-            context = transcript.context() + added if transcript.calls else added
-            room = self.context - len(context)
-            if room <= 0:
-                raise RequestError(
-                    f"the conversation ({len(context)} tokens) fills the model's "
-                    f"context of {self.context}"
-                )
-            max_tokens = min(room, limit)
-            sampled = self.router.generate(context, max_tokens, *sampling)
-            tokenizer = self.format.tokenizer
-            text = tokenizer.decode(sampled.tokens, skip_special_tokens=True)
-            transcript.add(kind, body, added, sampled, text)
+            number = self.requests
+        if transcript is None:  # stateless: nothing trains on it
+            context = Transcript(max_calls=1).continuation(self.format, kind, body)
+            max_tokens = self._room(context, limit)
+            samples = self.router.generate(context, max_tokens, sampling, asked.n)
+            answers = [self._finish(kind, s, asked, max_tokens, tools) for s in samples]
+        else:
+            with transcript.lock:  # an episode's calls come one after another
+                if transcript.calls >= transcript.max_calls:
+                    # Past the turn limit the episode has ended: the call is answered
+                    # with nothing sampled (finish_reason "length"), and the agent
+                    # goes on to its reward.
+                    transcript.truncated = True
+                    ended = Answer(Sampled([], [], -1), "", "length")
+                    return self._reply(kind, asked, number, transcript.context(), [ended], said)
+                added = transcript.continuation(self.format, kind, body)
+                context = transcript.context() + added if transcript.calls else added
+                max_tokens = self._room(context, limit)
+                (sample,) = self.router.generate(context, max_tokens, sampling)
+                answers = [self._finish(kind, sample, asked, max_tokens, tools)]
+                transcript.add(kind, body, added, answers[0].sampled, answers[0].answered(kind))
         if self.record_path is not None:
-            self._record(key, context, sampled)
+            for answer in answers:
+                self._record(key, context, answer.sampled)
+        return self._reply(kind, asked, number, context, answers, said)
+
+    def _room(self, context: list[int], limit: int) -> int:
+        room = self.context - len(context)
+        if room <= 0:
+            raise RequestError(
+                f"the conversation ({len(context)} tokens) fills the model's "
+                f"context of {self.context}"
+            )
+        return min(room, limit)
+
+    def _tools(self, kind: str, body: dict) -> tuple[str, str] | None:
+        """(the parser, the tool choice) when the answer's tool calls are to be
+        parsed; None when the request has no tools or `tool_choice: none`."""
+        if kind != "chat":
+            return None
+        try:
+            _, choice = check_tools(body.get("tools"), body.get("tool_choice"))
+        except ToolError as error:
+            raise RequestError(str(error)) from None
+        if choice is None:
+            return None
+        if self.tool_parser is None:
+            raise RequestError(
+                "tools: no tool-call parser for this model (its chat template teaches no "
+                f"format meshrl reads: {', '.join(PARSERS)}); name one in policy.tool_parser"
+            )
+        return self.tool_parser, choice
+
+    def _sampling(self, asked: Asked) -> tuple[Sampling, dict]:
+        """How the request's samples are drawn, and what the answer's `meshrl`
+        field says of it: the settings used and, where the server's sampling is
+        the run's ("run": the trainer scores those), which of the request's it
+        overrode."""
+        generation = self.router.generation
+        if self.sampling == "run":
+            sampling = Sampling(generation.temperature, generation.top_p, None, asked.top_logprobs)
+            overridden = [
+                name
+                for name, value, used in (
+                    ("temperature", asked.temperature, sampling.temperature),
+                    ("top_p", asked.top_p, sampling.top_p),
+                    ("seed", asked.seed, None),
+                )
+                if value is not None and value != used
+            ]
+        else:
+            sampling = Sampling(
+                generation.temperature if asked.temperature is None else asked.temperature,
+                generation.top_p if asked.top_p is None else asked.top_p,
+                asked.seed,
+                asked.top_logprobs,
+            )
+            overridden = []
+        said = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+        said |= {"seed": sampling.seed, "overridden": overridden}
+        return sampling, said
+
+    def _finish(
+        self, kind: str, sampled: Sampled, asked: Asked, max_tokens: int, tools: tuple | None
+    ) -> Answer:
+        """A sample as the client gets it: cut at the first stop string (its tokens
+        with it: the row keeps what was sampled up to the stop), its tool calls
+        parsed."""
+        tokenizer = self.format.tokenizer
         finish = "length" if len(sampled.tokens) >= max_tokens else "stop"
-        return self._reply(
-            kind, body, context, text, sampled.tokens, sampled.logprobs, finish, sampled.version
-        )
+        text = tokenizer.decode(sampled.tokens, skip_special_tokens=True)
+        matched = ""
+        if asked.stop:
+            cut = stop_cut(
+                sampled.tokens, asked.stop, lambda t: tokenizer.decode(t, skip_special_tokens=True)
+            )
+            if cut is not None:
+                kept, text, matched = cut
+                top = None if sampled.top is None else sampled.top[:kept]
+                sampled = Sampled(
+                    sampled.tokens[:kept], sampled.logprobs[:kept], sampled.version, top
+                )
+                finish = "stop"
+        answer = Answer(sampled, text, finish)
+        if tools is None:
+            return answer
+        parser, choice = tools
+        raw = tokenizer.decode(sampled.tokens, skip_special_tokens=False)
+        if matched and matched in raw:
+            raw = raw[: raw.index(matched)]
+        parsed = parse(parser, self._trim(raw))
+        problem = parsed.malformed or chosen(parsed, choice)
+        with self.lock:
+            self.tool_call_errors += bool(parsed.malformed)
+            self.tool_choice_unmet += bool(problem and not parsed.malformed)
+        if problem or not parsed.calls:
+            answer.tool_error = problem  # the text comes back as it is, as content
+            return answer
+        calls = parsed.calls
+        if not asked.parallel_tool_calls and len(calls) > 1:
+            answer.tool_error = f"parallel_tool_calls is false: the first of {len(calls)} calls"
+            calls = calls[:1]
+        answer.calls = [ToolCall(c.name, c.arguments, c.id or new_id(parser)) for c in calls]
+        answer.text = self._strip(parsed.content or "").strip()
+        answer.reasoning = parsed.reasoning and self._strip(parsed.reasoning)
+        answer.finish = "tool_calls"
+        return answer
+
+    def _specials(self) -> list[str]:
+        """The tokenizer's special tokens' texts, longest first."""
+        if self._special_texts is None:
+            tokenizer = self.format.tokenizer
+            texts = set(getattr(tokenizer, "all_special_tokens", []))
+            for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+                if getattr(token, "special", False):
+                    texts.add(str(token))
+            self._special_texts = sorted((t for t in texts if t), key=len, reverse=True)
+        return self._special_texts
+
+    def _trim(self, raw: str) -> str:
+        """`raw` without the special tokens that end it (EOS, end of turn)."""
+        trimmed = True
+        while trimmed:
+            raw, trimmed = raw.rstrip(), False
+            for special in self._specials():
+                if raw.endswith(special):
+                    raw, trimmed = raw[: -len(special)], True
+        return raw
+
+    def _strip(self, text: str) -> str:
+        for special in self._specials():
+            text = text.replace(special, "")
+        return text
 
     def _reply(
         self,
         kind: str,
-        body: dict,
+        asked: Asked,
+        number: int,
         context: list[int],
-        text: str,
-        tokens: list[int] | None,
-        logprobs_: list[float] | None,
-        finish: str,
-        version: int,
-    ) -> dict:
-        """The OpenAI-shaped answer of one call."""
-        tokens = tokens or []
-        tokenizer = self.format.tokenizer
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        choice["token_ids"] = tokens
-        logprobs = None
-        if body.get("logprobs"):
-            pieces = [tokenizer.decode([t]) for t in tokens]
+        answers: list[Answer],
+        said: dict,
+    ) -> Reply:
+        """The OpenAI-shaped answer of one call (its stream, when asked for)."""
+        choices = []
+        for i, answer in enumerate(answers):
+            choice: dict[str, Any] = {"index": i, "finish_reason": answer.finish}
+            choice["token_ids"] = answer.sampled.tokens
+            choice["logprobs"] = self._logprobs(kind, answer, asked, 0, None)
             if kind == "chat":
-                logprobs = {
-                    "content": [
-                        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                        for p, lp in zip(pieces, logprobs_ or [], strict=True)
-                    ]
-                }
+                choice["message"] = answer.message()
             else:
-                logprobs = {"tokens": pieces, "token_logprobs": logprobs_ or []}
-        choice["logprobs"] = logprobs
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": f"meshrl-{self.requests}",
+                choice["text"] = answer.text
+            choices.append(choice)
+        completion_tokens = sum(len(a.sampled.tokens) for a in answers)
+        meshrl: dict[str, Any] = {
+            "weight_version": min(a.sampled.version for a in answers),
+            "prompt_token_ids": context,
+            "sampling": said,
+        }
+        errors = [
+            {"index": i, "error": a.tool_error} for i, a in enumerate(answers) if a.tool_error
+        ]
+        if errors:
+            meshrl["tool_call_errors"] = errors
+        payload = {
+            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-meshrl-{number}",
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [choice],
+            "choices": choices,
             "usage": {
                 "prompt_tokens": len(context),
-                "completion_tokens": len(tokens),
-                "total_tokens": len(context) + len(tokens),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(context) + completion_tokens,
             },
-            "meshrl": {"weight_version": version, "prompt_token_ids": context},
+            "meshrl": meshrl,
         }
+        return Reply(payload, asked.stream, lambda: self._chunks(kind, asked, payload, answers))
+
+    def _logprobs(
+        self, kind: str, answer: Answer, asked: Asked, start: int, end: int | None
+    ) -> dict | None:
+        """The `logprobs` of the answer's tokens [start:end], as OpenAI shapes them
+        per route; None when not asked for. A token outside top-p's nucleus has
+        log-prob -inf, sent as -9999.0 (OpenAI's stand-in: JSON has no -inf)."""
+        if not asked.logprobs:
+            return None
+        tokenizer = self.format.tokenizer
+        k = asked.top_logprobs
+        sampled = answer.sampled
+        tokens, values = sampled.tokens[start:end], sampled.logprobs[start:end]
+        alternatives = (sampled.top or [[]] * len(sampled.tokens))[start:end]
+
+        def piece(token: int) -> str:
+            return tokenizer.decode([token])
+
+        def finite(value: float) -> float:
+            return value if math.isfinite(value) else -9999.0
+
+        if kind == "chat":
+            content = []
+            for token, value, top in zip(tokens, values, alternatives, strict=True):
+                text = piece(token)
+                entry = {"token": text, "logprob": finite(value), "bytes": list(text.encode())}
+                entry["top_logprobs"] = [
+                    {"token": (t := piece(i)), "logprob": finite(v), "bytes": list(t.encode())}
+                    for i, v in top[:k]
+                ]
+                content.append(entry)
+            return {"content": content}
+        pieces = [piece(t) for t in tokens]
+        offsets, at = [], 0
+        for text in pieces:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": pieces,
+            "token_logprobs": [finite(v) for v in values],
+            "top_logprobs": [{piece(i): finite(v) for i, v in top[:k]} for top in alternatives]
+            if k
+            else None,
+            "text_offset": offsets,
+        }
+
+    def _chunks(
+        self, kind: str, asked: Asked, payload: dict, answers: list[Answer]
+    ) -> Iterator[dict]:
+        """The answer as OpenAI streams it: per choice a chunk with the role
+        (chat), one per token's text (token ids and log-probs with it), the tool
+        calls whole, one with the finish reason (and the `meshrl` field); then,
+        with `stream_options.include_usage`, one with no choices and the usage
+        (every chunk before it has `usage: null`). The answer is sampled whole
+        before its first chunk is sent."""
+        base = {k: payload[k] for k in ("id", "created", "model")}
+        base["object"] = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        if asked.include_usage:
+            base["usage"] = None
+        chat = kind == "chat"
+        for i, answer in enumerate(answers):
+            if chat:
+                delta = {"role": "assistant", "content": ""}
+                yield {**base, "choices": [_chunk_choice(i, delta=delta)]}
+            for text, start, end in self._pieces(answer):
+                logprobs = self._logprobs(kind, answer, asked, start, end)
+                content = {"delta": {"content": text}} if chat else {"text": text}
+                ids = answer.sampled.tokens[start:end]
+                yield {**base, "choices": [_chunk_choice(i, logprobs, ids, **content)]}
+            if answer.calls:
+                calls = [
+                    {"index": j, **call} for j, call in enumerate(answer.message()["tool_calls"])
+                ]
+                yield {**base, "choices": [_chunk_choice(i, delta={"tool_calls": calls})]}
+            last = _chunk_choice(
+                i, finish_reason=answer.finish, **({"delta": {}} if chat else {"text": ""})
+            )
+            yield {**base, "choices": [last], "meshrl": payload["meshrl"]}
+        if asked.include_usage:
+            yield {**base, "choices": [], "usage": payload["usage"], "meshrl": payload["meshrl"]}
+
+    def _pieces(self, answer: Answer) -> list[tuple[str, int, int]]:
+        """The answer's text in stream pieces (text, first token, end token): the
+        text each token adds (a token that ends inside a character waits for the
+        next), so that they join into the answer's text; tokens past it (a stop
+        string, EOS) come with empty text. An answer with tool calls: its content
+        in one piece, with all its tokens."""
+        tokens, text = answer.sampled.tokens, answer.text
+        if answer.calls:
+            return [(text, 0, len(tokens))]
+        tokenizer = self.format.tokenizer
+        pieces, shown, start = [], "", 0
+        for end in range(1, len(tokens) + 1):
+            now = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+            if end < len(tokens) and (now.endswith("\ufffd") or not now.startswith(shown)):
+                continue
+            piece = now[len(shown) :][: max(0, len(text) - len(shown))]
+            pieces.append((piece, start, end))
+            shown, start = shown + piece, end
+        if shown != text:  # a tokenizer whose pieces do not join into its text
+            return [(text, 0, len(tokens))]
+        return pieces
 
     def _record(self, key: str | None, context: list[int], sampled: Sampled) -> None:
         line = json.dumps(
@@ -538,21 +900,34 @@ class PolicyServer:
         with self.lock, open(self.record_path, "a") as f:
             f.write(line + "\n")
 
-    def _sampling(self, body: dict) -> tuple[float, float]:
-        generation = self.router.generation
-        temperature = body.get("temperature", generation.temperature)
-        top_p = body.get("top_p", generation.top_p)
-        if temperature is None:
-            temperature = generation.temperature
-        if top_p is None:
-            top_p = generation.top_p
-        # Checked whichever settings sample: a request is malformed or it is not.
-        if not number(temperature) or not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
-            raise RequestError(
-                f"temperature must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
-            )
-        if not number(top_p) or not 1e-6 <= top_p <= 1:
-            raise RequestError("top_p must be a number in [1e-6, 1]")
-        if self.sampling == "run":
-            return generation.temperature, generation.top_p
-        return float(temperature), float(top_p)
+
+def _chunk_choice(
+    index: int, logprobs: dict | None = None, token_ids: list[int] | None = None, **fields: Any
+) -> dict:
+    choice = {"index": index, **fields, "logprobs": logprobs}
+    choice.setdefault("finish_reason", None)
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def stop_cut(
+    tokens: list[int], stops: list[str], decode: Callable[[list[int]], str]
+) -> tuple[int, str, str] | None:
+    """Where the first of `stops` ends a sample: (the fewest tokens whose text
+    holds it, the text before it, the stop string), or None when the text holds
+    none. The token that completes the match is kept: it was sampled, and may
+    carry text past the match (the client's text ends before the match)."""
+    text = decode(tokens)
+    found = [(text.find(stop), stop) for stop in stops if stop in text]
+    if not found:
+        return None
+    at, stop = min(found)
+    low, high = 1, len(tokens)  # the shortest prefix whose text holds the match
+    while low < high:
+        middle = (low + high) // 2
+        if stop in decode(tokens[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low, text[:at], stop

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from meshrl.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 MAX_BODY_BYTES = 8 << 20
 """The largest request body read (413 above it)."""
@@ -59,12 +63,159 @@ def check_body(kind: str, body: dict) -> None:
             raise RequestError("'tools' must be a list")
     if kind == "completions" and not isinstance(body["prompt"], str):
         raise RequestError("'prompt' must be one string")
-    if body.get("stream"):
-        raise RequestError("stream is not supported")
-    if body.get("n", 1) != 1:
-        raise RequestError("n must be 1 (send one request per sample)")
     if not isinstance(body.get("model", ""), str):
         raise RequestError("'model' must be a string")
+
+
+MAX_N = 16
+"""Samples one request may ask for (`n`)."""
+MAX_STOPS = 4
+"""Stop strings one request may give (OpenAI's limit)."""
+MAX_TOP_LOGPROBS = 20
+"""Alternatives per token one request may ask for (OpenAI's limit)."""
+
+HONOURED = {
+    "chat": {
+        "model", "messages", "temperature", "top_p", "seed", "max_tokens",
+        "max_completion_tokens", "stop", "n", "logprobs", "top_logprobs", "stream",
+        "stream_options", "tools", "tool_choice", "parallel_tool_calls",
+    },
+    "completions": {
+        "model", "prompt", "temperature", "top_p", "seed", "max_tokens", "stop", "n",
+        "logprobs", "stream", "stream_options",
+    },
+}  # fmt: skip
+"""The request fields the endpoint acts on, per route."""
+BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+"""Fields that label a request for OpenAI's own records and change no answer:
+accepted, and without effect here."""
+NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "frequency_penalty": (lambda v: v in (None, 0), "0"),
+    "presence_penalty": (lambda v: v in (None, 0), "0"),
+    "logit_bias": (lambda v: not v, "empty"),
+    "response_format": (lambda v: v in (None, {"type": "text"}), "{'type': 'text'}"),
+    "modalities": (lambda v: v in (None, ["text"]), "['text']"),
+    "echo": (lambda v: v in (None, False), "false"),
+    "suffix": (lambda v: v in (None, ""), "empty"),
+    "best_of": (lambda v: v in (None, 1), "1"),
+}
+"""Fields the sampler cannot honour (penalties, biases, constrained formats):
+taken only at the value that asks for nothing, else refused."""
+
+
+@dataclass
+class Asked:
+    """What a request asks of the sampler, checked (`read_request`)."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    """None: the server's limit."""
+    temperature: float | None = None
+    """None: the server's default; 0: greedy."""
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    parallel_tool_calls: bool = True
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_request(kind: str, body: dict) -> Asked:
+    """A request's sampling fields, checked: RequestError (one line, 400) on a
+    malformed value, on a field the sampler cannot honour and on an unknown field
+    (OpenAI refuses those too), so that nothing asked is silently dropped."""
+    check_body(kind, body)
+    for key, value in body.items():
+        if key in HONOURED[kind] or key in BOOKKEEPING:
+            continue
+        if key in NEUTRAL:
+            neutral, what = NEUTRAL[key]
+            if not neutral(value):
+                raise RequestError(f"{key} is not supported here: leave it out or send {what}")
+            continue
+        raise RequestError(f"unrecognized request argument: {key}")
+    asked = Asked()
+    n = body.get("n")
+    if n is not None:
+        if not (_integer(n) and 1 <= n <= MAX_N):
+            raise RequestError(f"n must be an integer in [1, {MAX_N}]")
+        asked.n = n
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    if limit is not None:
+        if not (_integer(limit) and limit >= 1):
+            raise RequestError("max_tokens must be a positive integer")
+        asked.max_tokens = limit
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not (
+            number(temperature)
+            and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)
+        ):
+            raise RequestError(
+                f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}]"
+            )
+        asked.temperature = float(temperature)
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not (number(top_p) and 1e-6 <= top_p <= 1):
+            raise RequestError("top_p must be a number in [1e-6, 1]")
+        asked.top_p = float(top_p)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _integer(seed):
+            raise RequestError("seed must be an integer")
+        asked.seed = seed
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None:
+        if not (
+            isinstance(stops, list)
+            and len(stops) <= MAX_STOPS
+            and all(isinstance(x, str) and x for x in stops)
+        ):
+            raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOPS}")
+        asked.stop = stops
+    logprobs = body.get("logprobs")
+    if kind == "chat":
+        if logprobs not in (None, True, False):
+            raise RequestError("logprobs must be true or false")
+        asked.logprobs = bool(logprobs)
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not (_integer(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+                raise RequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            if top and not asked.logprobs:
+                raise RequestError("top_logprobs needs logprobs: true")
+            asked.top_logprobs = top
+        parallel = body.get("parallel_tool_calls")
+        if parallel not in (None, True, False):
+            raise RequestError("parallel_tool_calls must be true or false")
+        asked.parallel_tool_calls = parallel is not False
+    elif logprobs is not None and logprobs is not False:
+        # The legacy route's logprobs is a count: the sampled token's and that many more.
+        if not (logprobs is True or (_integer(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS)):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        asked.logprobs, asked.top_logprobs = True, 0 if logprobs is True else logprobs
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise RequestError("stream must be true or false")
+    asked.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not asked.stream:
+            raise RequestError("stream_options is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise RequestError("stream_options may only hold include_usage")
+        asked.include_usage = bool(options.get("include_usage"))
+    return asked
 
 
 def field_chars(value: Any) -> int:
@@ -87,15 +238,6 @@ def text_chars(kind: str, body: dict) -> int:
     return field_chars(body["messages"]) + field_chars(body.get("tools"))
 
 
-def asked_tokens(body: dict, limit: int) -> int:
-    asked = body.get("max_completion_tokens", body.get("max_tokens"))
-    if asked is None:
-        return limit
-    if not (isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1):
-        raise RequestError("max_tokens must be a positive integer")
-    return min(asked, limit)
-
-
 def handler(server: Any) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:  # no line per request on stderr
@@ -113,6 +255,22 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
                 self.close_connection = True  # the client left: its answer goes nowhere
+
+        def _events(self, chunks: Iterable[dict]) -> None:
+            """Server-sent events, as OpenAI streams: a `data:` line per chunk, then
+            `data: [DONE]`; the body ends when the connection closes (HTTP/1.0)."""
+            self.close_connection = True
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                for chunk in chunks:
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                pass  # the client left mid-stream
 
         def _error(
             self, status: int, message: str, kind: str, code: Any = None, headers: Any = ()
@@ -186,7 +344,11 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(data or b"{}")
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
-                self._reply(200, server.answer(kind, body, key))
+                reply = server.answer(kind, body, key)
+                if reply.stream:
+                    self._events(reply.chunks())
+                else:
+                    self._reply(200, reply.payload)
             except (
                 RequestError,
                 json.JSONDecodeError,

@@ -62,9 +62,12 @@ class HFEngine:
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: list[int] | None = None,
+        top_logprobs: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None.
-        `lengths`: each row's exact length (`faults.completion_lengths`), or None."""
+        `lengths`: each row's exact length (`faults.completion_lengths`), or None.
+        `top_logprobs` > 0: `stats["top_logprobs"]` gets each step's k most likely
+        tokens and their log-probs ([B, T, k] each). Temperature 0 is greedy."""
         pixels, counts = images if images is not None else (None, None)
         return sample(
             self.model,
@@ -85,6 +88,7 @@ class HFEngine:
             images=pixels,
             image_counts=counts,
             lengths=None if lengths is None else torch.tensor(lengths),
+            top_k_logprobs=top_logprobs,
         )
 
     def weights_changed(self) -> None:
@@ -142,6 +146,7 @@ class VLLMEngine:
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: list[int] | None = None,
+        top_logprobs: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import vllm
 
@@ -157,7 +162,8 @@ class VLLMEngine:
                 temperature=generation.temperature,
                 top_p=generation.top_p,
                 max_tokens=generation.max_new_tokens if length is None else length,
-                logprobs=0,  # the sampled token's own log-prob
+                # The sampled token's own log-prob, and the k most likely beside it.
+                logprobs=top_logprobs,
                 stop_token_ids=list(self.stop_ids),
                 min_tokens=generation.min_new_tokens if length is None else length,
                 seed=seed,
@@ -179,8 +185,25 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(out.logprobs, ids_out, strict=True)]
             )
             completion_mask[row, : len(ids_out)] = 1
+        if top_logprobs:
+            stats["top_logprobs"] = self._top(outputs, width, top_logprobs)
         # No `entropy_rows`: vLLM does not return the full distribution.
         return tokens, logprobs, completion_mask
+
+    def _top(self, outputs, width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's k most likely tokens of each step (by their rank: the sampled
+        token comes beside them when it is not one of them) as [B, T, k] tensors."""
+        values = torch.full((len(outputs), width, k), -float("inf"))
+        ids = torch.full((len(outputs), width, k), self.pad_id, dtype=torch.long)
+        for row, output in enumerate(outputs):
+            for step, candidates in enumerate(output.outputs[0].logprobs):
+                ranked = sorted(
+                    (c for c in candidates.items() if c[1].rank is not None and c[1].rank <= k),
+                    key=lambda c: c[1].rank,
+                )[:k]
+                for j, (token, logprob) in enumerate(ranked):
+                    values[row, step, j], ids[row, step, j] = logprob.logprob, token
+        return values, ids
 
     def weights_changed(self) -> None:
         """Load the HF model's tensors (just pulled) into vLLM's layers, which fuse

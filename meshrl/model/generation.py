@@ -199,12 +199,20 @@ def _next_tokens(
     under the distribution it was drawn from, softmax(logits / temperature) without
     the `banned` ids and, with `top_p` < 1, renormalized over the nucleus (vLLM's
     `processed_logprobs` mean the same); then the log-probs and probs [R, V] before
-    top-p (for the entropy)."""
-    logits = logits.float() / temperature
+    top-p (for the entropy).
+
+    `temperature` 0 is greedy: each row takes its most likely token (the first on a
+    tie, with no draw), and every log-prob is under softmax(logits), the
+    temperature-1 distribution (top-p does not change an argmax)."""
+    greedy = temperature == 0
+    logits = logits.float() / (1.0 if greedy else temperature)
     if banned is not None:
         logits[:, banned] = -float("inf")
     logp = torch.log_softmax(logits, dim=-1)
     probs = logp.exp()
+    if greedy:
+        token = logp.argmax(-1)
+        return token, logp.gather(-1, token[:, None])[:, 0], logp, probs
     sampled = top_p_filter(probs, top_p)
     token = draw(sampled, row_uniforms(seeds, step))
     if top_p >= 1.0:
@@ -212,6 +220,19 @@ def _next_tokens(
     else:
         behaviour = sampled.gather(-1, token[:, None])[:, 0].log()
     return token, behaviour, logp, probs
+
+
+def top_logprobs(
+    logp: torch.Tensor, probs: torch.Tensor, k: int, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely tokens of each row's sampling distribution [R, V] and
+    their log-probs, both [R, k]: the distribution the behaviour log-probs are
+    taken under (`_next_tokens`: the nucleus renormalized when `top_p` < 1, so a
+    token outside it has -inf; temperature 1 when greedy)."""
+    if top_p < 1.0 and temperature != 0:
+        logp = top_p_filter(probs, top_p).log()
+    values, ids = logp.topk(min(k, logp.size(-1)), dim=-1)
+    return values, ids
 
 
 def _banned(model, stop: torch.Tensor, min_new_tokens: int, images: bool):
@@ -252,6 +273,7 @@ def sample(
     images: torch.Tensor | None = None,
     image_counts: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
+    top_k_logprobs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts (and their `images`: `meshrl.model.vision`).
 
@@ -275,7 +297,11 @@ def sample(
     blockings): tests/unit/test_packing.py. `record_routes` (MoE): `stats["routes"]` [B, P + T, layers, top_k] gets each
     position's experts (`meshrl.model.routing`); -1 on padding and the unfed last token.
     `lengths` [B]: each row's exact completion length (`faults.completion_lengths`):
-    no stop id is drawn and the row ends there."""
+    no stop id is drawn and the row ends there.
+    `top_k_logprobs` > 0 (the endpoint's `top_logprobs`): `stats["top_logprobs"]` gets
+    (log-probs, ids), each [B, T, k], the k most likely tokens at each step under
+    the distribution each token was drawn from (`top_logprobs`).
+    `temperature` 0 is greedy decoding (`_next_tokens`)."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
         on = generator.device if generator else "cpu"
@@ -299,6 +325,10 @@ def sample(
         logprobs = torch.zeros(B, max_new_tokens, device=device)
         masks = torch.zeros(B, max_new_tokens, device=device)
         entropy_rows = torch.zeros(B, device=device)
+        if top_k_logprobs:
+            k = min(top_k_logprobs, logits.size(-1))
+            top_values = torch.full((B, max_new_tokens, k), -float("inf"), device=device)
+            top_ids = torch.full((B, max_new_tokens, k), pad_token_id, device=device)
         steps, rows_decoded = 0, 0
         for step in range(max_new_tokens):
             steps = step + 1
@@ -310,6 +340,9 @@ def sample(
                 entropy = -(probs * logp).nan_to_num().sum(-1)  # 0 * -inf is 0 here
                 entropy_rows[live] += entropy.masked_fill(finished[live], 0.0)
             running = ~finished[live]
+            if top_k_logprobs:
+                values, ids_k = top_logprobs(logp, probs, k, temperature, top_p)
+                top_values[live, step], top_ids[live, step] = values, ids_k
             tokens[live, step] = torch.where(running, token, pad_token_id)
             logprobs[live, step] = torch.where(running, behaviour, 0.0)
             masks[live, step] = running.float()
@@ -339,6 +372,8 @@ def sample(
     if stats is not None:
         stats["entropy_rows"] = entropy_rows
         stats["occupancy"] = rows_decoded / steps / B  # the live rows' share of the batch
+        if top_k_logprobs:
+            stats["top_logprobs"] = (top_values[:, :steps], top_ids[:, :steps].long())
         if recorder is not None:
             stats["routes"] = recorder.routes[:, : P + steps]
     return tokens[:, :steps], logprobs[:, :steps], masks[:, :steps]

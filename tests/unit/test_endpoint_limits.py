@@ -48,9 +48,9 @@ class RecordingRouter(Router):
         super().__init__(lambda: None, 1, GenerationConfig(max_new_tokens=4), timeout_s=5)
         self.asked: list[list[int]] = []
 
-    def generate(self, ids, max_tokens, temperature, top_p):
+    def generate(self, ids, max_tokens, sampling, n=1):
         self.asked.append(list(ids))
-        return Sampled(SEVEN, [-0.5], version=0)
+        return [Sampled(SEVEN, [-0.5], version=0) for _ in range(n)]
 
 
 def start(tokenizer=None) -> PolicyServer:
@@ -104,12 +104,25 @@ def chat(**fields) -> bytes:
         (json.dumps({"messages": "hi"}).encode(), "non-empty list"),
         (json.dumps({"messages": [1, 2]}).encode(), "messages[0] must be an object"),
         (json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), "content must be"),
-        (chat(n="x"), "n must be 1"),
+        (chat(n="x"), "n must be an integer in [1, 16]"),
+        (chat(n=17), "n must be an integer in [1, 16]"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop must be a non-empty string or a list"),
+        (chat(stop=[""]), "stop must be a non-empty string or a list"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs must be an integer in [0, 20]"),
+        (chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
+        (chat(seed=1.5), "seed must be an integer"),
+        (chat(stream_options={"include_usage": True}), "only allowed with stream: true"),
+        (chat(frequency_penalty=0.5), "frequency_penalty is not supported here"),
+        (chat(logit_bias={"7": 100}), "logit_bias is not supported here"),
+        (chat(response_format={"type": "json_object"}), "response_format is not supported"),
+        (chat(top_k=5), "unrecognized request argument: top_k"),
+        (chat(tools=[{"type": "function"}]), "tools[0] must be"),
+        (chat(tool_choice="required"), "tool_choice 'required' needs tools"),
         (chat(max_tokens=True), "max_tokens must be a positive integer"),
         (chat(tools="x"), "'tools' must be a list"),
         (chat(model="gpt-4o"), "model 'gpt-4o' is not served here"),
-        (chat(temperature=1e-39), "temperature must be a number in"),
-        (chat(temperature="hot"), "temperature must be a number in"),
+        (chat(temperature=1e-39), "temperature must be 0 (greedy) or a number in"),
+        (chat(temperature="hot"), "temperature must be 0 (greedy) or a number in"),
         (chat(top_p=float("nan")), "top_p must be a number"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
