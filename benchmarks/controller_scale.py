@@ -55,9 +55,8 @@ from monarch.actor import Actor, current_rank, endpoint  # noqa: E402
 import actors.environment  # noqa: E402
 import actors.policy  # noqa: E402
 import actors.trainer  # noqa: E402
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 from meshrl.observe.telemetry import observed  # noqa: E402
 from meshrl.procs.faults import Drillable  # noqa: E402
 from meshrl.types import Completions  # noqa: E402
@@ -163,27 +162,22 @@ class Timed(GRPO):
 
 def measure(n: int, steps: int, relay: bool) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(
-            GRPOConfig,
-            os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [
-                *UNMEASURED,
-                f"steps={steps}",
-                f"prompts_per_step={8 * n}",
-                "group_size=8",
-                "kl_coef=0",
-                "warm_start.steps=0",
-                f"placement.policy={n}",
-                f"placement.environment={n}",
-                "placement.threads_per_proc=1",
-                f"weights.fanout={2 if relay else 0}",
-                "weights.verify=false",  # the stand-ins hold no weights to check
-                "trainer.recompute_old_logprobs=false",
-                f"run.dir={run_dir}",
-                "run.name=scale",
-                "run.progress=false",
-                "run.save_final=false",
-            ],
+        cfg = grpo_config(
+            f"steps={steps}",
+            f"prompts_per_step={8 * n}",
+            "group_size=8",
+            "kl_coef=0",
+            "warm_start.steps=0",
+            f"placement.policy={n}",
+            f"placement.environment={n}",
+            "placement.threads_per_proc=1",
+            f"weights.fanout={2 if relay else 0}",
+            "weights.verify=false",  # the stand-ins hold no weights to check
+            "trainer.recompute_old_logprobs=false",
+            f"run.dir={run_dir}",
+            "run.name=scale",
+            "run.progress=false",
+            "run.save_final=false",
         )
         history = Timed(cfg).run()[2:]
     steps_s = [r["time/step_s"] for r in history]

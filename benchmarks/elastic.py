@@ -36,9 +36,8 @@ from io import StringIO
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 
 SKIP = 2
 
@@ -46,8 +45,7 @@ SKIP = 2
 def run(
     run_dir: str, name: str, steps: int, schedule: list[str]
 ) -> tuple[list[dict], str, str, int]:
-    overrides = [
-        *UNMEASURED,
+    cfg = grpo_config(
         f"steps={steps}",
         "job.max_procs.policy=3",
         # Work by pull, two groups a call: every generate call has the same rows
@@ -59,8 +57,7 @@ def run(
         f"run.dir={run_dir}",
         f"run.name={name}",
         "run.progress=false",
-    ]
-    cfg = load_config(GRPOConfig, f"{REPO}/algorithms/configs/grpo_default.yaml", overrides)
+    )
     out = StringIO()
     algo = GRPO(cfg)
     with redirect_stdout(out):

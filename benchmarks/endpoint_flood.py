@@ -39,17 +39,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 from meshrl.observe.status import STATUS_FILE  # noqa: E402
 
-PINNED = [
+PINNED = [  # after `UNMEASURED` (`grpo_config`)
     "task.name=reverse_digits",
     "prompts_per_step=8",
     "group_size=4",
     "generation.max_new_tokens=12",
-    *UNMEASURED,
     "warm_start.steps=0",
     "run.seed=0",
     "placement.policy=1",
@@ -188,17 +186,13 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(
-            GRPOConfig,
-            os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [
-                *PINNED,
-                f"steps={4 * args.steps}",
-                f"policy.serve_port={port}",
-                f"run.dir={run_dir}",
-                "run.name=flood",
-                "run.progress=false",
-            ],
+        cfg = grpo_config(
+            *PINNED,
+            f"steps={4 * args.steps}",
+            f"policy.serve_port={port}",
+            f"run.dir={run_dir}",
+            "run.name=flood",
+            "run.progress=false",
         )
         algo = GRPO(cfg)
         try:

@@ -58,7 +58,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 from meshrl.config import TaskConfig, load_config  # noqa: E402
 from meshrl.envs import make_task  # noqa: E402
 from meshrl.model.models import load_model  # noqa: E402
@@ -102,29 +102,24 @@ TRL_LOSS = {
 
 
 def run_meshrl(args, run_dir: str) -> dict:
-    cfg = load_config(
-        GRPOConfig,
-        os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-        [
-            *([f"model.path={args.model_dir}"] if args.prompt_tokens else MODELS[args.model]),
-            f"steps={args.steps}",
-            f"prompts_per_step={args.prompts}",
-            f"group_size={args.group}",
-            f"generation.max_new_tokens={args.max_new_tokens}",
-            f"optim.lr={args.lr}",
-            *UNMEASURED,
-            "warm_start.steps=0",
-            "kl_coef=0",
-            f"loss_aggregation={args.aggregation}",
-            f"generation.min_new_tokens={args.max_new_tokens}",
-            "trainer.recompute_old_logprobs=false",
-            f"max_staleness={args.staleness}",
-            f"placement.threads_per_proc={args.threads}",
-            f"run.dir={run_dir}",
-            "run.name=meshrl",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    cfg = grpo_config(
+        *([f"model.path={args.model_dir}"] if args.prompt_tokens else MODELS[args.model]),
+        f"steps={args.steps}",
+        f"prompts_per_step={args.prompts}",
+        f"group_size={args.group}",
+        f"generation.max_new_tokens={args.max_new_tokens}",
+        f"optim.lr={args.lr}",
+        "warm_start.steps=0",
+        "kl_coef=0",
+        f"loss_aggregation={args.aggregation}",
+        f"generation.min_new_tokens={args.max_new_tokens}",
+        "trainer.recompute_old_logprobs=false",
+        f"max_staleness={args.staleness}",
+        f"placement.threads_per_proc={args.threads}",
+        f"run.dir={run_dir}",
+        "run.name=meshrl",
+        "run.progress=false",
+        "run.save_final=false",
     )
     history = GRPO(cfg).run()
     timed = history[1:]

@@ -15,27 +15,27 @@ UNMEASURED = (
 )
 
 
-def run_grpo(run_dir: str, name: str, *overrides: str) -> list[dict]:
-    """A quiet GRPO run of grpo_default.yaml with `UNMEASURED`, then `overrides`; its
-    history (no final model saved)."""
+def grpo_config(*overrides: str):
+    """grpo_default.yaml with `UNMEASURED`, then `overrides` (the last value of a key
+    wins): a benchmark's GRPO config."""
     import os
-    from contextlib import redirect_stdout
-    from io import StringIO
 
-    from algorithms.grpo import GRPO, GRPOConfig
+    from algorithms.grpo import GRPOConfig
     from meshrl.config import load_config
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(
-        GRPOConfig,
-        f"{repo}/algorithms/configs/grpo_default.yaml",
-        [
-            *UNMEASURED,
-            *overrides,
-            f"run.dir={run_dir}",
-            f"run.name={name}",
-            "run.save_final=false",
-        ],
+    return load_config(
+        GRPOConfig, f"{repo}/algorithms/configs/grpo_default.yaml", [*UNMEASURED, *overrides]
     )
+
+
+def run_grpo(run_dir: str, name: str, *overrides: str) -> list[dict]:
+    """A quiet GRPO run of `grpo_config(*overrides)`; its history (no final model saved)."""
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from algorithms.grpo import GRPO
+
+    cfg = grpo_config(*overrides, f"run.dir={run_dir}", f"run.name={name}", "run.save_final=false")
     with redirect_stdout(StringIO()):
         return GRPO(cfg).run()

@@ -29,9 +29,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 
 
 def main() -> int:
@@ -43,23 +42,18 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="config key=value")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(
-            GRPOConfig,
-            os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [
-                *UNMEASURED,
-                "task.name=slow_tool",
-                f"task.max_turns={args.turns}",
-                f"task.env_workers={args.episodes}",
-                "group_size=2",
-                f"prompts_per_step={args.episodes // 2}",
-                "warm_start.steps=0",
-                "generation.max_new_tokens=8",
-                *args.overrides,
-                f"run.dir={run_dir}",
-                "run.name=latency",
-                "run.progress=false",
-            ],
+        cfg = grpo_config(
+            "task.name=slow_tool",
+            f"task.max_turns={args.turns}",
+            f"task.env_workers={args.episodes}",
+            "group_size=2",
+            f"prompts_per_step={args.episodes // 2}",
+            "warm_start.steps=0",
+            "generation.max_new_tokens=8",
+            *args.overrides,
+            f"run.dir={run_dir}",
+            "run.name=latency",
+            "run.progress=false",
         )
         algo = GRPO(cfg)
         try:

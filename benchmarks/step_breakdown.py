@@ -47,9 +47,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
-from benchmarks.pins import UNMEASURED  # noqa: E402
-from meshrl.config import load_config  # noqa: E402
+from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.pins import grpo_config  # noqa: E402
 
 PHASES = ["generate", "score", "reference", "train", "weight_sync"]
 ENDPOINTS = {  # phase -> the endpoints (time/<role>/<name>_s) that do its work
@@ -64,24 +63,25 @@ ENDPOINTS = {  # phase -> the endpoints (time/<role>/<name>_s) that do its work
 EVAL = ["eval.every=10", "eval.sets.heldout.prompts=64", "eval.sets.heldout.k=4"]
 
 
+def settings(steps: int, overrides: list[str], run_dir: str, name: str) -> list[str]:
+    """The benchmark's keys around `overrides`: a run of `steps` named `name`."""
+    return [
+        f"steps={steps}",
+        "kl_coef=0.01",
+        "max_staleness=0",
+        *overrides,
+        f"run.dir={run_dir}",
+        f"run.name={name}",
+        "run.progress=false",
+        "run.save_final=false",
+    ]
+
+
 def run(steps: int, overrides: list[str]) -> list[dict]:
     """The records of a GRPO run of the default config, the first step left out."""
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config(
-            GRPOConfig,
-            os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-            [
-                f"steps={steps}",
-                "kl_coef=0.01",
-                "max_staleness=0",
-                *UNMEASURED,  # the variants' evaluation keys come after, in `overrides`
-                *overrides,
-                f"run.dir={run_dir}",
-                "run.name=breakdown",
-                "run.progress=false",
-                "run.save_final=false",
-            ],
-        )
+        # `UNMEASURED` first: the variants' evaluation keys come after, in `overrides`
+        cfg = grpo_config(*settings(steps, overrides, run_dir, "breakdown"))
         return GRPO(cfg).run()[1:]
 
 
@@ -122,14 +122,7 @@ def run_process(steps: int, overrides: list[str], run_dir: str, name: str) -> li
         "algorithms.grpo",
         "--config",
         os.path.join(REPO, "algorithms", "configs", "grpo_default.yaml"),
-        f"steps={steps}",
-        "kl_coef=0.01",
-        "max_staleness=0",
-        *overrides,
-        f"run.dir={run_dir}",
-        f"run.name={name}",
-        "run.progress=false",
-        "run.save_final=false",
+        *settings(steps, overrides, run_dir, name),
         "run.dashboard_port=0",
     ]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=3600)
