@@ -318,21 +318,16 @@ def _weight_sync_short(record: dict) -> Cells:
 
 SMALL_MODEL = ("--hidden", "64", "--layers", "1")
 ROWS = [
-    Row(
-        "weight_sync_100mb",
-        "weight_sync.py",
-        ("--sizes", "100", "--repeats", "5", "--few", "0.1"),
-        "`weight_sync.py`, 100 MB, same host, served in place, checksummed",
-        weight_sync,
-        smoke=("--sizes", "10", "--repeats", "1"),
-    ),
-    Row(
-        "weight_sync_500mb",
-        "weight_sync.py",
-        ("--sizes", "500", "--repeats", "5", "--few", "0.1"),
-        "`weight_sync.py`, 500 MB, same host, served in place, checksummed",
-        _weight_sync_short,
-        smoke=("--sizes", "10", "--repeats", "1"),
+    *(
+        Row(
+            f"weight_sync_{mb}mb",
+            "weight_sync.py",
+            ("--sizes", str(mb), "--repeats", "5", "--few", "0.1"),
+            f"`weight_sync.py`, {mb} MB, same host, served in place, checksummed",
+            render,
+            smoke=("--sizes", "10", "--repeats", "1"),
+        )
+        for mb, render in ((100, weight_sync), (500, _weight_sync_short))
     ),
     Row(
         "proc_start",
