@@ -31,7 +31,7 @@ from meshrl.model import lora
 from meshrl.model.files import load_state, save_state
 from meshrl.model.hf import save_hf
 from meshrl.model.losses import nll_loss
-from meshrl.model.models import completion_logprobs, device_for_this_proc, load_model
+from meshrl.model.models import batch_logprobs, device_for_this_proc, load_model
 from meshrl.model.optim import build_optimizer
 from meshrl.model.routing import Replay, routers
 from meshrl.model.vision import FROZEN_VISION
@@ -136,18 +136,7 @@ class Trainer(PeerState, Drillable, Actor):
         return lora.merged_parameters(self.model)
 
     def _logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        return completion_logprobs(
-            module,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.num_completion_tokens,
-            self.temperature,
-            self.layout,
-            self.routing,
-            batch.routes,
-            batch.images,
-            batch.image_counts,
-        )
+        return batch_logprobs(module, batch, self.temperature, self.layout, self.routing)
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """`_logprobs` of the unwrapped model in eval mode, without a gradient."""

@@ -71,7 +71,7 @@ sys.path.insert(0, REPO)
 
 from meshrl.config import ModelConfig  # noqa: E402
 from meshrl.model.generation import sample  # noqa: E402
-from meshrl.model.models import completion_logprobs, load_model  # noqa: E402
+from meshrl.model.models import batch_logprobs, completion_logprobs, load_model  # noqa: E402
 from meshrl.types import Completions, TrainBatch  # noqa: E402
 
 
@@ -128,17 +128,7 @@ def sampled(model, batch: int, length: int, new: int, **kwargs) -> Completions:
 
 
 def trainer_logprobs(model, completions: Completions, layout: str = "padded", **kw):
-    batch = TrainBatch.from_completions(completions)
-    return completion_logprobs(
-        model,
-        batch.input_ids,
-        batch.attention_mask,
-        batch.num_completion_tokens,
-        1.0,
-        layout,
-        routes=batch.routes,
-        **kw,
-    )
+    return batch_logprobs(model, TrainBatch.from_completions(completions), 1.0, layout, **kw)
 
 
 def gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

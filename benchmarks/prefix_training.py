@@ -127,7 +127,7 @@ def cell_steps(settings: dict) -> dict:
     """One (cell, layout) in this fresh process: `steps` trainer steps, the mean
     seconds of all but the first, the first gradient norm, the peak memory."""
     from meshrl.config import OptimConfig
-    from meshrl.model.models import completion_logprobs, load_model
+    from meshrl.model.models import batch_logprobs, load_model
     from meshrl.procs.parallel import accumulated_step
 
     torch.set_num_threads(settings["threads"])
@@ -148,15 +148,7 @@ def cell_steps(settings: dict) -> dict:
     loss = loss_fn()
 
     def loss_of(part: TrainBatch):
-        logprobs = completion_logprobs(
-            model,
-            part.input_ids,
-            part.attention_mask,
-            part.num_completion_tokens,
-            1.0,
-            settings["layout"],
-        )
-        return loss(logprobs, part)
+        return loss(batch_logprobs(model, part, 1.0, settings["layout"]), part)
 
     if cuda:
         torch.cuda.synchronize()

@@ -64,6 +64,7 @@ from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
     from meshrl.model.routing import Replay
+    from meshrl.types import TrainBatch
 
 
 def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfig:
@@ -294,6 +295,29 @@ def completion_logprobs(
     logits[..., placed] = -float("inf")
     picked = token_logprobs(logits, targets, temperature)
     return picked.masked_fill(torch.isin(targets, placed), 0.0)
+
+
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    layout: str = "padded",
+    replay: Replay | None = None,
+) -> torch.Tensor:
+    """`completion_logprobs` of a `TrainBatch` where it lies: its ids and masks, the
+    sampler's routes and the rows' images."""
+    return completion_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.num_completion_tokens,
+        temperature,
+        layout,
+        replay,
+        batch.routes,
+        batch.images,
+        batch.image_counts,
+    )
 
 
 def _over_trees(model, input_ids, attention_mask, T: int, part) -> torch.Tensor:

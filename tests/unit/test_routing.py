@@ -12,7 +12,7 @@ import torch
 
 from meshrl.config import ModelConfig
 from meshrl.model.generation import sample
-from meshrl.model.models import completion_logprobs, load_model
+from meshrl.model.models import batch_logprobs, load_model
 from meshrl.model.packing import pack
 from meshrl.model.routing import Replay, routers
 from meshrl.types import Completions, TrainBatch
@@ -54,16 +54,7 @@ def trainer_pass(model, completions, layout, replay_on):
     batch = TrainBatch.from_completions(completions)
     replay = Replay(model, replay_on)
     with torch.no_grad():
-        logprobs = completion_logprobs(
-            model,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.num_completion_tokens,
-            1.0,
-            layout,
-            replay,
-            batch.routes,
-        )
+        logprobs = batch_logprobs(model, batch, 1.0, layout, replay)
     gap = (logprobs - completions.logprobs).abs() * completions.completion_mask
     return replay.take(), gap
 
