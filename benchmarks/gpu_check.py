@@ -440,9 +440,13 @@ def check_checkpoint(quick: bool) -> dict:
 
 
 def check_continuous(quick: bool) -> dict:
-    import threading
-
     from meshrl.model.continuous import ContinuousEngine, Settings
+    from tests.support.continuous import (
+        batch_of_its_own,
+        by_version,
+        rows_spanning_versions,
+        run_engine,
+    )
 
     on = device()
     stops = list(range(10, 30))  # the random model ends rows at different steps
@@ -455,55 +459,16 @@ def check_continuous(quick: bool) -> dict:
         seeds = torch.randint(-(2**62), 2**62, (8,), generator=generator).tolist()
         calls.append((rows, seeds, Settings(16 + 4 * r, 1.0, 1.0 if r % 2 else 0.9, r % 3)))
 
-    def alone(rows, seeds, s: Settings):
-        width = max(map(len, rows))
-        ids = torch.tensor([[0] * (width - len(x)) + x for x in rows], device=on)
-        return sample(
-            model,
-            ids,
-            (ids != 0).long(),
-            max_new_tokens=s.max_new_tokens,
-            eos_token_id=stops,
-            pad_token_id=0,
-            seeds=torch.tensor(seeds),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            min_new_tokens=s.min_new_tokens,
-        )
-
-    def through_engine(engine, between=None) -> list[dict]:
-        results: dict[int, dict] = {}
-        finished = threading.Event()
-
-        def done(i):
-            def put(result):
-                results[i] = result
-                if len(results) == len(calls):
-                    finished.set()
-
-            return put
-
-        for i, (rows, seeds, settings) in enumerate(calls):
-            engine.submit(rows, seeds, settings, done(i))
-            if between is not None:
-                between(i)
-        finished.wait(120)
-        engine.close()
-        assert len(results) == len(calls), "the running batch did not answer every call"
-        for result in results.values():
-            if isinstance(result, BaseException):
-                raise result
-        return [results[i] for i in range(len(calls))]
-
     # Six calls through a 12-row batch: rows join mid-decode at their own positions.
     engine = ContinuousEngine(model, 0, stops, max_rows=12, version=lambda: 0)
     started = time.perf_counter()
-    got = through_engine(engine, lambda i: time.sleep(0.02))
+    got = run_engine(engine, calls, between=lambda i: time.sleep(0.02))
     synchronize()
     figures: dict = {"engine_s": time.perf_counter() - started, "occupancy": engine.occupancy()}
     equal, gaps = 0, [0.0]
     for (rows, seeds, settings), result in zip(calls, got, strict=True):
-        tokens, logprobs, mask = (t.cpu() for t in alone(rows, seeds, settings))
+        alone = batch_of_its_own(model, rows, seeds, settings, stops, device=on)
+        tokens, logprobs, mask = (t.cpu() for t in alone)
         if torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask):
             equal += 1
             gaps.append(gap(result["logprobs"], logprobs, mask))
@@ -523,22 +488,12 @@ def check_continuous(quick: bool) -> dict:
             now["version"] = i + 1
             engine.refill()
 
-    got = through_engine(engine, swap)
+    got = run_engine(engine, calls, between=swap)
     spanning, refill_gaps = 0, [0.0]
     for (rows, _, _), result in zip(calls, got, strict=True):
-        mask, T = result["mask"], result["tokens"].size(1)
-        by_row = zip(result["versions"], mask, strict=True)
-        spanning += sum(len(set(v[m > 0].tolist())) > 1 for v, m in by_row)
-        width = max(map(len, rows))
-        ids = torch.tensor([[0] * (width - len(x)) + x for x in rows])
-        full = torch.cat([ids, result["tokens"]], 1).to(on)
-        attention = torch.cat([ids != 0, mask > 0], 1).float().to(on)
-        for version in set(result["versions"][mask > 0].tolist()):
-            model.load_state_dict(versions[version])
-            with torch.no_grad():
-                want = completion_logprobs(model, full, attention, T).cpu()
-            mine = ((result["versions"] == version) & (mask > 0)).float()
-            refill_gaps.append(gap(result["logprobs"], want, mine))
+        spanning += rows_spanning_versions(result)
+        for mine, want in by_version(model, versions, rows, result, on):
+            refill_gaps.append(gap(result["logprobs"], want, mine.float()))
     figures.update(rows_spanning_versions=spanning, refill_logprob_gap=max(refill_gaps))
     # A GPU's kernels may round differently with the batch's size: log-probs agree
     # to 1e-4 there (1e-5 on the CPU); a draw moved by such rounding fails the check.

@@ -3,16 +3,21 @@ that join a running decode batch mid-decode sample the tokens they sample in a
 batch of their own, and rows that go on under new weights (partial rollouts)
 carry, for each token, the log-prob of the weights that sampled it."""
 
-import threading
 import time
 
 import pytest
 import torch
 
 from meshrl.model.continuous import ContinuousEngine, Settings
-from meshrl.model.generation import drilled_lengths, sample
-from meshrl.model.models import completion_logprobs, load_model
+from meshrl.model.generation import drilled_lengths
+from meshrl.model.models import load_model
 from meshrl.types import Completions, TrainBatch
+from tests.support.continuous import (
+    batch_of_its_own,
+    by_version,
+    rows_spanning_versions,
+    run_engine,
+)
 from tests.unit.test_packing import MODEL, grouped_batch
 
 pytestmark = pytest.mark.unit
@@ -38,51 +43,6 @@ def calls(count: int, seed: int = 5) -> list[tuple[list[list[int]], list[int], S
     return made
 
 
-def batch_of_its_own(model, prompts, seeds, s: Settings, lengths=None):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return sample(
-        model,
-        ids,
-        mask,
-        max_new_tokens=s.max_new_tokens,
-        eos_token_id=STOPS,
-        pad_token_id=0,
-        seeds=torch.tensor(seeds),
-        temperature=s.temperature,
-        top_p=s.top_p,
-        min_new_tokens=s.min_new_tokens,
-        lengths=None if lengths is None else torch.tensor(lengths),
-    )
-
-
-def run_engine(engine, work, lengths=None, between=None) -> list[dict]:
-    """Submit every call (a little apart, so that they join a batch under way) and
-    wait for all; `between(i)` runs after call i is submitted."""
-    results: dict[int, dict] = {}
-    finished = threading.Event()
-
-    def done(i):
-        def put(result):
-            results[i] = result
-            if len(results) == len(work):
-                finished.set()
-
-        return put
-
-    for i, (prompts, seeds, settings) in enumerate(work):
-        engine.submit(prompts, seeds, settings, done(i), None if lengths is None else lengths[i])
-        if between is not None:
-            between(i)
-    assert finished.wait(120)
-    engine.close()
-    for result in results.values():
-        if isinstance(result, BaseException):
-            raise result
-    return [results[i] for i in range(len(work))]
-
-
 def test_rows_that_join_mid_decode_sample_what_they_sample_alone():
     """A 5-row batch that six calls feed (each call's rows wait, then join as rows
     end, at their own positions): every row's tokens equal those of its call
@@ -93,7 +53,7 @@ def test_rows_that_join_mid_decode_sample_what_they_sample_alone():
     engine = ContinuousEngine(model, 0, STOPS, max_rows=5, version=lambda: 7)
     got = run_engine(engine, work)
     for (prompts, seeds, settings), result in zip(work, got, strict=True):
-        tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings)
+        tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings, STOPS)
         assert torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask)
         assert torch.allclose(result["logprobs"], logprobs, rtol=0, atol=1e-5)
         assert set(result["versions"][mask > 0].tolist()) == {7}
@@ -121,7 +81,7 @@ def test_rows_of_very_different_lengths_are_prefilled_apart_and_sample_the_same(
     settings = Settings(10, 1.5, 0.9)
     engine = ContinuousEngine(model, 0, STOPS, max_rows=8, version=lambda: 1)
     (got,) = run_engine(engine, [(prompts, seeds, settings)])
-    tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings)
+    tokens, logprobs, mask = batch_of_its_own(model, prompts, seeds, settings, STOPS)
     assert torch.equal(got["tokens"], tokens) and torch.equal(got["mask"], mask)
     assert torch.allclose(got["logprobs"], logprobs, rtol=0, atol=1e-5)
     assert len(widths) > 1 and all(width <= 2 * shortest for width, shortest in widths), widths
@@ -136,7 +96,7 @@ def test_drilled_lengths_are_every_engines_and_exact():
     assert len({n for row in lengths for n in row}) > 3
     got = run_engine(ContinuousEngine(model, 0, STOPS, 4, lambda: 0), work, lengths)
     for (prompts, seeds, settings), result, want in zip(work, got, lengths, strict=True):
-        tokens, _, mask = batch_of_its_own(model, prompts, seeds, settings, want)
+        tokens, _, mask = batch_of_its_own(model, prompts, seeds, settings, STOPS, want)
         assert mask.sum(1).long().tolist() == want
         assert torch.equal(result["tokens"], tokens) and torch.equal(result["mask"], mask)
         assert not torch.isin(tokens[mask > 0], torch.tensor(STOPS)).any()
@@ -165,18 +125,8 @@ def test_rows_under_way_take_new_weights_with_each_tokens_own_log_prob():
     got = run_engine(engine, work[:3], between=swap)
     spans = 0
     for (prompts, _, _), result in zip(work, got, strict=False):
-        mask, T = result["mask"], result["tokens"].size(1)
-        rows = zip(result["versions"], mask, strict=True)
-        spans += sum(len(set(v[m > 0].tolist())) > 1 for v, m in rows)
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        full = torch.cat([ids, result["tokens"]], 1)
-        attention = torch.cat([ids != 0, mask > 0], 1).float()
-        for version in set(result["versions"][mask > 0].tolist()):
-            model.load_state_dict(versions[version])
-            with torch.no_grad():
-                want = completion_logprobs(model, full, attention, T)
-            mine = (result["versions"] == version) & (mask > 0)
+        spans += rows_spanning_versions(result)
+        for mine, want in by_version(model, versions, prompts, result):
             assert torch.allclose(result["logprobs"][mine], want[mine], rtol=0, atol=1e-5)
     assert spans > 0  # rows went on under new weights
 
