@@ -57,21 +57,28 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.equal(top_p_filter(probs, 1.0), probs)
 
 
+def sampled(model, tok, prompts: list[str], **generation):
+    """`prompts` encoded by `tok` (left-padded) and sampled by `model`, stopping at the
+    tokenizer's EOS unless `generation` names other ids: the encoding and the sample."""
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    generation = {"eos_token_id": tok.eos_token_id, **generation}
+    out = sample(
+        model,
+        enc.input_ids,
+        enc.attention_mask.float(),
+        pad_token_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+        **generation,
+    )
+    return enc, out
+
+
 def test_sampling_logprobs_match_full_forward_and_stop_at_eos():
     torch.manual_seed(0)
     model = load_model(ModelConfig(), seed=0).eval()
     tok = build_char_tokenizer()
-    enc = tok(["471>", "12>", "5>"], padding=True, return_tensors="pt")
-    gen = torch.Generator().manual_seed(0)
-    ids, logprobs, mask = sample(
-        model,
-        enc.input_ids,
-        enc.attention_mask.float(),
-        max_new_tokens=12,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        temperature=0.7,
-        generator=gen,
+    enc, (ids, logprobs, mask) = sampled(
+        model, tok, ["471>", "12>", "5>"], max_new_tokens=12, temperature=0.7
     )
     assert ids.shape == logprobs.shape == mask.shape and ids.shape[1] <= 12
     # after EOS: padding, masked out
@@ -93,19 +100,15 @@ def test_behaviour_logprobs_are_those_of_the_distribution_sampled_from():
     nucleus): vLLM's `processed_logprobs` mean the same, so both engines agree."""
     model = load_model(ModelConfig(), seed=0).eval()
     tok = build_char_tokenizer()
-    enc = tok(["471>", "12>", "5>"] * 4, padding=True, return_tensors="pt")
     temperature, top_p, min_new = 0.8, 0.6, 3
-    ids, logprobs, mask = sample(
+    enc, (ids, logprobs, mask) = sampled(
         model,
-        enc.input_ids,
-        enc.attention_mask.float(),
+        tok,
+        ["471>", "12>", "5>"] * 4,
         max_new_tokens=6,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
         temperature=temperature,
         top_p=top_p,
         min_new_tokens=min_new,
-        generator=torch.Generator().manual_seed(0),
     )
     full_ids = torch.cat([enc.input_ids, ids], 1)
     full_mask = torch.cat([enc.attention_mask, mask.long()], 1)
@@ -131,19 +134,13 @@ def test_every_engine_stops_on_the_tokenizer_and_the_model_eos_ids():
     model.generation_config.eos_token_id = [tok.eos_token_id, digit]
     stop = stop_token_ids(model, tok)
     assert stop == sorted({tok.eos_token_id, digit})
-    enc = tok(["471>"] * 64, padding=True, return_tensors="pt")
 
     def sample_rows(min_new_tokens: int = 0):
-        return sample(
-            model,
-            enc.input_ids,
-            enc.attention_mask.float(),
-            max_new_tokens=12,
-            eos_token_id=stop,
-            pad_token_id=tok.pad_token_id,
-            generator=torch.Generator().manual_seed(0),
-            min_new_tokens=min_new_tokens,
+        rows = ["471>"] * 64
+        _, out = sampled(
+            model, tok, rows, max_new_tokens=12, eos_token_id=stop, min_new_tokens=min_new_tokens
         )
+        return out
 
     ids, _, mask = sample_rows()
     ended = 0
