@@ -136,9 +136,7 @@ class Policy(Drillable, Actor):
         with `top_logprobs` > 0 also each step's that many most likely tokens, as
         (log-probs, ids) [B, T, k] under the distribution each token was drawn
         from; None with 0. `generation.temperature` 0 is greedy decoding."""
-        completions, stats = self._generate(
-            prompt_ids, generation, seeds, None, True, top_logprobs
-        )
+        completions, stats = self._generate(prompt_ids, generation, seeds, None, True, top_logprobs)
         top = stats.get("top_logprobs")
         return completions, None if top is None else tuple(t.cpu() for t in top)
 

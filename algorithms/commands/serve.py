@@ -6,7 +6,10 @@ eval`). FILE is any algorithm's config: its `model`, `generation`, `policy`
 and `placement` sections are read. `placement.policy` replicas answer
 `/v1/chat/completions`, `/v1/completions` and `/v1/models` at
 http://127.0.0.1:PORT/v1 (`policy.serve_port`, else 8000), each request at
-its own temperature and top_p, up to `generation.max_new_tokens` tokens.
+its own sampling settings (temperature, 0 for greedy; top_p; seed; n; stop
+strings; top_logprobs; stream), up to `generation.max_new_tokens` tokens; with
+`tools`, the model's tool calls come back as `tool_calls`, read by the parser
+its chat template implies (`meshrl.envs.tool_calls`; docs/environments.md).
 Callers send the token printed at start (also in `<run dir>/status.json`) as
 `Authorization: Bearer TOKEN`, the OpenAI client's `api_key`.
 Every answer is appended to `<run dir>/requests.jsonl` (prompt and completion

@@ -10,10 +10,15 @@ server by a loopback address in its `Host` header (421 otherwise), so that a
 web page whose name rebinds to 127.0.0.1 cannot reach it from a browser.
 
 Its `Router` batches the requests that arrive together and sends each batch to
-a free replica (`policy.generate`), as the rollout does with episodes. Every
-answer carries the sampled `token_ids` and the weight version (`meshrl` field)
-beside the usual OpenAI fields, and with `logprobs: true` the sampling
-log-probs.
+a free replica (`policy.generate_top`), as the rollout does with episodes. Every
+answer carries the sampled `token_ids`, the weight version and the sampling
+settings used (`meshrl` field) beside the usual OpenAI fields. A request may
+ask for greedy decoding (temperature 0), top_p, a seed, `n` samples, stop
+strings, top log-probs and a stream (`endpoint_http.read_request` checks them;
+whatever the sampler cannot honour is refused in one line). With `tools`, the
+model's tool-call text is parsed per model family (`meshrl.envs.tool_calls`)
+into `tool_calls`; text that does not parse comes back as content, counted.
+docs/environments.md has the table of what each field does.
 
 Requests under `/episodes/<key>~<secret>/v1/...` belong to one episode. The
 secret is drawn per episode (128 random bits) and checked on every call, so no
@@ -22,10 +27,13 @@ unknown key, a wrong secret or an ended episode gets 404 and is counted
 (`PolicyServer.refused`). The server keeps that episode's conversation as one token sequence (a `Transcript`), as
 `meshrl.envs.rollout` does for its own multi-turn episodes:
 
-- The model's tokens are kept as sampled, with their log-probs and version.
+- The model's tokens are kept as sampled, with their log-probs and version
+  (an answer cut at a stop string: up to the token that completed the match).
 - Each later request must repeat the conversation so far: the same messages,
-  the assistant's as they were answered. Only the new messages (tool results,
-  user turns) are tokenized, once, and masked out of the loss.
+  the assistant's as they were answered (tool calls by name and arguments).
+  Only the new messages (tool results, user turns) are tokenized, once, and
+  masked out of the loss: a parsed tool call stays the tokens the model
+  produced, never a rendering of the call.
 - So the recorded ids are the sampler's ids, even with a chat template that
   renders earlier turns otherwise (Qwen3's drops old `<think>` blocks): the
   model is never shown a re-rendering that it did not sample from.
@@ -41,7 +49,7 @@ text the chat template renders from them, checked before that text is
 tokenized (`_BoundedTokenizer`); requests are answered by a fixed pool of
 threads, each connection with a read timeout
 (`meshrl.observe.front.BoundedServer`); every malformed request, an unknown
-model name and a temperature or top_p out of range get 400; a client that
+model name or field and a temperature or top_p out of range get 400; a client that
 hangs up costs no traceback. `meshrl.envs.agent` plays an agent task's episodes
 through this server.
 """

@@ -261,8 +261,8 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
             episode.chat.completions.create(
                 model="meshrl-policy", messages=[*edited, {"role": "user", "content": "again"}]
             )
-        with pytest.raises(BadRequestError, match="stream is not supported"):
-            episode.chat.completions.create(model="meshrl-policy", messages=messages, stream=True)
+        with pytest.raises(BadRequestError, match="n must be 1 in an episode"):
+            episode.chat.completions.create(model="meshrl-policy", messages=messages, n=2)
         gone = OpenAI(base_url=server.episode_url("nope"), api_key="x", max_retries=0)
         with pytest.raises(NotFoundError, match="no open episode"):
             gone.chat.completions.create(model="meshrl-policy", messages=messages)
