@@ -37,8 +37,9 @@ from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, run_main
+from algorithms.base import Algorithm, Loss, run_main
 from algorithms.rl_config import HeldOutConfig, check_inputs
+from algorithms.roles import heal_trainer, spawn_policy, spawn_trainer
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
@@ -149,10 +150,25 @@ class Player:
     sync: WeightSync
 
 
+class CoevolveLoss(Loss):
+    """Runs on every trainer proc: the clipped surrogate, a token mean."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        return policy_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.completion_mask,
+            clip_low=self.cfg.clip,
+            scale=batch.scale,
+        )
+
+
 class Coevolve(Algorithm):
     name = "coevolve"
-    elastic = ()  # no pools that grow and shrink (`scale` says so)
     headline = "a/reward/mean"
+    Loss = CoevolveLoss
+    samples = True
 
     def run(self, num_steps: int | None = None) -> list[dict]:
         """Spawn both players' meshes (first call), train `num_steps` more steps
@@ -204,21 +220,28 @@ class Coevolve(Algorithm):
         # The players' policies generate at once, and their trainers train at once.
         busy = [tuple(f"{role}_{n}" for n in names) for role in ("policy", "trainer")]
         trains = tuple(f"trainer_{n}" for n in names)  # each player's: sized as a trainer
-        run = self.meshes = Run(cfg, self.name, procs, busy_together=busy, trains=trains)
         # The actors' own figures (time/policy/generate_s, ...) per player: a/..., b/...
-        run.meshes.metric_prefix = {role: f"{role.rsplit('_', 1)[1]}/" for role in procs}
+        prefix = {role: f"{role.rsplit('_', 1)[1]}/" for role in procs}
+        run = self.meshes = Run(
+            cfg, self.name, procs, busy_together=busy, trains=trains, metric_prefix=prefix
+        )
         self.sup = sup = Supervisor(run, cfg.faults, self.state)
         self.players: dict[str, Player] = {}
+        loss = self.make_loss()
         for i, name in enumerate(names):
             seed = cfg.run.seed + i  # B's weights start elsewhere than A's
-            trainer = self.spawn_trainer(
-                run, f"trainer_{name}", seed=seed, shm_prefix=f"{run.shm_prefix}-{name}"
+            slots = f"{run.shm_prefix}-{name}"  # its trainer's weights, its replicas' reads
+            temperature = cfg.generation.temperature
+            trainer = spawn_trainer(
+                run, cfg, loss, temperature, f"trainer_{name}", seed=seed, shm_prefix=slots
             )
-            policy = self.spawn_policy(run, f"policy_{name}", seed, f"{run.shm_prefix}-{name}")
+            policy = spawn_policy(
+                run, cfg, self.context, f"policy_{name}", seed, slots, lengths=cfg.faults.lengths()
+            )
             sync = WeightSync.from_config(sup, cfg.weights)
             self.players[name] = player = Player(name, policy, trainer, sync)
             sup.on_respawn(f"policy_{name}", lambda p=player: p.sync.catch_up(p.policy))
-            self.heal_from_peers(trainer, sync)
+            heal_trainer(sup, cfg, trainer, sync)
         roles = [r for p in self.players.values() for r in (p.trainer, p.policy)]
         subdirs = {r.name: r.name.rsplit("_", 1)[1] for r in roles}  # a/, b/
         self.ckpt = Checkpointer(
@@ -281,17 +304,12 @@ class Coevolve(Algorithm):
         return metrics
 
     def recover(self, player: Player, lost: RoleLost) -> int:
-        """`player`'s trainer from the newest checkpoint, on new procs; its replicas
-        pull the restored weights. Returns the checkpoint's step."""
-        path = self.ckpt.latest(rehash=True)
-        if path is None:
-            raise lost  # no checkpoint (checkpoint.every = 0)
-        self.sup.spend_recovery(lost.role, lost)
-        print(f"recovering player {player.name} from {path}: {lost}", flush=True)
-        self.meshes.respawn(lost.role)
-        self.ckpt.load_roles(path, [player.trainer])
+        """`player`'s trainer from the newest checkpoint, on new procs, the other
+        player as it is; its replicas pull the restored weights. Returns the
+        checkpoint's step."""
+        step = self.ckpt.rewind_roles(lost, self.sup, [player.trainer])
         player.sync.pull(player.policy, player.sync.publish(player.trainer))
-        return int(path.rsplit("_", 1)[1])
+        return step
 
     # --- the math -----------------------------------------------------------------------
 
@@ -305,17 +323,6 @@ class Coevolve(Algorithm):
             if mine.any():
                 centered[mine] -= rewards[mine].mean()
         return centered / (centered.std() + 1e-6) if len(centered) > 1 else centered
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc: the clipped surrogate, a token mean."""
-        return policy_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.completion_mask,
-            clip_low=self.cfg.clip,
-            scale=batch.scale,
-        )
 
     # --- figures ------------------------------------------------------------------------
 

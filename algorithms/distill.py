@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from algorithms.base import run_main
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.grpo import GRPO, GRPOConfig, GRPOLoss
 from meshrl.config import ConfigError, ModelConfig
 from meshrl.envs import make_task
 from meshrl.loop.export import start_from
@@ -95,8 +95,22 @@ class DistillConfig(GRPOConfig):
             )
 
 
+class DistillLoss(GRPOLoss):
+    """GRPO's loss on the per-token advantages, logging the reverse KL to the teacher."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        loss, metrics = super().__call__(logprobs, batch)
+        mask = batch.completion_mask
+        reverse_kl = logprobs.detach() - batch.ref_logprobs
+        metrics["distill/reverse_kl"] = (
+            scale_of(mask, batch.scale).token_mean(reverse_kl, mask).item()
+        )
+        return loss, metrics
+
+
 class Distill(GRPO):
     name = "distill"
+    Loss = DistillLoss
     headline = "distill/reverse_kl"
 
     def __init__(self, cfg: DistillConfig):
@@ -142,15 +156,6 @@ class Distill(GRPO):
             rewarded = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)
             advantages = advantages + cfg.reward_weight * rewarded.unsqueeze(1) * mask
         return advantages
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        loss, metrics = super().loss(logprobs, batch)
-        mask = batch.completion_mask
-        reverse_kl = logprobs.detach() - batch.ref_logprobs
-        metrics["distill/reverse_kl"] = (
-            scale_of(mask, batch.scale).token_mean(reverse_kl, mask).item()
-        )
-        return loss, metrics
 
     # --- held-out evaluation (`eval:`) ------------------------------------------------
 

@@ -26,29 +26,19 @@ from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, run_main
+from algorithms.base import Loss, run_main
 from algorithms.rl_config import OfflineConfig
+from algorithms.sft import SFT, SHIPPED_PREFERENCES
 from meshrl.config import (
     ConfigError,
     WarmStartConfig,
 )
 from meshrl.envs.dataset import DatasetError, PreferencePair, load_preferences, split_holdout
-from meshrl.loop.checkpoint import Checkpointer
-from meshrl.loop.run import Run
-from meshrl.loop.steplog import StepLog, add_evaluation
+from meshrl.loop.run import Role, Run
 from meshrl.loop.supervised import supervised_batch, supervised_steps
-from meshrl.loop.supervisor import RoleLost, Supervisor, mean_metrics
-from meshrl.loop.weight_sync import WeightSync
+from meshrl.loop.supervisor import mean_metrics
 from meshrl.model.losses import dpo_loss, scale_of, sequence_logprobs
 from meshrl.types import TrainBatch
-
-SHIPPED_PREFERENCES = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "meshrl",
-    "envs",
-    "data",
-    "reverse_digits_preferences.jsonl",
-)
 
 
 @dataclass
@@ -98,71 +88,10 @@ class DPOConfig(OfflineConfig):
             )
 
 
-class DPO(Algorithm):
-    name = "dpo"
-    elastic = ()  # no pools that grow and shrink (`scale` says so)
-    headline = "eval/accuracy"
+class DPOLoss(Loss):
+    """Runs on every trainer proc. Rows are [chosen; rejected] of the same pairs."""
 
-    def run(self, num_steps: int | None = None) -> list[dict]:
-        """Spawn the meshes (first call), train `num_steps` more steps (None: to
-        `cfg.steps`, then save the model and stop every proc)."""
-        from actors.reference import Reference
-
-        cfg, state = self.cfg, self.state
-        with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:  # --- the meshes: a trainer and a frozen reference ---
-                self.load_pairs()
-                procs = {"trainer": cfg.placement.trainer, "reference": cfg.placement.reference}
-                run = self.meshes = Run(cfg, self.name, procs, trains=("trainer",))
-                self.trainer = self.spawn_trainer(run)
-                self.reference = run.spawn(
-                    "reference",
-                    Reference,
-                    cfg.model,
-                    cfg.run.seed,
-                    cfg.trainer.layout,
-                    frozen_copy=True,  # the starting (SFT) weights, pulled once
-                )
-                self.sup = sup = Supervisor(run, cfg.faults, state)
-                self.sync = WeightSync(sup)
-                self.ckpt = Checkpointer(run, state, [self.trainer, self.reference], cfg.checkpoint)
-                sup.on_respawn("reference", self.reload_reference)
-                self.heal_from_peers(self.trainer, self.sync)
-                if self.ckpt.resume() is None:
-                    if cfg.warm_start.steps:
-                        self.warm_start()
-                    # The starting (SFT) weights, published by the trainer: the reference
-                    # pulls them (shared memory on this host, RDMA across) and keeps them.
-                    sup.call_all(self.reference, "load_weights", self.sync.publish(self.trainer))
-                self.log = StepLog(run, cfg.steps, state.step, self.headline)
-                self.before = self.evaluate()
-                print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
-            run, sup, log = self.meshes, self.sup, self.log
-            # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
-            # due before each step; its count and the checkpoints due after it (`Steps`).
-            with self.steps(num_steps) as steps:
-                for step in steps:
-                    with log.timer("step"):
-                        batch = self.pair_batch(self.next_pairs())
-                        # Both responses' log-probs under the reference, rows split over its
-                        # procs; then a DPO step on the trainer mesh, each rank whole pairs.
-                        batch.ref_logprobs = sup.call_rows(self.reference, "logprobs", batch)
-                        try:
-                            metrics = self.pairs_step(batch, "train_step")
-                        except RoleLost as lost:  # no peer to heal from: to a checkpoint
-                            self.ckpt.rewind(lost, sup, log, 0)
-                            continue
-                    record = {"step": step, **metrics, **sup.metrics()}
-                    add_evaluation(
-                        record, step, cfg.eval.every, cfg.steps, self.before, self.evaluate
-                    )
-                    self.record_step(step, record)
-        return self.log.history
-
-    # --- hooks ------------------------------------------------------------------------
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc. Rows are [chosen; rejected] of the same pairs."""
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         policy = sequence_logprobs(logprobs, batch.completion_mask)
         ref = sequence_logprobs(batch.ref_logprobs, batch.completion_mask)
@@ -183,9 +112,41 @@ class DPO(Algorithm):
         metrics["logps/rejected"] = scale.sequence_mean(policy[half:].detach(), pairs).item()
         return loss, metrics
 
+
+class DPO(SFT):
+    """SFT's offline loop (`SFT.run`, algorithms/sft.py) on preference pairs: a
+    frozen reference of the starting (SFT) weights, whose log-probs of both
+    responses each batch carries, and the DPO loss, each trainer rank on whole
+    pairs."""
+
+    name = "dpo"
+    headline = "eval/accuracy"
+    Loss = DPOLoss
+
+    def start(self) -> None:
+        super().start()
+        print(f"dpo: held-out accuracy before training {self.before.get('eval/accuracy')}")
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def placement(self) -> dict[str, int]:
+        return {"trainer": self.cfg.placement.trainer, "reference": self.cfg.placement.reference}
+
+    def spawn_reference(self, run: Run) -> Role:
+        """The frozen reference: the starting (SFT) weights, pulled once."""
+        from actors.reference import Reference
+
+        cfg = self.cfg
+        return run.spawn(
+            "reference", Reference, cfg.model, cfg.run.seed, cfg.trainer.layout, frozen_copy=True
+        )
+
+    def next_batch(self) -> TrainBatch:
+        return self.pair_batch(self.next_pairs())
+
     # --- data -------------------------------------------------------------------------
 
-    def load_pairs(self) -> None:
+    def load_data(self) -> None:
         """The preference file, split into train and held-out pairs."""
         cfg = self.cfg
         try:
@@ -215,7 +176,7 @@ class DPO(Algorithm):
 
     # --- the meshes -------------------------------------------------------------------
 
-    def pairs_step(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
+    def train_on(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
         """`endpoint` on every trainer rank with whole pairs: data-parallel rank i
         takes pairs i, i + n, ... (its chosen rows, then the same pairs' rejected
         rows)."""
@@ -236,7 +197,7 @@ class DPO(Algorithm):
         # Every pair counts: uneven shards still give the whole set's means (LossScale).
         batch = self.pair_batch(self.eval_pairs)
         batch.ref_logprobs = self.sup.call_rows(self.reference, "logprobs", batch)
-        metrics = self.pairs_step(batch, "eval_step")
+        metrics = self.train_on(batch, "eval_step")
         return {
             "eval/accuracy": metrics["rewards/accuracy"],
             "eval/loss": metrics["loss/dpo"],
@@ -247,6 +208,8 @@ class DPO(Algorithm):
         """Supervised steps on the chosen responses of the train split
         (warm_start.jsonl), before DPO: `warm_start.steps`."""
         cfg, rng = self.cfg.warm_start, random.Random(self.cfg.run.seed)
+        if not cfg.steps:
+            return
 
         def chosen(step: int) -> TrainBatch:
             pairs = rng.sample(self.train_pairs, min(cfg.batch_size, len(self.train_pairs)))

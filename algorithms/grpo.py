@@ -30,16 +30,44 @@ Subclass and override one hook (`rollout`, `compute_advantages`, `loss`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from algorithms.base import Algorithm, RLConfig, run_main
+from algorithms.base import Algorithm, Loss, RLConfig, run_main
+from algorithms.roles import (
+    group_replicas,
+    heal_trainer,
+    restore_frozen,
+    spawn_policy,
+    spawn_trainer,
+)
 from meshrl.config import ConfigError
+from meshrl.envs import make_task
+from meshrl.loop.checkpoint import Checkpointer
+from meshrl.loop.collector import Batch, Collector, decode
+from meshrl.loop.dispatch import Dispatcher
+from meshrl.loop.elastic import Scaler
+from meshrl.loop.evaluation import Evaluator
 from meshrl.loop.run import Role, Run
-from meshrl.loop.steplog import rollout_metrics
-from meshrl.loop.supervisor import RoleLost, merge_optimizer_steps
-from meshrl.model.losses import AGGREGATIONS, group_advantages, kl_estimate, policy_loss, scale_of
-from meshrl.types import TrainBatch
+from meshrl.loop.steplog import StepLog, rollout_metrics
+from meshrl.loop.supervised import demonstrations, supervised_steps
+from meshrl.loop.supervisor import RoleLost, Supervisor, merge_optimizer_steps
+from meshrl.loop.weight_sync import WeightSync
+from meshrl.model.losses import (
+    AGGREGATIONS,
+    group_advantages,
+    kl_estimate,
+    mismatch_metrics,
+    mismatch_weights,
+    policy_loss,
+    scale_of,
+)
+from meshrl.types import Completions, TrainBatch
+
+DROP_REASONS = ("stale", "trainer_rewind")
+REDO_REASONS = ("policy_lost",)
+"""Reasons a step always logs as `samples/dropped_<reason>` (others when they occur)."""
 
 
 @dataclass
@@ -85,14 +113,73 @@ class GRPOConfig(RLConfig):
             )
 
 
+class GRPOLoss(Loss):
+    """Runs on every trainer proc, on its shard of the batch: the clipped surrogate
+    (+ `kl_coef` times the KL to the reference), each a mean over the whole batch
+    (`batch.scale`)."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        loss, metrics = self.surrogate(logprobs, batch)
+        kl = self.kl_to_reference(logprobs, batch)
+        if kl is not None:
+            loss = loss + self.cfg.kl_coef * kl
+            metrics["policy/kl_ref"] = kl.item()
+        return loss, metrics
+
+    def surrogate(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """The clipped policy-gradient surrogate and its metrics (`policy_loss`)."""
+        cfg = self.cfg
+        return policy_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.completion_mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.loss_aggregation,
+            ratio_level=cfg.ratio_level,
+            max_tokens=cfg.generation.max_new_tokens,
+            scale=batch.scale,
+            weights=batch.weights,
+        )
+
+    def kl_to_reference(self, logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor | None:
+        """The token-mean KL estimate (`kl_kind`) to the reference over the whole
+        batch; None without one (`kl_coef` 0)."""
+        cfg = self.cfg
+        if batch.ref_logprobs is None or cfg.kl_coef <= 0:
+            return None
+        return scale_of(batch.completion_mask, batch.scale).token_mean(
+            kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
+        )
+
+
 class GRPO(Algorithm):
     """The on-policy loop. GRPO's hooks make it GRPO; PPO (ppo.py) runs the same
     loop with a critic mesh (`spawn_critic`) and GAE advantages, and DAPO, RLOO,
     REINFORCE++, GSPO and distillation override one hook each."""
 
     name = "grpo"
+    Loss = GRPOLoss
+    samples = True
     trains: tuple[str, ...] = ("trainer",)
     """The roles whose procs hold gradients and Adam's moments (sized so)."""
+    judge = None
+    """A method `(completions, temperature) -> {figure: value}` to add figures of the
+    algorithm's own to each held-out set (`eval:`): distillation's teacher KL."""
+
+    def __init__(self, cfg: RLConfig):
+        super().__init__(cfg)
+        self.task = make_task(cfg.task)
+        # Roles whose pools grow and shrink (`scale`); a tensor-parallel replica's procs
+        # form a group, so its pool does not.
+        self.elastic = (
+            ("environment",) if cfg.placement.policy_tp > 1 else ("policy", "environment")
+        )
+        self.reference: Role | None = None  # a frozen mesh (a reference, a teacher), where one runs
+        self.critic: Role | None = None  # a value model's mesh (PPO's), where one runs
+        self.stream: Role | None = None  # the policy's running-batch endpoint (pull dispatch)
+        self.evaluator: Evaluator | None = None
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -100,6 +187,7 @@ class GRPO(Algorithm):
         """Spawn the meshes (first call), train `num_steps` more steps (None: to
         `cfg.steps`, then save the model and stop every proc)."""
         from actors.environment import Environment
+        from actors.policy import PolicyStream
         from actors.reward_model import RewardModel
 
         cfg, state = self.cfg, self.state
@@ -114,9 +202,20 @@ class GRPO(Algorithm):
                     trains=self.trains,
                     cpu_only=("environment",),  # no GPU for the scorers
                 )
-                self.trainer = self.spawn_trainer(run)
+                temperature = cfg.generation.temperature  # the trainer's log-probs' too
+                self.trainer = spawn_trainer(run, cfg, self.make_loss(), temperature)
                 self.critic = self.spawn_critic(run)  # a value model (PPO); none here
-                self.policy = self.spawn_policy(run)
+                self.policy = spawn_policy(
+                    run,
+                    cfg,
+                    self.context,
+                    tp=cfg.placement.policy_tp,  # >1: each replica a tensor-parallel group
+                    partial=cfg.rollout.partial,
+                    lengths=cfg.faults.lengths(),
+                )
+                if cfg.policy.continuous and cfg.rollout.dispatch == "pull":
+                    # The running batch's endpoint, on the same procs: the pull queue's calls.
+                    self.stream = run.spawn("policy_stream", PolicyStream, "policy", share="policy")
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
                 self.reference = self.spawn_reference(run)
                 self.reward_model = None
@@ -124,7 +223,7 @@ class GRPO(Algorithm):
                     self.reward_model = run.spawn(
                         "reward_model", RewardModel, cfg.reward_model.path
                     )
-                self.assemble(run, [self.trainer, self.critic, self.frozen_copy, self.policy])
+                self.assemble(run)  # supervisor, sync, collector, evaluator, checkpoints, ...
                 self.start()  # a checkpoint's state, or version 0, the warm start, the copies
             run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
@@ -198,7 +297,306 @@ class GRPO(Algorithm):
                     )
         return self.log.history
 
+    # --- the start of a run -----------------------------------------------------------
+
+    def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
+        """`Run`'s procs per role, the roles colocated in another's procs, and the
+        groups of roles whose procs compute at the same time (they share a
+        host's cores): the loop runs one role at a time, and with
+        `max_staleness > 0` generation runs while the trainer trains."""
+        cfg = self.cfg
+        procs = {"trainer": cfg.placement.trainer, "environment": cfg.placement.environment}
+        if not cfg.placement.colocate:
+            procs["policy"] = cfg.placement.policy
+        if cfg.placement.policy_tp > 1:  # each replica's other tensor-parallel procs
+            procs["policy_tp"] = cfg.placement.policy * (cfg.placement.policy_tp - 1)
+        if cfg.kl_coef > 0:
+            procs["reference"] = cfg.placement.reference
+        if cfg.reward_model.path:
+            procs["reward_model"] = cfg.placement.reward_model
+        if cfg.eval.every and cfg.eval.mesh:
+            procs["eval"] = cfg.eval.procs
+        sampler = ("policy", "policy_tp") if "policy_tp" in procs else ("policy",)
+        busy = [(role,) for role in procs if role != "policy_tp"] + [sampler]
+        if cfg.max_staleness:
+            busy.append((*sampler, "trainer"))
+        if "eval" in procs:  # it samples while the next step trains
+            busy.append(("eval", "trainer"))
+        return procs, {"policy": "trainer"} if cfg.placement.colocate else {}, busy
+
+    def beside(self) -> dict[str, str]:
+        """Roles whose procs run on another role's hosts: a tensor-parallel replica's
+        followers on its leader's (`RoleMeshes`' `beside`)."""
+        return {"policy_tp": "policy"} if self.cfg.placement.policy_tp > 1 else {}
+
+    def assemble(self, run: Run) -> None:
+        """The pieces the loop uses, each built with its collaborators: supervisor,
+        weight sync, collector, evaluator, rollout queue (by pull), checkpointer and
+        scaler; and each role's catch-up after a respawn. Nothing runs yet: `start`."""
+        cfg, state, policy, trainer = self.cfg, self.state, self.policy, self.trainer
+        self.sup = sup = Supervisor(run, cfg.faults, state)
+        # Generation sent ahead with the old weights is handed out before each pull.
+        wait = not cfg.max_staleness
+        self.sync = sync = WeightSync.from_config(sup, cfg.weights, wait, self.before_pull)
+        self.collector = Collector(
+            cfg,
+            state,
+            sup,
+            sync,
+            self.tokenizer,
+            self.task,
+            self.context,
+            policy,
+            self.environment,
+            self.reward_model,
+            self.vision,
+        )
+        if cfg.policy.serve_port:  # its token printed and in status.json: its callers need it
+            endpoint = self.collector.endpoint(cfg.policy.serve_port)
+            print(f"policy endpoint: {endpoint.access()}")
+            if run.status is not None:
+                run.status.extra.update(endpoint.status_fields())
+        # Held-out sets, drawn before any training prompt (which then skips them).
+        self.evaluator = self.spawn_evaluator(run)
+        self.dispatcher = self.make_dispatcher()
+        self.ckpt = Checkpointer(
+            run,
+            state,
+            [trainer, self.critic, self.frozen_copy, policy],  # the roles a checkpoint holds
+            cfg.checkpoint,
+            after_restore=lambda: sync.pull(policy, sync.publish(trainer)),
+            collector=self.collector,
+            same_size=("policy",),  # a replica's sampling stream is its own
+            queue=self.dispatcher,
+            recover=sup.recover,
+        )
+        if cfg.placement.policy_tp == 1:
+            sup.on_respawn("policy", lambda: sync.catch_up(policy))  # the current version
+        else:  # a proc of a tensor-parallel group lost: the group is replaced whole
+
+            def regroup(lost: str) -> None:
+                run.respawn("policy_tp" if lost == "policy" else "policy")  # the other procs
+                group_replicas(run, cfg.run.call_timeout_s)
+                sync.catch_up(policy)
+
+            sup.on_respawn("policy", lambda: regroup("policy"))
+            sup.on_respawn("policy_tp", lambda: regroup("policy_tp"))
+        if self.stream is not None:
+            sup.on_respawn(self.stream.name)  # it finds the new replica on its proc
+        heal_trainer(sup, cfg, trainer, sync)
+        self.scaler = Scaler(
+            run, cfg.pool, self.settle, lambda role: sup.catch_up[role](), cfg.faults.standby
+        )
+        sup.on_respawn("environment")  # nothing to catch up
+        sup.on_respawn("reward_model")
+        if self.frozen_copy is not None:
+            sup.on_respawn(
+                self.reference.name, lambda: restore_frozen(sup, self.ckpt, self.reference)
+            )
+        elif self.reference is not None:
+            sup.on_respawn(self.reference.name)  # a model of its own: it loads it itself
+        if self.critic is not None:
+            sup.heal_from_peers("critic", ("train_step",))  # DDP: its ranks are replicas
+
+    def start(self) -> None:
+        """The state step 0 starts from: a checkpoint's (`checkpoint.resume`), or else
+        version 0 on every replica, the warm-start, the reference's copy of the
+        result, the held-out evaluation before training and the critic's backbone
+        (the policy's weights); then the step log."""
+        cfg, state, sup, sync = self.cfg, self.state, self.sup, self.sync
+        policy, trainer, run = self.policy, self.trainer, self.meshes
+        if self.ckpt.resume() is None:
+            sync.pull(policy, sync.publish(trainer))  # version 0: the trainer's weights
+            if cfg.warm_start.steps:
+                self.warm_start()
+            if self.frozen_copy is not None:
+                sup.call_all(self.reference, "load_weights", sync.handle)
+            if self.evaluator is not None:  # `eval.before`: the held-out sets, untrained
+                self.evaluator.evaluate_before()
+        self.log = StepLog(run, cfg.steps, state.step, self.headline)
+        if self.critic is not None and run.resume_from is None:  # it starts as the policy
+            sup.call_all(self.critic, "load_backbone", sync.handle)
+
+    def warm_start(self) -> None:
+        """Supervised steps on task demonstrations (warm_start.jsonl), then a sync."""
+        cfg = self.cfg.warm_start
+        supervised_steps(
+            self.sup,
+            self.trainer,
+            lambda step: demonstrations(self.collector, cfg.batch_size),
+            cfg.steps,
+            cfg.lr,
+            f"{self.meshes.dir}/warm_start.jsonl",
+            "warm-start",
+        )
+        self.sync.pull(self.policy, self.sync.publish(self.trainer))
+
+    @property
+    def frozen_copy(self) -> Role | None:
+        """The reference mesh when it holds a frozen copy of the starting policy
+        (spawned with `frozen_copy=True`: pulled from the trainer once, saved in
+        checkpoints); None when there is none, or when it is a model of its own
+        (distillation's teacher)."""
+        reference = self.reference
+        return reference if reference is not None and reference.frozen_copy else None
+
+    def spawn_evaluator(self, run: Run) -> Evaluator | None:
+        """The held-out sets' `Evaluator` (None without `eval.every`): on the policy
+        replicas, or on an `eval` mesh of its own (`eval.mesh`) with its own weight
+        sync. It runs before the warm-start and the first step draw any prompt."""
+        cfg = self.cfg
+        if not cfg.eval.every:
+            return None
+        if not cfg.eval.mesh:
+            return Evaluator(cfg.eval, self.collector, cfg.run.seed, judge=self.judge)
+        from actors.policy import Policy
+
+        mesh = run.spawn(
+            "eval", Policy, cfg.model, cfg.run.seed, cfg.policy, self.context, run.shm_prefix
+        )
+        sync = WeightSync.from_config(self.sup, cfg.weights)
+        self.sup.on_respawn("eval", lambda: sync.catch_up(mesh))
+        return Evaluator(cfg.eval, self.collector, cfg.run.seed, mesh, sync, self.judge)
+
+    def make_dispatcher(self) -> Dispatcher | None:
+        """Work by pull (`rollout.dispatch: pull`): the queue the replicas take
+        groups from, sending to the running batch's endpoint where there is one;
+        None for the static split."""
+        cfg, policy, environment = self.cfg, self.policy, self.environment
+        if cfg.rollout.dispatch != "pull":
+            return None
+        if type(self).rollout is not GRPO.rollout:  # DAPO's filter, distillation's teacher
+            raise ConfigError(
+                f"config key 'rollout.dispatch': pull hands each group to a free replica as "
+                f"it completes, so {self.name}'s own `rollout` hook, which sees the whole "
+                "step's batch, has no batch to see; use split"
+            )
+        if cfg.rollout.overprovision:  # the one setting whose samples depend on timing
+            print(
+                f"note: rollout.overprovision={cfg.rollout.overprovision}: which groups a "
+                "step trains on depends on which complete first, so this run does not repeat "
+                "bit for bit (docs/reliability.md)",
+                flush=True,
+            )
+        sampler = self.stream or policy
+        return Dispatcher(
+            cfg.rollout,
+            self.collector,
+            policy,
+            environment,
+            send=lambda i, ids, seeds, images: sampler.slice(procs=i).generate.call_one(
+                ids, cfg.generation, seeds, images, record_batch=False
+            ),
+            score=lambda i, prompts, texts: environment.slice(procs=i).score.call_one(
+                prompts, texts
+            ),
+        )
+
+    # --- around a step ----------------------------------------------------------------
+
+    def before_pull(self) -> None:
+        """As a weight pull begins (`WeightSync.pull`): what was sent with the old
+        weights is handed out first, so it is generated with the version it was
+        drawn at: the pull queue's drawn groups, or each batch sent ahead."""
+        if self.dispatcher is not None:
+            self.dispatcher.hand_out()
+        elif not self.task.multi_turn:
+            for batch in self.state.ahead:
+                self.collector.generated(batch)
+
+    def settle(self) -> None:
+        """Collect the work in flight (batches generated ahead, the rollout queue's
+        calls, weight pulls): before a pool changes size."""
+        for batch in self.state.ahead:
+            self.collector.collect(batch)
+        if self.dispatcher is not None:
+            self.dispatcher.settle()
+        self.sync.wait()
+
+    def next_rollout(self) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's rollouts: the batch generated ahead, collected and scored
+        (`rollout`), or by pull the first complete groups of the queue."""
+        if self.dispatcher is not None:
+            return self.dispatcher.step(self.cfg.prompts_per_step)
+        return self.rollout(self.state.ahead.pop(0))
+
+    def old_logprobs(self, batch: TrainBatch) -> dict[str, float]:
+        """When `trainer.recompute_old_logprobs` is on: the trainer's own log-probs
+        of `batch`, taken before its first optimizer step, become the old ones
+        (rows split over the trainer's procs), the sampler's move to
+        `batch.sampler_logprobs`, and `trainer.correction` weighs each token for
+        the mismatch between the two. Returns the `sampling/` figures."""
+        cfg = self.cfg
+        if not cfg.recompute_old_logprobs:
+            return {}
+        with self.log.timer("old_logprobs"):
+            trainer_logprobs = self.sup.call_rows(self.trainer, "logprobs", batch)
+        batch.sampler_logprobs, batch.old_logprobs = batch.old_logprobs, trainer_logprobs
+        batch.weights = mismatch_weights(
+            batch.old_logprobs,
+            batch.sampler_logprobs,
+            batch.completion_mask,
+            cfg.trainer.correction,
+            *cfg.trainer.correction_band(),
+        )
+        return mismatch_metrics(
+            batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
+        )
+
+    def minibatches(self, batch_size: int) -> list[torch.Tensor | slice]:
+        """Row indices of each optimizer step: `epochs` shuffled passes cut into
+        `minibatches` parts (one pass over the batch in order when both are 1)."""
+        cfg = self.cfg
+        if cfg.epochs == 1 and cfg.minibatches == 1:
+            return [slice(None)]
+        size = batch_size // cfg.minibatches
+        parts = []
+        for _ in range(cfg.epochs):
+            order = torch.randperm(batch_size, generator=self.state.torch_rng)
+            parts += [order[i * size : (i + 1) * size] for i in range(cfg.minibatches)]
+        return parts
+
+    def newest_checkpoint(self) -> str | None:
+        return self.ckpt.latest() if self.cfg.checkpoint.every else None
+
+    def record_samples(self, step: int, completions: Any, rewards: Any, advantages: Any) -> None:
+        """The step's samples in samples.jsonl, every `run.samples_every` steps."""
+        if self.cfg.run.samples_every and step % self.cfg.run.samples_every == 0:
+            prompts, texts = decode(self.tokenizer, completions)
+            mask = completions.completion_mask
+            self.log.samples(step, prompts, texts, rewards, advantages, mask)
+
+    def accounting(self, trained: int) -> dict:
+        """The step's sample ledger and the run's fault counters."""
+        return {
+            **self.state.ledger.count_step(trained, DROP_REASONS, REDO_REASONS),
+            **self.sup.metrics(),
+            **self.scaler.metrics(),
+            "samples/skipped_overlong_prompts": self.state.counters["skipped_prompts"],
+        }
+
+    def record_step(self, step: int, metrics: dict) -> None:
+        """The `after_step` hook, then the held-out evaluation (`eval:`) when one is
+        due, on the replicas now idle, and what generation sent ahead recorded;
+        then the record."""
+        self.after_step(step, metrics)
+        if self.evaluator is not None:
+            metrics.update(self.evaluator.after_step(step, self.cfg.steps - 1, self.sync.handle))
+        for batch in self.state.ahead:  # generation sent ahead (`max_staleness`): what
+            self.collector.ended(batch)  # it records lands in this step's record, every run
+        self.log.step(metrics)
+
     # --- hooks: override one of these for a variant ---------------------------------
+
+    def rollout(self, batch: Batch) -> tuple[Completions, torch.Tensor, dict]:
+        """This step's batch (`prompts_per_step` prompts x `group_size`, its
+        generation sent by the loop, or its episodes still to play), collected
+        and scored. Not run under work by pull, whose groups are collected one
+        by one as they complete (`make_dispatcher` refuses an override).
+
+        Returns completions [B = prompts x group], rewards [B] and metrics to log.
+        """
+        return self.collector.finish(batch)
 
     def spawn_critic(self, run: Run) -> Role | None:
         """A value model's mesh (PPO's critic), which estimates every prefix's value
@@ -238,43 +636,6 @@ class GRPO(Algorithm):
         `ref_logprobs`.
         """
         return group_advantages(rewards, self.cfg.group_size, scale=self.cfg.advantage_scale)
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc, on its shard of the batch: clipped surrogate
-        (+ KL to the reference), each a mean over the whole batch (`batch.scale`)."""
-        loss, metrics = self.surrogate(logprobs, batch)
-        kl = self.kl_to_reference(logprobs, batch)
-        if kl is not None:
-            loss = loss + self.cfg.kl_coef * kl
-            metrics["policy/kl_ref"] = kl.item()
-        return loss, metrics
-
-    def surrogate(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """The clipped policy-gradient surrogate and its metrics (`policy_loss`)."""
-        cfg = self.cfg
-        return policy_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.completion_mask,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.loss_aggregation,
-            ratio_level=cfg.ratio_level,
-            max_tokens=cfg.generation.max_new_tokens,
-            scale=batch.scale,
-            weights=batch.weights,
-        )
-
-    def kl_to_reference(self, logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor | None:
-        """The token-mean KL estimate (`kl_kind`) to the reference over the whole
-        batch; None without one (`kl_coef` 0)."""
-        cfg = self.cfg
-        if batch.ref_logprobs is None or cfg.kl_coef <= 0:
-            return None
-        return scale_of(batch.completion_mask, batch.scale).token_mean(
-            kl_estimate(logprobs, batch.ref_logprobs, cfg.kl_kind), batch.completion_mask
-        )
 
 
 if __name__ == "__main__":

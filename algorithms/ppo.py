@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from algorithms.base import RLConfig, run_main
-from algorithms.grpo import GRPO
+from algorithms.grpo import GRPO, GRPOLoss
 from meshrl.config import ConfigError, OptimConfig
 from meshrl.loop.run import Role, Run
 from meshrl.model.losses import (
@@ -37,7 +37,6 @@ from meshrl.model.losses import (
     gae,
     kl_estimate,
     masked_mean,
-    policy_loss,
     token_rewards,
     whiten,
 )
@@ -71,6 +70,8 @@ class PPOConfig(RLConfig):
     critic_optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's own optimizer and schedule."""
 
+    ratio_level: ClassVar[str] = "token"  # one ratio per token (GRPOLoss's surrogate reads it)
+
     def validate(self) -> None:
         super().validate()
         self.critic_optim.validate("critic_optim")
@@ -91,12 +92,21 @@ class PPOConfig(RLConfig):
             )
 
 
+class PPOLoss(GRPOLoss):
+    """Runs on every trainer proc: the clipped surrogate on per-token advantages
+    (the KL is already in the reward)."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        return self.surrogate(logprobs, batch)
+
+
 class PPO(GRPO):
     """GRPO's loop (`GRPO.run`) with a critic: its mesh (`spawn_critic`), its
     value of every prefix in each batch, GAE advantages and a value step beside
     each policy step."""
 
     name = "ppo"
+    Loss = PPOLoss
     trains = ("trainer", "critic")
 
     def placement(self) -> tuple[dict[str, int], dict[str, str], list[tuple[str, ...]]]:
@@ -180,23 +190,6 @@ class PPO(GRPO):
         if kl is not None:
             info["policy/kl_ref"] = masked_mean(kl, mask).item()
         return info
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc: the clipped surrogate on per-token advantages
-        (the KL is already in the reward)."""
-        cfg = self.cfg
-        return policy_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.completion_mask,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            aggregation=cfg.loss_aggregation,
-            max_tokens=cfg.generation.max_new_tokens,
-            scale=batch.scale,
-            weights=batch.weights,
-        )
 
 
 if __name__ == "__main__":

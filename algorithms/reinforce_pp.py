@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.base import run_main
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.grpo import GRPO, GRPOConfig, GRPOLoss
 from meshrl.config import ConfigError
 from meshrl.model.losses import kl_estimate, returns_to_go, token_rewards, whiten
 from meshrl.types import TrainBatch
@@ -42,8 +42,21 @@ class ReinforcePPConfig(GRPOConfig):
             )
 
 
+class ReinforcePPLoss(GRPOLoss):
+    """The clipped surrogate alone: the KL is in the reward (`compute_advantages`),
+    so it is only logged here."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        loss, metrics = self.surrogate(logprobs, batch)
+        kl = self.kl_to_reference(logprobs, batch)
+        if kl is not None:
+            metrics["policy/kl_ref"] = kl.item()
+        return loss, metrics
+
+
 class ReinforcePP(GRPO):
     name = "reinforce_pp"
+    Loss = ReinforcePPLoss
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[B] rewards -> [B, T] globally normalized returns of KL-shaped rewards."""
@@ -56,15 +69,6 @@ class ReinforcePP(GRPO):
             kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_kind)
         shaped = token_rewards(rewards, mask, kl, cfg.kl_coef)
         return whiten(returns_to_go(shaped, mask), mask)
-
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """The clipped surrogate alone: the KL is in the reward (`compute_advantages`),
-        so it is only logged here."""
-        loss, metrics = self.surrogate(logprobs, batch)
-        kl = self.kl_to_reference(logprobs, batch)
-        if kl is not None:
-            metrics["policy/kl_ref"] = kl.item()
-        return loss, metrics
 
 
 if __name__ == "__main__":

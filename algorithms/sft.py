@@ -21,28 +21,38 @@ In Python: `SFT(load_config(SFTConfig, "algorithms/configs/sft.yaml")).run()`.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from algorithms.base import Algorithm, run_main
-from algorithms.dpo import SHIPPED_PREFERENCES
+from algorithms.base import Algorithm, Loss, run_main
 from algorithms.rl_config import OfflineConfig
+from algorithms.roles import heal_trainer, restore_frozen, spawn_trainer
 from meshrl.config import (
     ConfigError,
 )
 from meshrl.envs.dataset import DatasetError
 from meshrl.envs.sft_data import Example, load_examples
 from meshrl.loop.checkpoint import Checkpointer
-from meshrl.loop.run import Run
+from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import StepLog, add_evaluation
 from meshrl.loop.supervised import supervised_batch
 from meshrl.loop.supervisor import RoleLost, Supervisor
 from meshrl.loop.weight_sync import WeightSync
 from meshrl.model.losses import nll_loss
 from meshrl.types import TrainBatch
+
+SHIPPED_PREFERENCES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "meshrl",
+    "envs",
+    "data",
+    "reverse_digits_preferences.jsonl",
+)
+"""The preference pairs the repository ships (DPO's default; SFT's, on `chosen`)."""
 
 
 @dataclass
@@ -75,39 +85,56 @@ class SFTConfig(OfflineConfig):
     }
 
 
+class SFTLoss(Loss):
+    """Runs on every trainer proc: the mean NLL of the step's assistant tokens."""
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        return nll_loss(logprobs, batch.completion_mask, batch.scale)
+
+
 class SFT(Algorithm):
+    """The offline loop: a trainer mesh, and a frozen reference where an algorithm
+    spawns one (`spawn_reference`: DPO's). SFT's hooks make it SFT; DPO (dpo.py)
+    runs the same loop with its pairs, its reference and its loss."""
+
     name = "sft"
-    elastic = ()  # no pools that grow and shrink (`scale` says so)
     headline = "loss/nll"
+    Loss = SFTLoss
+
+    def __init__(self, cfg: OfflineConfig):
+        super().__init__(cfg)
+        self.reference: Role | None = None
 
     def run(self, num_steps: int | None = None) -> list[dict]:
-        """Spawn the trainer mesh (first call), train `num_steps` more steps (None:
-        to `cfg.steps`, then save the model and stop every proc)."""
-
+        """Spawn the meshes (first call), train `num_steps` more steps (None: to
+        `cfg.steps`, then save the model and stop every proc)."""
         cfg, state = self.cfg, self.state
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:  # --- one mesh: the trainer ---
-                self.load_data()
-                procs = {"trainer": cfg.placement.trainer}
-                run = self.meshes = Run(cfg, self.name, procs, trains=("trainer",))
-                self.trainer = self.spawn_trainer(run)
-                self.sup = Supervisor(run, cfg.faults, state)
-                self.sync = WeightSync(self.sup)
-                self.heal_from_peers(self.trainer, self.sync)
-                self.ckpt = Checkpointer(run, state, [self.trainer], cfg.checkpoint)
-                self.ckpt.resume()
-                self.log = StepLog(run, cfg.steps, state.step, self.headline)
-                self.before = self.evaluate()
-            run, sup, log = self.meshes, self.sup, self.log
+            if self.meshes is None:  # --- the meshes: the trainer (and a frozen reference) ---
+                self.load_data()  # before any proc: a bad file costs no spawn
+                run = self.meshes = Run(cfg, self.name, self.placement(), trains=("trainer",))
+                self.trainer = trainer = spawn_trainer(run, cfg, self.make_loss())
+                self.reference = reference = self.spawn_reference(run)
+                self.sup = sup = Supervisor(run, cfg.faults, state)
+                self.sync = WeightSync(sup)
+                heal_trainer(sup, cfg, trainer, self.sync)
+                self.ckpt = Checkpointer(run, state, [trainer, reference], cfg.checkpoint)
+                if reference is not None:  # its copy: from the newest checkpoint
+                    sup.on_respawn(
+                        reference.name, lambda: restore_frozen(sup, self.ckpt, reference)
+                    )
+                self.start()  # a checkpoint's state, or the warm start and the copy
+            run, sup, log, reference = self.meshes, self.sup, self.log, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
             with self.steps(num_steps) as steps:
                 for step in steps:
                     with log.timer("step"):
-                        rows = state.next_items(len(self.train), cfg.batch_size)
-                        batch = self.batch([self.train[i] for i in rows])
-                        try:  # each trainer rank steps on its block of rows
-                            metrics = sup.call_sharded(self.trainer, "train_step", batch)
+                        batch = self.next_batch()
+                        if reference is not None:  # its log-probs, rows split over its procs
+                            batch.ref_logprobs = sup.call_rows(reference, "logprobs", batch)
+                        try:  # each trainer rank steps on its rows (`train_on`)
+                            metrics = self.train_on(batch, "train_step")
                         except RoleLost as lost:  # no peer to heal from: to a checkpoint
                             self.ckpt.rewind(lost, sup, log, 0)
                             continue
@@ -123,9 +150,43 @@ class SFT(Algorithm):
                     self.record_step(step, record)
         return self.log.history
 
-    def loss(self, logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Runs on every trainer proc: the mean NLL of the step's assistant tokens."""
-        return nll_loss(logprobs, batch.completion_mask, batch.scale)
+    def start(self) -> None:
+        """The state step 0 starts from: a checkpoint's (`checkpoint.resume`), or else
+        the warm start and the reference's copy of its result (published by the
+        trainer, pulled by the reference: shared memory on this host, RDMA across);
+        then the step log and the held-out figures before training."""
+        if self.ckpt.resume() is None:
+            self.warm_start()
+            if self.reference is not None:
+                handle = self.sync.publish(self.trainer)
+                self.sup.call_all(self.reference, "load_weights", handle)
+        self.log = StepLog(self.meshes, self.cfg.steps, self.state.step, self.headline)
+        self.before = self.evaluate()
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def placement(self) -> dict[str, int]:
+        """Procs per role."""
+        return {"trainer": self.cfg.placement.trainer}
+
+    def spawn_reference(self, run: Run) -> Role | None:
+        """A frozen copy of the starting weights whose log-probs each batch carries
+        (DPO's); none here."""
+        return None
+
+    def warm_start(self) -> None:
+        """Steps before the first (DPO's on the chosen responses); none here."""
+
+    def next_batch(self) -> TrainBatch:
+        """The next `batch_size` train rows: shuffled passes over the split (the
+        position is in the `LoopState`, so a resumed run goes on where it was)."""
+        rows = self.state.next_items(len(self.train), self.cfg.batch_size)
+        return self.batch([self.train[i] for i in rows])
+
+    def train_on(self, batch: TrainBatch, endpoint: str) -> dict[str, float]:
+        """`endpoint` (`train_step`, `eval_step`) on every trainer rank, each on its
+        block of rows; the metrics averaged over the ranks."""
+        return self.sup.call_sharded(self.trainer, endpoint, batch)
 
     # --- data -------------------------------------------------------------------------
 
@@ -159,7 +220,7 @@ class SFT(Algorithm):
         """The mean NLL of the held-out rows' assistant tokens (no update)."""
         if not self.held_out:
             return {}
-        metrics = self.sup.call_sharded(self.trainer, "eval_step", self.batch(self.held_out))
+        metrics = self.train_on(self.batch(self.held_out), "eval_step")
         return {"eval/nll": metrics["loss/nll"]}
 
 

@@ -380,8 +380,12 @@ class Checkpointer:
     `load_state(directory)` endpoints and writes its own files (e.g.
     `trainer.pt`). `after_restore()` runs after the roles are restored (publish
     the restored weights to the replicas). `collector` (a `Collector`, when the
-    loop generates ahead) saves and restores the batches of `LoopState.ahead`.
-    Sizes of `same_size` roles must match the checkpoint's (a replica's sampling
+    loop generates ahead) saves and restores the batches of `LoopState.ahead`;
+    `queue`, the rollout queue of work by pull (`meshrl.loop.dispatch.Dispatcher`),
+    is saved settled in `LoopState.data`, loaded after a restore and dropped on a
+    rewind. `recover` (`Supervisor.recover`): a role that lost a proc while it
+    saved (a policy replica's node) is recovered and asked again; without it the
+    loss ends the run. Sizes of `same_size` roles must match the checkpoint's (a replica's sampling
     stream is its own), unless the role is elastic: its samples' seeds are the
     controller's, so a run may resume with another pool size."""
 
@@ -395,18 +399,15 @@ class Checkpointer:
         collector=None,
         same_size: tuple[str, ...] = (),
         subdirs: dict[str, str] | None = None,
+        queue: Any = None,
+        recover: Any = None,
     ):
         self.run, self.state, self.cfg = run, state, cfg
         self.roles = [r for r in roles if r is not None]
         self.after_restore, self.collector, self.same_size = after_restore, collector, same_size
         self.subdirs = subdirs or {}  # role name -> its files' subdirectory (two trainers)
-        self.queue: Any = None
-        """The rollout queue of work by pull (`meshrl.loop.dispatch.Dispatcher`), if any:
-        saved settled in `LoopState.data`, loaded after a restore, dropped on a rewind."""
+        self.queue, self.recover = queue, recover
         self.saved_at = -1
-        self.recover: Any = None
-        """`Supervisor.recover`: a role that lost a proc while it saved (a policy
-        replica's node) is recovered and asked again; None: the loss ends the run."""
 
     def latest(self, rehash: bool = False) -> str | None:
         return latest(self.run.dir, rehash)
@@ -438,6 +439,20 @@ class Checkpointer:
         and every other role as they are (one player of several after its
         trainer was lost)."""
         self._each_role("load_state", path, roles)
+
+    def rewind_roles(self, lost, supervisor, roles: list) -> int:
+        """A proc of `lost.role` died: replace its procs and restore only `roles`
+        (one player's trainer of several) from the newest checkpoint, the loop's
+        state and every other role as they are; returns the checkpoint's step.
+        Without a checkpoint, `lost` is raised again."""
+        path = self.latest(rehash=True)
+        if path is None:
+            raise lost  # no checkpoint (checkpoint.every = 0)
+        supervisor.spend_recovery(lost.role, lost)
+        print(f"recovering {lost.role} from {path}: {lost}", flush=True)
+        self.run.respawn(lost.role)
+        self.load_roles(path, roles)
+        return step_of(path)
 
     def after_step(self) -> None:
         """After each step (`meshrl.loop.steps.Steps` calls it): a checkpoint every

@@ -35,7 +35,7 @@ from meshrl.observe.profile import Profiler, take_request
 from meshrl.observe.run_dir import make_private
 from meshrl.observe.status import StatusFile
 from meshrl.observe.status import table as status_table
-from meshrl.procs import faultlog, mesh, slurm, slurm_faults
+from meshrl.procs import faultlog, mesh, slurm_faults
 from meshrl.procs.mesh import RoleMeshes
 from meshrl.procs.pool import Detector
 from meshrl.procs.proc_pool import alive
@@ -86,17 +86,23 @@ class Role:
     `role.slice(procs=i)`); the mesh behind them is replaced when the role's
     procs are (`Run.respawn`), and `respawns` counts how often."""
 
-    def __init__(self, run: Run, name: str, make: Any, frozen_copy: bool = False):
+    def __init__(
+        self,
+        run: Run,
+        name: str,
+        make: Any,
+        frozen_copy: bool = False,
+        tensor_parallel: int = 1,
+    ):
         self.name, self._run, self._make = name, run, make
         self.frozen_copy = frozen_copy
         """Its actors hold a frozen copy of the starting policy (a KL reference),
         as its spawn said: pulled from the trainer once, restored from checkpoints."""
+        self.tensor_parallel = tensor_parallel
+        """Procs per tensor-parallel group: they take the same rows (`shards`)."""
         self.actors = make()
-        self.stream: Role | None = None  # a policy's running-batch endpoint (`PolicyStream`)
         self.respawns = 0
         self.resizes = 0  # an elastic role's pool changes (`Run.scale`)
-        self.tensor_parallel = 1
-        """Procs per tensor-parallel group: they take the same rows (`shards`)."""
         self._slices: dict[tuple, Any] = {}
 
     @property
@@ -172,6 +178,7 @@ class Run:
         beside: dict[str, str] | None = None,
         trains: tuple[str, ...] = (),
         cpu_only: tuple[str, ...] = (),
+        metric_prefix: dict[str, str] | None = None,
     ):
         self.cfg, self.name = cfg, name
         self.timeout_s = cfg.run.call_timeout_s
@@ -187,13 +194,10 @@ class Run:
                 os.path.dirname(os.path.dirname(os.path.abspath(self.resume_from)))
             )
         save_config(cfg, f"{self.dir}/config.yaml")
-        faultlog.path = f"{self.dir}/faults.log"  # mesh failures and recoveries in full
-        slurm.log_dir = f"{self.dir}/slurm"  # SLURM jobs' output
+        faultlog.begin(f"{self.dir}/faults.log")  # mesh failures and recoveries in full
+        faults = getattr(cfg, "faults", None)  # (`meshrl serve` and `meshrl eval` have none)
         if cfg.job.kind == "slurm":  # a quarantine is the run's (a notebook runs several)
-            slurm_faults.quarantined.clear()
-            slurm_faults.losses.clear()
-            if hasattr(cfg, "faults"):
-                slurm_faults.quarantine_after = cfg.faults.quarantine_after
+            slurm_faults.begin_run(faults.quarantine_after if faults is not None else 2)
         self.stop_request = StopRequest()
         # Shared-memory weight files of this run's trainers, removed at `close`.
         self.shm_prefix = f"meshrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -211,8 +215,10 @@ class Run:
             observe=self.observe,
             elastic=elastic,
             beside=beside,
+            metric_prefix=metric_prefix,
+            process_group_roles=set(),  # `spawn(..., rendezvous=True)` adds
+            log_dir=f"{self.dir}/slurm",  # SLURM jobs' output
         )
-        self.meshes.process_group_roles = set()  # `spawn(..., rendezvous=True)` adds
         self.notices: Any = (
             None  # SLURM's notices to the run's jobs (`meshrl.procs.slurm_faults.NoticeWatch`)
         )
@@ -220,7 +226,6 @@ class Run:
         if cfg.job.kind == "slurm":
             self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
-        faults = getattr(cfg, "faults", None)
         if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
             self.workers = slurm_faults.WorkerWatch(self._watched, faults.detect_s)
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
@@ -252,6 +257,8 @@ class Run:
         rendezvous: bool = False,
         share: str | None = None,
         frozen_copy: bool = False,
+        tensor_parallel: int = 1,
+        grouped: bool = False,
         **kwargs: Any,
     ) -> Role:
         """One `actor_class(*args, **kwargs)` per proc of `role`. `rendezvous`:
@@ -259,21 +266,26 @@ class Run:
         one each time the role is spawned again. `share`: `role` is a second actor
         on the procs of role `share` (spawned, replaced and stopped with them).
         `frozen_copy`: its actors will hold a frozen copy of the starting policy
-        (`Role.frozen_copy`)."""
+        (`Role.frozen_copy`). `tensor_parallel`: procs per tensor-parallel group
+        (they take the same rows: `Role.shards`). `grouped`: its procs, however
+        few, join a process group with another role's (a tensor-parallel replica's
+        leader and followers), so they are never pooled for reuse."""
         if share is not None:
             self.meshes.share[role] = self.meshes.share.get(share, share)
 
         if rendezvous:  # its actors form a torch.distributed group over its procs
             if self.meshes.share.get(role, role) in self.meshes.elastic:
                 raise ValueError(f"{role}: an elastic role's procs form no process group")
-            self.meshes.process_group_roles.add(self.meshes.share.get(role, role))
+            self.meshes.joins_group(role)
+        if grouped:
+            self.meshes.joins_group(role, with_others=True)
 
         def make() -> Any:
             extra = {"master": self.meshes.rendezvous(role)} if rendezvous else {}
             return self.meshes.spawn(role, role, actor_class, *args, **kwargs, **extra)
 
         try:
-            self.roles[role] = handle = Role(self, role, make, frozen_copy)
+            self.roles[role] = handle = Role(self, role, make, frozen_copy, tensor_parallel)
         except BaseException:
             self.close()
             raise

@@ -139,6 +139,7 @@ class WeightSync:
         relay_timeout_s: int = 30,
         verify: bool = True,
         delta: bool = False,
+        before_pull: Callable[[], None] | None = None,
     ):
         self.sup = supervisor
         self.wait_each = wait
@@ -164,9 +165,9 @@ class WeightSync:
         self._pulls: tuple[Any, Role, int] | None = None
         self._sending = threading.RLock()
         self.source: Role | None = None  # the trainer role of the newest publish
-        self.before_pull: Callable[[], None] = lambda: None
-        """Runs as `pull` begins: work by pull hands out its drawn groups first
-        (`meshrl.loop.dispatch.Dispatcher.hand_out`)."""
+        self.before_pull: Callable[[], None] = before_pull or (lambda: None)
+        """Runs as `pull` begins: what was sent with the old weights is handed out
+        first (work by pull: `meshrl.loop.dispatch.Dispatcher.hand_out`)."""
 
     @property
     def version(self) -> int:
@@ -240,8 +241,16 @@ class WeightSync:
                 self._collect(future, replicas)
 
     @classmethod
-    def from_config(cls, supervisor: Any, cfg: WeightsConfig, wait: bool = True) -> WeightSync:
-        return cls(supervisor, wait, cfg.fanout, cfg.relay_timeout_s, cfg.verify, cfg.delta)
+    def from_config(
+        cls,
+        supervisor: Any,
+        cfg: WeightsConfig,
+        wait: bool = True,
+        before_pull: Callable[[], None] | None = None,
+    ) -> WeightSync:
+        return cls(
+            supervisor, wait, cfg.fanout, cfg.relay_timeout_s, cfg.verify, cfg.delta, before_pull
+        )
 
     def _send(self, replicas: Role, handle: WeightHandle) -> Any | None:
         """A relay tree is pulled now, level by level (None); one level is one call

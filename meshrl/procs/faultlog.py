@@ -9,7 +9,9 @@ import os
 import time
 
 path: str | None = None
-"""The running run's `faults.log` (`Run` sets it). Without one (or with
+"""The running run's `faults.log` (`begin`). Process-wide, as Monarch's fault hook
+is (`meshrl.procs.mesh.install_fault_hook`), whose reports come from no call of
+the run's. Without one (or with
 MESHRL_DEBUG set) failures are logged to the console."""
 
 ended: str | None = None
@@ -26,6 +28,12 @@ _clock = time.monotonic
 LATE_S = 60.0
 """How long after its run ended a report still goes to that run's log; a later one
 (a mesh a notebook made by hand afterwards) goes to the console."""
+
+
+def begin(log: str) -> None:
+    """The run whose log is `log` runs now in this process: failures go there."""
+    global path
+    path = log
 
 
 def end(log: str) -> None:

@@ -124,23 +124,34 @@ def mesh_name(cfg: JobConfig, role: str) -> str:
 
 
 def build_job(
-    cfg: JobConfig, roles: list[str], observe: Any = None, cpu_roles: tuple[str, ...] = ()
+    cfg: JobConfig,
+    roles: list[str],
+    observe: Any = None,
+    cpu_roles: tuple[str, ...] = (),
+    log_dir: str | None = None,
 ) -> Any:
     """The Monarch job for `roles` (None for `local`, unless `observe`, a
     `meshrl.observe.monarch.Observe`, asks for telemetry: a `LocalJob`). Nothing is
-    started yet; `cpu_roles` ask for no GPUs (SLURM). Before anything of Monarch's
+    started yet; `cpu_roles` ask for no GPUs (SLURM); `log_dir`: where SLURM's jobs
+    write their output (default `meshrl.procs.slurm.LOG_DIR`). Before anything of Monarch's
     serves: this process's channels and those of every process it starts are made
     private (`meshrl.procs.channels`)."""
     from meshrl.procs import channels
 
     channels.seal()
-    job = _job(cfg, roles, observe is not None, cpu_roles)
+    job = _job(cfg, roles, observe is not None, cpu_roles, log_dir)
     if observe is not None:
         observe.enable(job, cfg.kind)
     return job
 
 
-def _job(cfg: JobConfig, roles: list[str], observed: bool, cpu_roles: tuple = ()) -> Any:
+def _job(
+    cfg: JobConfig,
+    roles: list[str],
+    observed: bool,
+    cpu_roles: tuple = (),
+    log_dir: str | None = None,
+) -> Any:
     meshes = {mesh_name(cfg, role): cfg.hosts_for(role) for role in roles}
     if cfg.kind == "local":
         if observed:  # Monarch's telemetry hangs on a job; this one is this host
@@ -159,9 +170,10 @@ def _job(cfg: JobConfig, roles: list[str], observed: bool, cpu_roles: tuple = ()
 
         return ProcessJob(meshes)
     if cfg.kind == "slurm":
-        from meshrl.procs.slurm import make_job
+        from meshrl.procs.slurm import LOG_DIR, make_job
 
-        return make_job(cfg, meshes, {mesh_name(cfg, role) for role in cpu_roles})
+        cpu = {mesh_name(cfg, role) for role in cpu_roles}
+        return make_job(cfg, meshes, cpu, log_dir or LOG_DIR)
     try:
         from monarch.job.kubernetes import ImageSpec, KubernetesJob
     except (ImportError, RuntimeError):

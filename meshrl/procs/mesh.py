@@ -299,6 +299,9 @@ class RoleMeshes:
         observe: Any = None,
         elastic: tuple[str, ...] = (),
         beside: dict[str, str] | None = None,
+        metric_prefix: dict[str, str] | None = None,
+        process_group_roles: set[str] | None = None,
+        log_dir: str | None = None,
     ):
         from meshrl.procs.job import JobConfig, build_job, host_meshes
 
@@ -313,7 +316,7 @@ class RoleMeshes:
         self.meshes: dict[str, Any] = {}
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
-        self.metric_prefix: dict[str, str] = {}
+        self.metric_prefix: dict[str, str] = dict(metric_prefix or {})
         self.carried: list[dict] = []
         """Metrics of procs replaced while they lived on (a heal), for the next report."""
         self._stopping: list[threading.Thread] = []  # failed meshes' stops still under way
@@ -321,7 +324,7 @@ class RoleMeshes:
         """A role's own procs' pids by rank (not an elastic role's: its members have
         theirs), for the pid watch on this machine (`meshrl.procs.pool.Detector`)."""
         self.actors: dict[str, list] = {}  # role -> the actor meshes spawned on its procs
-        self.process_group_roles: set[str] | None = None
+        self.process_group_roles = process_group_roles
         """Roles whose actors join a torch.distributed group (their multi-proc meshes
         are never pooled); None: unknown, so only single-proc meshes are."""
         self.grouped_roles: set[str] = set()
@@ -348,7 +351,7 @@ class RoleMeshes:
         self._spawn_args: dict[str, tuple] = {}
         try:
             hosted = [role for role in self.counts if role not in self.beside]
-            self.job = build_job(self.job_cfg, hosted, observe, cpu_roles)
+            self.job = build_job(self.job_cfg, hosted, observe, cpu_roles, log_dir)
             self._hosts = host_meshes(self.job_cfg, self.job, hosted, observe)
             for role, count in self.counts.items():
                 offset = device_offset
@@ -362,6 +365,14 @@ class RoleMeshes:
         except BaseException:
             self.stop()
             raise
+
+    def joins_group(self, role: str, with_others: bool = False) -> None:
+        """`role`'s actors join a torch.distributed group over its procs, or (with
+        `with_others`) with another role's, however few its procs: never pooled."""
+        if self.process_group_roles is not None:
+            self.process_group_roles.add(self.share.get(role, role))
+        if with_others:
+            self.grouped_roles.add(role)
 
     def _pool_key(self, role: str) -> tuple | None:
         """What a pooled mesh must match to serve `role`, or None: not poolable

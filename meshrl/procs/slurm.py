@@ -59,8 +59,9 @@ logger = logging.getLogger(__name__)
 
 PORT_ENV = "MESHRL_WORKER_PORT"
 RESTARTS = 8  # requeues of one job before its ports and worker ids repeat
-log_dir = "slurm-logs"
-"""Where SLURM jobs write their output (a run sets its own: <run dir>/slurm)."""
+LOG_DIR = "slurm-logs"
+"""Where SLURM jobs write their output when the caller names no place (a run
+names its own: <run dir>/slurm)."""
 # --- one role's allocation -----------------------------------------------------------
 
 
@@ -472,7 +473,9 @@ def run_ca() -> RunCA:
     return _ca
 
 
-def make_job(cfg: Any, meshes: dict[str, int], cpu_meshes: set[str] | None = None) -> Any:
+def make_job(
+    cfg: Any, meshes: dict[str, int], cpu_meshes: set[str] | None = None, log_dir: str = LOG_DIR
+) -> Any:
     """A Monarch job whose host meshes are SLURM allocations of their own
     (`Allocations`); those in `cpu_meshes` ask for no GPUs."""
     from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport

@@ -156,6 +156,15 @@ quarantined: set[str] = set()
 """Nodes that no later allocation of this run may get (`--exclude`)."""
 
 
+def begin_run(after: int = 2) -> None:
+    """A new run in this process (a notebook runs several): its own quarantine,
+    nodes quarantined after `after` losses (`faults.quarantine_after`)."""
+    global quarantine_after
+    quarantined.clear()
+    losses.clear()
+    quarantine_after = after
+
+
 def note_lost(nodes: list[str]) -> list[str]:
     """Count a loss of procs on each of `nodes`; those that reach `quarantine_after`
     join `quarantined` (excluded from every later allocation). Returns

@@ -4,7 +4,6 @@ train apart in one script."""
 import pytest
 import torch
 
-from algorithms.base import HookLoss
 from algorithms.grpo import GRPO
 from meshrl.loop.state import LoopState
 from meshrl.types import TrainBatch
@@ -42,7 +41,7 @@ def test_two_policy_trainer_pairs_train_apart_in_one_script(tmp_path, no_stray_p
                 Trainer,
                 cfg.model,
                 cfg.optim,
-                loss_fn=HookLoss(algo),
+                loss_fn=algo.make_loss(),
                 total_steps=10,
                 seed=seed,
                 shm_prefix=run.shm_prefix,

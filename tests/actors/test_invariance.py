@@ -15,9 +15,8 @@ import torch
 from actors.critic import Critic
 from actors.policy import Policy
 from actors.trainer import Trainer
-from algorithms.base import HookLoss
-from algorithms.dpo import DPO, DPOConfig
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.dpo import DPOConfig, DPOLoss
+from algorithms.grpo import GRPOConfig, GRPOLoss
 from meshrl.config import ModelConfig, OptimConfig
 from meshrl.model.losses import AGGREGATIONS
 from meshrl.procs.mesh import RoleMeshes, call_all, call_each, form_groups
@@ -31,16 +30,13 @@ QWEN3 = ModelConfig(arch="qwen3")
 TOLERANCE = 1e-5
 
 
-def grpo_loss(aggregation: str) -> HookLoss:
-    """GRPO's loss hook with `aggregation`, clip-higher and a KL term."""
-    cfg = GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1, clip_high=0.28)
-    return HookLoss(GRPO(cfg))
+def grpo_loss(aggregation: str) -> GRPOLoss:
+    """GRPO's loss with `aggregation`, clip-higher and a KL term."""
+    return GRPOLoss(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1, clip_high=0.28))
 
 
-def dpo_loss_hook() -> HookLoss:
-    algorithm = DPO.__new__(DPO)  # only the class and the config travel
-    algorithm.cfg = DPOConfig(beta=0.5)
-    return HookLoss(algorithm)
+def dpo_loss_hook() -> DPOLoss:
+    return DPOLoss(DPOConfig(beta=0.5))
 
 
 def fixed_batch(rows: int = 8, prompt: int = 3, completion: int = 6) -> TrainBatch:

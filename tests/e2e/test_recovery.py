@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from algorithms.base import NonFiniteLoss
-from algorithms.grpo import GRPO
+from algorithms.grpo import GRPO, GRPOLoss
 from algorithms.ppo import PPO, PPOConfig
 from meshrl.loop import checkpoint
 from meshrl.loop.checkpoint import CheckpointError
@@ -253,20 +253,24 @@ def test_debug_flag_shows_the_traceback_of_a_prompt_too_long(tmp_path, no_stray_
 # --- NaN losses --------------------------------------------------------------------------
 
 
-class NaNOnRankOne(GRPO):
+class NaNOnRankOneLoss(GRPOLoss):
     """Trainer rank 1 only sees a NaN loss at the steps in `nan_at` (counted per
     trainer proc): the ranks must still agree to skip."""
 
     nan_at = (2, 4, 5, 6)
     calls = 0
-    params: list = []
 
-    def loss(self, logprobs, batch):
-        loss, metrics = super().loss(logprobs, batch)
+    def __call__(self, logprobs, batch):
+        loss, metrics = super().__call__(logprobs, batch)
         step, type(self).calls = type(self).calls, type(self).calls + 1
         if step in self.nan_at and torch.distributed.get_rank() == 1:
             loss = loss * float("nan")
         return loss, metrics
+
+
+class NaNOnRankOne(GRPO):
+    Loss = NaNOnRankOneLoss
+    params: list = []
 
     def after_step(self, step, metrics):
         if step in (1, 2, 3):

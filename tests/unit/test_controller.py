@@ -2,6 +2,7 @@
 old all-in-one base class had (each test here failed on it)."""
 
 import ast
+import glob
 import inspect
 import io
 import os
@@ -10,9 +11,8 @@ import signal
 import pytest
 import torch
 
-from algorithms.base import HookLoss
 from algorithms.dpo import DPO, DPOConfig
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.grpo import GRPO, GRPOConfig, GRPOLoss
 from meshrl.config import load_config
 from meshrl.loop.run import StopRequest
 from meshrl.loop.state import Ledger, LoopState
@@ -82,14 +82,36 @@ def test_stop_requests_belong_to_their_run():
     assert signal.getsignal(signal.SIGINT) is before  # given back as it was
 
 
+class Weighted(GRPOLoss):
+    """A loss with state of its own, given on the controller."""
+
+    def __init__(self, cfg, weight):
+        super().__init__(cfg)
+        self.weight = weight
+
+    def __call__(self, logprobs, batch):
+        loss, metrics = super().__call__(logprobs, batch)
+        return self.weight * loss, metrics
+
+
+class Variant(GRPO):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.weight = 3.0
+
+    def make_loss(self):
+        return Weighted(self.cfg, self.weight)
+
+
 @pytest.mark.unit
-def test_the_loss_sent_to_the_trainer_is_the_hook_not_the_controller():
+def test_the_loss_sent_to_the_trainer_is_the_loss_object_whole_not_the_controller():
     import pickle
 
     cfg = load_config(GRPOConfig, DEFAULT_CONFIG, [])
-    loss = HookLoss(GRPO(cfg))
+    loss = Variant(cfg).make_loss()
     copy = pickle.loads(pickle.dumps(loss))
-    assert len(pickle.dumps(loss)) < 20_000  # the config, no tokenizer, no meshes
+    assert len(pickle.dumps(loss)) < 20_000  # the config and its own state: no meshes
+    assert copy.weight == 3.0  # what the subclass gave it arrives
     B, T = 4, 3
     logprobs = torch.full((B, T), -1.0, requires_grad=True)
     batch = TrainBatch(
@@ -223,7 +245,58 @@ def test_the_loops_show_the_meshes():
         for piece in ("run.spawn(", "policy.slice(procs=i).generate", "train_step", "publish"):
             assert piece in source, f"{loop.__qualname__} lacks {piece}"
         assert "sync.pull(policy" in source and "except RoleLost" in source
-    assert 'sup.call_rows(self.reference, "logprobs"' in inspect.getsource(DPO.run)
+    offline = inspect.getsource(DPO.run)  # SFT's loop, which DPO runs
+    assert 'sup.call_rows(reference, "logprobs"' in offline and "train_on(" in offline
+
+
+PIECES = {
+    "run",
+    "meshes",
+    "sup",
+    "sync",
+    "ckpt",
+    "collector",
+    "dispatcher",
+    "evaluator",
+    "scaler",
+    "log",
+    "policy",
+    "trainer",
+    "critic",
+    "reference",
+    "environment",
+    "stream",
+}
+
+
+@pytest.mark.unit
+def test_no_piece_is_wired_by_assignment_after_it_is_built():
+    """Each piece takes its collaborators in its constructor: no algorithm sets an
+    attribute of a piece (`self.ckpt.recover = ...`, `policy.stream = ...`,
+    `run.meshes.metric_prefix = ...`) once it is built."""
+    found = []
+    for path in sorted(glob.glob(f"{REPO}/algorithms/*.py")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    chain, owner = [], t.value  # `a.b.attr = ...`: ["a", "b"]
+                    while isinstance(owner, ast.Attribute):
+                        chain.insert(0, owner.attr)
+                        owner = owner.value
+                    if isinstance(owner, ast.Name):
+                        chain.insert(0, owner.id)
+                    if chain[:1] == ["self"]:
+                        chain = chain[1:]
+                    if chain and chain[0] in PIECES:
+                        found.append(f"{os.path.basename(path)}:{node.lineno} {ast.unparse(t)}")
+    assert not found, found
 
 
 @pytest.mark.unit
@@ -240,7 +313,6 @@ def test_notebook_calls_work_on_every_algorithm_or_say_why_not(tmp_path):
     with pytest.raises(ValueError, match=r"dpo: set_temperature\(\): this algorithm samples"):
         dpo.set_temperature(0.5)
     assert dpo.last_episodes == []
-    dpo.settle()  # nothing runs ahead
     dpo.set_lr(1e-4)  # the config's, before the meshes are up
     assert dpo.cfg.optim.lr == 1e-4
     grpo = GRPO(configure(tmp_path, "grpo"))

@@ -75,8 +75,7 @@ def test_packed_and_tree_layouts_score_what_the_padded_batch_scores(arch, groups
 def test_every_layout_gives_the_padded_gradient(aggregation):
     """GRPO's loss with a KL term, on one model in this process (the layouts at
     every placement: tests/actors/test_invariance.py)."""
-    from algorithms.base import HookLoss
-    from algorithms.grpo import GRPO, GRPOConfig
+    from algorithms.grpo import GRPOConfig, GRPOLoss
     from meshrl.types import TrainBatch
 
     ids, mask, T = grouped_batch()
@@ -89,7 +88,7 @@ def test_every_layout_gives_the_padded_gradient(aggregation):
         advantages=torch.randn(len(ids), generator=g),
         ref_logprobs=-4.6 + 0.3 * torch.randn(len(ids), T, generator=g),
     )
-    loss_fn = HookLoss(GRPO(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1)))
+    loss_fn = GRPOLoss(GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1))
     model = load_model(MODEL, seed=2)
     grads = {}
     for name in ("padded", *LAYOUTS):
