@@ -106,6 +106,16 @@ def at_step(run_dir, name, step: int, action, proc: subprocess.Popen, timeout: f
     return thread, done
 
 
+def wait_while_running(cluster, proc, check, what: str, timeout: float, poll: float) -> None:
+    """Until `check()` holds, while the run `proc` goes on: a run that ended fails
+    with its output, and a `what` not seen by `timeout` with the queue."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, finish(proc)[-3000:]
+        assert time.monotonic() < deadline, f"{what}: {cluster.run('squeue', check=False)}"
+        time.sleep(poll)
+
+
 def job_nodes(cluster, job_id: str) -> list[str]:
     """The nodes SLURM itself says a job ran on."""
     out = cluster.run("scontrol", "show", "job", "-o", job_id, check=False)
@@ -368,12 +378,8 @@ def test_a_timed_out_then_requeued_trainer_job_checkpoints_first_and_ends_bitwis
         set_time_limit(cluster, job_id, 1.0)  # inside the 90 s warning
         return job_id
 
-    def wait_for(check, what, timeout=240):
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert proc.poll() is None, finish(proc)[-3000:]
-            assert time.monotonic() < deadline, f"{what}: {cluster.run('squeue', check=False)}"
-            time.sleep(0.2)
+    def wait_for(check, what):
+        wait_while_running(cluster, proc, check, what, timeout=240, poll=0.2)
 
     # SLURM checks time limits every 30 s: the warning may come that late, so the
     # limit is brought near early enough for it to land mid-run.
@@ -449,12 +455,8 @@ def test_policy_pool_grows_and_shrinks_by_allocations_and_ctrl_c_leaves_no_job(
         out = cluster.run("squeue", "-h", "-o", "%j %T", check=False)
         return [line for line in out.splitlines() if "policyjoined" in line]
 
-    def wait_for(check, what, timeout=120):
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert proc.poll() is None, finish(proc)[-3000:]
-            assert time.monotonic() < deadline, f"{what}: {cluster.run('squeue', check=False)}"
-            time.sleep(0.5)
+    def wait_for(check, what):
+        wait_while_running(cluster, proc, check, what, timeout=120, poll=0.5)
 
     try:
         wait_for(lambda: len(history(tmp_path, "pool")) >= 2, "first steps")
