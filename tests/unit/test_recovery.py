@@ -23,19 +23,20 @@ def test_an_exception_in_an_actor_is_not_recovered_but_reported():
 
 
 @pytest.mark.unit
-def test_fault_drill_keys_are_checked():
-    with pytest.raises(ConfigError, match="faults.kill"):
-        load_config(GRPOConfig, None, ["faults.kill=[policy@3]"])
-    with pytest.raises(ConfigError, match="the roles are"):
-        load_config(GRPOConfig, None, ["faults.kill=[learner:0@3]"])
-    with pytest.raises(ConfigError, match="is not role.endpoint@step"):
-        load_config(GRPOConfig, None, ["faults.raise_in=[environment:0@3]"])
-    with pytest.raises(ConfigError, match="the endpoints are .*environment.score"):
-        load_config(GRPOConfig, None, ["faults.raise_in=[environment.reward@3]"])
-    with pytest.raises(ConfigError, match="faults.max_nonfinite_steps"):
-        load_config(GRPOConfig, None, ["faults.max_nonfinite_steps=0"])
-    with pytest.raises(ConfigError, match="'faults.weights': 'skip_pull@3' is not corrupt@step"):
-        load_config(GRPOConfig, None, ["faults.weights=[skip_pull@3]"])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("faults.kill=[policy@3]", "faults.kill"),
+        ("faults.kill=[learner:0@3]", "the roles are"),
+        ("faults.raise_in=[environment:0@3]", "is not role.endpoint@step"),
+        ("faults.raise_in=[environment.reward@3]", "the endpoints are .*environment.score"),
+        ("faults.max_nonfinite_steps=0", "faults.max_nonfinite_steps"),
+        ("faults.weights=[skip_pull@3]", "'faults.weights': 'skip_pull@3' is not corrupt@step"),
+    ],
+)
+def test_fault_drill_keys_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOConfig, None, [override])
 
 
 @pytest.mark.unit
