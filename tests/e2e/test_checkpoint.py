@@ -13,30 +13,22 @@ from algorithms.ppo import PPO, PPOConfig
 from meshrl.config import load_config
 from meshrl.loop import checkpoint, export
 from tests.conftest import REPO
+from tests.support.runs import StopAt
 
 
-class StopAtStep(GRPO):
+class StopAtStep(StopAt, GRPO):
     """Simulates a run killed after `stop_at` steps (its checkpoint is written)."""
 
     stop_at = 3
 
-    def after_step(self, step, metrics):
-        if step == self.stop_at:
-            raise KeyboardInterrupt
-        super().after_step(step, metrics)
 
-
-class PPOStopAtStep(PPO):
+class PPOStopAtStep(StopAt, PPO):
     stop_at = 2
 
-    def after_step(self, step, metrics):
-        if step == self.stop_at:
-            raise KeyboardInterrupt
-        super().after_step(step, metrics)
 
-
-class CountingGRPO(GRPO):
-    """Counts the steps this session ran (a resumed run must not redo any)."""
+class Counting:
+    """Mixed in before an algorithm: counts the steps this session ran (a resumed
+    run must not redo any)."""
 
     steps_run = 0
 
@@ -45,12 +37,12 @@ class CountingGRPO(GRPO):
         super().after_step(step, metrics)
 
 
-class CountingPPO(PPO):
-    steps_run = 0
+class CountingGRPO(Counting, GRPO):
+    pass
 
-    def after_step(self, step, metrics):
-        type(self).steps_run += 1
-        super().after_step(step, metrics)
+
+class CountingPPO(Counting, PPO):
+    pass
 
 
 def configure(schema, config, tmp_path, name, *overrides):

@@ -19,7 +19,7 @@ from meshrl.loop import checkpoint
 from meshrl.loop.elastic import REQUEST
 from meshrl.procs.pool import ScaleError
 from tests.conftest import REPO
-from tests.support.runs import configure, undocumented_metrics
+from tests.support.runs import StopAt, configure, undocumented_metrics
 
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:
@@ -195,15 +195,40 @@ SLOWED = (
 )
 
 
-class _StopAfter(GRPO):
+class _StopAfter(StopAt, GRPO):
     """A run killed after step `stop_at` (its checkpoint written)."""
 
     stop_at = 2  # in the step after the checkpoint of steps 0-1
 
-    def after_step(self, step, metrics):
-        if step == self.stop_at:
-            raise KeyboardInterrupt
-        super().after_step(step, metrics)
+
+def _cut_and_resumed(tmp_path, *overrides: str) -> tuple[GRPO, list[dict]]:
+    """A run of `overrides` named `cut`, stopped in step 2 (`_StopAfter`) and resumed
+    from its checkpoint: the resumed run and its records from step 2 on."""
+    with pytest.raises(KeyboardInterrupt):
+        _StopAfter(configure(tmp_path, "cut", *overrides)).run()
+    resumed = GRPO(configure(tmp_path, "cut", *overrides, "checkpoint.resume=auto"))
+    return resumed, resumed.run()[2:]  # (its history starts with the records of steps 0-1)
+
+
+def _resumed_as_never_stopped(straight, history, resumed, after, keys) -> None:
+    """The resumed run's records (`keys`) of steps 2 on and its final weights are
+    those of the run that never stopped, bit for bit."""
+    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
+    final, again = _final(straight.run_dir), _final(resumed.run_dir)
+    assert all(torch.equal(final[name], again[name]) for name in final)
+
+
+def _saved_queue(run_dir) -> dict:
+    """The rollout queue of the run's newest checkpoint (as plain values:
+    `checkpoint.to_plain`)."""
+    saved = torch.load(f"{checkpoint.latest(run_dir)}/loop.pt", weights_only=False)
+    return saved["loop"]["data"]["rollout_queue"]
+
+
+def _ledger_closes(record: dict) -> None:
+    """Every sample generated was trained or dropped."""
+    ledger = record["samples/trained_total"] + record["samples/dropped_total"]
+    assert record["samples/generated_total"] == ledger
 
 
 @pytest.mark.e2e
@@ -240,20 +265,14 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
     straight = GRPO(configure(tmp_path, "straight", *ahead))
     history = straight.run()
     assert history[-1]["samples/trained_total"] == 4 * 16 * 8
-    saved = torch.load(f"{checkpoint.latest(straight.run_dir)}/loop.pt", weights_only=False)
-    queue = saved["loop"]["data"]["rollout_queue"]
+    queue = _saved_queue(straight.run_dir)
     # The next step's groups: those taken by a replica generated and scored, the rest drawn.
     assert len(queue["complete"]) + len(queue["pending"]) == 16 and queue["complete"]
-    with pytest.raises(KeyboardInterrupt):
-        _StopAfter(configure(tmp_path, "cut", *ahead)).run()
-    resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
-    after = resumed.run()[2:]  # (its history starts with the records of steps 0-1)
+    resumed, after = _cut_and_resumed(tmp_path, *ahead)
     assert [r["step"] for r in after] == [2, 3]
     assert all(r["weights/staleness"] == 1 for r in history[1:] + after)
     keys = ("reward/mean", "train/loss", "samples/trained_total", "samples/generated_total")
-    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
-    final, again = _final(straight.run_dir), _final(resumed.run_dir)
-    assert all(torch.equal(final[name], again[name]) for name in final)
+    _resumed_as_never_stopped(straight, history, resumed, after, keys)
 
 
 @pytest.mark.e2e
@@ -276,16 +295,14 @@ def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs)
         cut.run()
     said = [line for line in capsys.readouterr().out.splitlines() if "overprovision" in line]
     assert len(said) == 1 and "does not repeat bit for bit" in said[0], said
-    saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
-    queue = saved["loop"]["data"]["rollout_queue"]
+    queue = _saved_queue(cut.run_dir)
     pending = sum(entry[-1] for entry in queue["complete"])  # each group's `late`
     assert pending > 0, queue
     resumed = GRPO(configure(tmp_path, "late", *late, "checkpoint.resume=auto"))
     step = resumed.run()[-1]
     assert step["step"] == 2 and step["rollout/late_groups"] >= min(pending, 16)
     assert step["samples/trained_total"] == 3 * 16 * 8
-    ledger = step["samples/trained_total"] + step["samples/dropped_total"]
-    assert step["samples/generated_total"] == ledger
+    _ledger_closes(step)
 
 
 CONTINUOUS = (
@@ -320,14 +337,9 @@ def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
     history = straight.run()
     assert history[-1]["samples/trained_total"] == 3 * 16 * 8
     assert all(0 < r["policy/batch_occupancy"] <= 1 for r in history)
-    with pytest.raises(KeyboardInterrupt):
-        _StopAfter(configure(tmp_path, "cut", *ahead)).run()
-    resumed = GRPO(configure(tmp_path, "cut", *ahead, "checkpoint.resume=auto"))
-    after = resumed.run()[2:]
+    resumed, after = _cut_and_resumed(tmp_path, *ahead)
     keys = ("reward/mean", "train/loss", "samples/trained_total", "policy/completion_tokens")
-    assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
-    final, again = _final(straight.run_dir), _final(resumed.run_dir)
-    assert all(torch.equal(final[name], again[name]) for name in final)
+    _resumed_as_never_stopped(straight, history, resumed, after, keys)
 
 
 @pytest.mark.e2e
@@ -356,9 +368,7 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
     cut = _StopAfter(configure(tmp_path, "partial", *partial))
     with pytest.raises(KeyboardInterrupt):
         cut.run()
-    saved = torch.load(f"{checkpoint.latest(cut.run_dir)}/loop.pt", weights_only=False)
-    complete = saved["loop"]["data"]["rollout_queue"]["complete"]
-    # (Saved as plain values: `checkpoint.to_plain`.)
+    complete = _saved_queue(cut.run_dir)["complete"]
     assert complete and all(entry[4]["fields"]["token_versions"] is not None for entry in complete)
     resumed = GRPO(
         configure(
@@ -378,8 +388,7 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
     last = history[-1]
     assert last["samples/trained_total"] == 5 * 16 * 8
     assert last["faults/recoveries"] == 1
-    ledger = last["samples/trained_total"] + last["samples/dropped_total"]
-    assert last["samples/generated_total"] == ledger
+    _ledger_closes(last)
 
 
 # --- recovery in seconds ----------------------------------------------------------------

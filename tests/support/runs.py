@@ -99,3 +99,15 @@ def configure(tmp_path, name, *overrides, schema=GRPOConfig, path=DEFAULT_CONFIG
         path,
         [*overrides, f"run.dir={tmp_path}", f"run.name={name}", "run.progress=false"],
     )
+
+
+class StopAt:
+    """Mixed in before an algorithm: a run killed as step `stop_at` ends (the
+    checkpoints written before it kept), as by Ctrl-C."""
+
+    stop_at: int
+
+    def after_step(self, step, metrics):
+        if step == self.stop_at:
+            raise KeyboardInterrupt
+        super().after_step(step, metrics)
