@@ -17,28 +17,44 @@ from tests.support.runs import configure
 from tests.support.vision import QWEN, TEMPLATE, VISION_CONFIG, left_padded
 
 
+def vision_run(tmp_path, name: str, *overrides: str):
+    """A run of the tiny vision model named `name`, 4 prompts a step, the trainer
+    computing its own old log-probs (each step measures the sampler's against them),
+    then `overrides`."""
+    return configure(
+        tmp_path,
+        name,
+        "prompts_per_step=4",
+        "trainer.recompute_old_logprobs=true",
+        *overrides,
+        path=VISION_CONFIG,
+    )
+
+
+def assert_sampler_agrees(history: list[dict]) -> None:
+    """Every step's sampler log-probs are the trainer's, to float rounding."""
+    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
     """Two policy replicas (the pixels split and concatenated with the rows), the
     trainer's own old log-probs measured against the sampler's every step."""
-    cfg = configure(
+    cfg = vision_run(
         tmp_path,
         "vision",
         "steps=3",
         "warm_start.steps=2",
-        "prompts_per_step=4",
         "placement.policy=2",
-        "trainer.recompute_old_logprobs=true",
         "eval.every=2",
         "eval.sets.heldout.prompts=4",
         "eval.sets.heldout.k=2",
-        path=VISION_CONFIG,
     )
     algo = GRPO(cfg)
     try:
         history = algo.run(3)
-        assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+        assert_sampler_agrees(history)
         assert "eval/heldout/reward" in history[1]
         # The held-out set is generated from its pictures too.
         image = algo.tokenizer.convert_tokens_to_ids("<image>")
@@ -98,16 +114,7 @@ def test_images_go_through_the_loop_on_real_meshes(tmp_path, no_stray_procs):
 def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_stray_procs):
     """The vision tower trains (its FSDP shards; its LoRA adapters, merged) and
     reaches the replicas bit for bit."""
-    cfg = configure(
-        tmp_path,
-        "vision",
-        "steps=2",
-        "warm_start.steps=0",
-        "prompts_per_step=4",
-        "trainer.recompute_old_logprobs=true",
-        *overrides,
-        path=VISION_CONFIG,
-    )
+    cfg = vision_run(tmp_path, "vision", "steps=2", "warm_start.steps=0", *overrides)
     algo = GRPO(cfg)
     try:
         history = algo.run(2)
@@ -115,7 +122,7 @@ def test_fsdp_and_lora_train_and_sync_the_vision_tower(overrides, tmp_path, no_s
         got = algo.policy.slice(procs=0).parameters.call_one().get()
     finally:
         algo.close()
-    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    assert_sampler_agrees(history)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     initial = dict(load_model(cfg.model, cfg.run.seed).named_parameters())
     tower = [k for k in want if "vision_tower" in k and "q_proj.weight" in k]
@@ -140,16 +147,13 @@ def test_a_tool_returns_a_picture_mid_episode(model, tmp_path, caplog, no_stray_
         load_model(QWEN).save_pretrained(tmp_path / "qwen")
         processor.save_pretrained(tmp_path / "qwen")
         source = f"model.path={tmp_path / 'qwen'}"
-    cfg = configure(
+    cfg = vision_run(
         tmp_path,
         "zoom",
         "steps=2",
         "warm_start.steps=0",
-        "prompts_per_step=4",
         "task.name=tests.support.envs:BrokenZoom",
-        "trainer.recompute_old_logprobs=true",
         source,
-        path=VISION_CONFIG,
     )
     algo = GRPO(cfg)
     try:
@@ -157,7 +161,7 @@ def test_a_tool_returns_a_picture_mid_episode(model, tmp_path, caplog, no_stray_
         episodes = algo.last_episodes
     finally:
         algo.close()
-    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    assert_sampler_agrees(history)
     assert all(r["episodes/turns_mean"] == 2 for r in history)
     assert len(episodes) == 4 * 8 and all(len(e.images) == 2 for e in episodes)
     assert history[0]["episodes/failed"] == 1  # the one environment proc's first zoom
@@ -175,14 +179,12 @@ def test_pictures_go_by_pull(tmp_path, no_stray_procs):
         "rollout.dispatch=pull",
         "rollout.groups_per_call=2",
         "placement.policy=2",
-        "trainer.recompute_old_logprobs=true",
         "warm_start.steps=2",
-        "prompts_per_step=4",
         "steps=4",
         "checkpoint.every=2",
         "checkpoint.keep=1",
     )
-    history = GRPO(configure(tmp_path, "pull", *pull, path=VISION_CONFIG)).run()
-    assert all(r["sampling/sampler_logprob_max_abs_diff"] < 1e-4 for r in history)
+    history = GRPO(vision_run(tmp_path, "pull", *pull)).run()
+    assert_sampler_agrees(history)
     assert history[-1]["samples/trained_total"] == 4 * 4 * 8
     assert all(r["samples/dropped"] == 0 for r in history)
