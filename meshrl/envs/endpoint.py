@@ -340,7 +340,7 @@ class Transcript:
             return fmt.tokenizer(prompt[len(self.text) :], add_special_tokens=False).input_ids
         messages, tools = body["messages"], body.get("tools")
         if not self.calls:
-            return fmt.conversation(messages, tools)
+            return fmt.conversation([_for_template(m) for m in messages], tools)
         seen = [_message(m) for m in messages[: len(self.messages)]]
         if seen != self.messages:
             raise RequestError(
@@ -408,6 +408,25 @@ class _BoundedTokenizer:
         if chars > self.most:
             raise RequestError(_too_long(chars, self.context, "the prompt as rendered"))
         return self.inner(text, *args, **kwargs)
+
+
+def _for_template(message: dict) -> dict:
+    """A message as chat templates take it: a tool call's arguments as an object
+    (the `openai` client sends them as JSON text; templates write them with
+    `tojson`, which would quote the text), where they parse."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    rendered = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(function["arguments"])
+                if isinstance(arguments, dict):
+                    call = {**call, "function": {**function, "arguments": arguments}}
+        rendered.append(call)
+    return {**message, "tool_calls": rendered}
 
 
 def _message(message: dict) -> tuple[str, str, tuple]:

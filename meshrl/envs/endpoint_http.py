@@ -28,7 +28,12 @@ READ_TIMEOUT_S = 10.0
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses: HTTP 400 with this message."""
+    """A request the endpoint refuses: HTTP 400 with this message, and `param`
+    the request field at fault (OpenAI's error `param`), when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def number(value: Any) -> bool:
@@ -42,7 +47,7 @@ def check_body(kind: str, body: dict) -> None:
     if kind == "chat":
         messages = body["messages"]
         if not (isinstance(messages, list) and messages):
-            raise RequestError("'messages' must be a non-empty list")
+            raise RequestError("'messages' must be a non-empty list", "messages")
         for i, message in enumerate(messages):
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
@@ -60,11 +65,11 @@ def check_body(kind: str, body: dict) -> None:
             if not (content is None or isinstance(content, str) or parts_ok):
                 raise RequestError(f"messages[{i}].content must be a string or text parts")
         if body.get("tools") is not None and not isinstance(body["tools"], list):
-            raise RequestError("'tools' must be a list")
+            raise RequestError("'tools' must be a list", "tools")
     if kind == "completions" and not isinstance(body["prompt"], str):
-        raise RequestError("'prompt' must be one string")
+        raise RequestError("'prompt' must be one string", "prompt")
     if not isinstance(body.get("model", ""), str):
-        raise RequestError("'model' must be a string")
+        raise RequestError("'model' must be a string", "model")
 
 
 MAX_N = 16
@@ -137,20 +142,20 @@ def read_request(kind: str, body: dict) -> Asked:
         if key in NEUTRAL:
             neutral, what = NEUTRAL[key]
             if not neutral(value):
-                raise RequestError(f"{key} is not supported here: leave it out or send {what}")
+                raise RequestError(f"{key} is not supported here: leave it out or send {what}", key)
             continue
-        raise RequestError(f"unrecognized request argument: {key}")
+        raise RequestError(f"unrecognized request argument: {key}", key)
     asked = Asked()
     n = body.get("n")
     if n is not None:
         if not (_integer(n) and 1 <= n <= MAX_N):
-            raise RequestError(f"n must be an integer in [1, {MAX_N}]")
+            raise RequestError(f"n must be an integer in [1, {MAX_N}]", "n")
         asked.n = n
     limit = body.get("max_completion_tokens")
     limit = body.get("max_tokens") if limit is None else limit
     if limit is not None:
         if not (_integer(limit) and limit >= 1):
-            raise RequestError("max_tokens must be a positive integer")
+            raise RequestError("max_tokens must be a positive integer", "max_tokens")
         asked.max_tokens = limit
     temperature = body.get("temperature")
     if temperature is not None:
@@ -160,18 +165,19 @@ def read_request(kind: str, body: dict) -> Asked:
         ):
             raise RequestError(
                 f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
-                f"{MAX_TEMPERATURE:g}]"
+                f"{MAX_TEMPERATURE:g}]",
+                "temperature",
             )
         asked.temperature = float(temperature)
     top_p = body.get("top_p")
     if top_p is not None:
         if not (number(top_p) and 1e-6 <= top_p <= 1):
-            raise RequestError("top_p must be a number in [1e-6, 1]")
+            raise RequestError("top_p must be a number in [1e-6, 1]", "top_p")
         asked.top_p = float(top_p)
     seed = body.get("seed")
     if seed is not None:
         if not _integer(seed):
-            raise RequestError("seed must be an integer")
+            raise RequestError("seed must be an integer", "seed")
         asked.seed = seed
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
@@ -181,39 +187,45 @@ def read_request(kind: str, body: dict) -> Asked:
             and len(stops) <= MAX_STOPS
             and all(isinstance(x, str) and x for x in stops)
         ):
-            raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOPS}")
+            raise RequestError(
+                f"stop must be a non-empty string or a list of up to {MAX_STOPS}", "stop"
+            )
         asked.stop = stops
     logprobs = body.get("logprobs")
     if kind == "chat":
         if logprobs not in (None, True, False):
-            raise RequestError("logprobs must be true or false")
+            raise RequestError("logprobs must be true or false", "logprobs")
         asked.logprobs = bool(logprobs)
         top = body.get("top_logprobs")
         if top is not None:
             if not (_integer(top) and 0 <= top <= MAX_TOP_LOGPROBS):
-                raise RequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+                raise RequestError(
+                    f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+                )
             if top and not asked.logprobs:
-                raise RequestError("top_logprobs needs logprobs: true")
+                raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
             asked.top_logprobs = top
         parallel = body.get("parallel_tool_calls")
         if parallel not in (None, True, False):
-            raise RequestError("parallel_tool_calls must be true or false")
+            raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
         asked.parallel_tool_calls = parallel is not False
     elif logprobs is not None and logprobs is not False:
         # The legacy route's logprobs is a count: the sampled token's and that many more.
         if not (logprobs is True or (_integer(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS)):
-            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            raise RequestError(
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs"
+            )
         asked.logprobs, asked.top_logprobs = True, 0 if logprobs is True else logprobs
     stream = body.get("stream")
     if stream not in (None, True, False):
-        raise RequestError("stream must be true or false")
+        raise RequestError("stream must be true or false", "stream")
     asked.stream = bool(stream)
     options = body.get("stream_options")
     if options is not None:
         if not asked.stream:
-            raise RequestError("stream_options is only allowed with stream: true")
+            raise RequestError("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise RequestError("stream_options may only hold include_usage")
+            raise RequestError("stream_options may only hold include_usage", "stream_options")
         asked.include_usage = bool(options.get("include_usage"))
     return asked
 
@@ -273,9 +285,15 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
                 pass  # the client left mid-stream
 
         def _error(
-            self, status: int, message: str, kind: str, code: Any = None, headers: Any = ()
+            self,
+            status: int,
+            message: str,
+            kind: str,
+            code: Any = None,
+            headers: Any = (),
+            param: str | None = None,
         ) -> None:
-            error = {"message": message, "type": kind, "param": None, "code": code or status}
+            error = {"message": message, "type": kind, "param": param, "code": code or status}
             self._reply(status, {"error": error}, headers)
 
         def _admitted(self, key: str | None) -> bool:
@@ -356,7 +374,9 @@ def handler(server: Any) -> type[BaseHTTPRequestHandler]:
                 ValueError,
                 UnicodeError,
             ) as error:
-                self._error(400, str(error).splitlines()[0][:500], "invalid_request_error")
+                message = str(error).splitlines()[0][:500]
+                param = getattr(error, "param", None)
+                self._error(400, message, "invalid_request_error", param=param)
             except LookupError as error:
                 self._error(404, str(error), "not_found")
             except Exception as error:  # noqa: BLE001 - the client gets the reason, the server goes on

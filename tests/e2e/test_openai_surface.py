@@ -205,20 +205,40 @@ def test_tool_calls_are_parsed_from_the_models_text(served):
     assert server.tool_call_errors == errors + 1
 
 
+def test_a_conversation_with_an_earlier_tool_call_renders_as_the_template_expects(served):
+    """A stateless request that carries an earlier tool call as the client sends
+    it (arguments as JSON text): the template gets the arguments as an object, so
+    the prompt is the taught one and greedy decoding gives the taught reply."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        *WEATHER_Q,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    answer = chat(served["client"], messages, tools=[WEATHER], temperature=0)
+    assert answer.choices[0].message.content == ANSWERS[-1][2]
+    assert answer.choices[0].finish_reason == "stop"
+
+
 def test_refusals_are_one_line_and_shaped_as_openais(served):
     from openai import BadRequestError
 
     client = served["client"]
     assert [m.id for m in client.models.list()] == ["meshrl-policy"]
-    for fields, says in [
-        ({"presence_penalty": 1.0}, "presence_penalty is not supported here"),
-        ({"extra_body": {"min_p": 0.1}}, "unrecognized request argument: min_p"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop must be"),
+    for fields, says, param in [
+        ({"presence_penalty": 1.0}, "presence_penalty is not supported here", "presence_penalty"),
+        ({"extra_body": {"min_p": 0.1}}, "unrecognized request argument: min_p", "min_p"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop must be", "stop"),
     ]:
         with pytest.raises(BadRequestError) as caught:
             chat(client, COUNT_Q, **fields)
         error = caught.value.body
         assert set(error) >= {"message", "type", "param", "code"} and says in error["message"]
+        assert error["param"] == param
         assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
 
 

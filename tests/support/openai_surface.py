@@ -15,7 +15,7 @@ TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' and m.tool_calls -%}[assistant]{{ m.content or '' }}"
     '{%- for c in m.tool_calls -%}<tool_call>{"name": "{{ c.function.name }}", '
-    '"arguments": {{ c.function.arguments }}}</tool_call>{%- endfor -%}</s>'
+    '"arguments": {{ c.function.arguments | tojson }}}</tool_call>{%- endfor -%}</s>'
     "{%- else -%}[{{ m.role }}]{{ m.content }}</s>{%- endif -%}"
     "{%- endfor -%}{%- if add_generation_prompt -%}[assistant]{%- endif -%}"
 )
@@ -45,7 +45,9 @@ ANSWERS = [
                     {
                         "id": "x",
                         "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        # (an object, as chat templates take it: the endpoint parses
+                        # the client's JSON text before rendering)
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
                     }
                 ],
             },
