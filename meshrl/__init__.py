@@ -38,6 +38,7 @@ _EXPORTS = {
     "Ledger": "meshrl.loop.state",
     "WeightSync": "meshrl.loop.weight_sync",
     "Collector": "meshrl.loop.collector",
+    "decode": "meshrl.loop.collector",
     "Dispatcher": "meshrl.loop.dispatch",
     "Evaluator": "meshrl.loop.evaluation",
     "StepLog": "meshrl.loop.steplog",
