@@ -75,10 +75,9 @@ def grpo_batch(prompts: int, group: int, prompt: int, completion: int) -> TrainB
 
 
 def loss_fn():
-    from algorithms.base import HookLoss
     from algorithms.grpo import GRPO, GRPOConfig
 
-    return HookLoss(GRPO(GRPOConfig(kl_coef=0.01)))
+    return GRPO(GRPOConfig(kl_coef=0.01)).make_loss()
 
 
 def actor_layouts(args) -> dict:

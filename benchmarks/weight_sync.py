@@ -366,7 +366,6 @@ class ReshardReplica(Actor):
 
 
 def reshard_timings(width: int, repeats: int) -> dict:
-    from algorithms.base import HookLoss
     from algorithms.grpo import GRPO, GRPOConfig
     from meshrl.config import OptimConfig
     from meshrl.procs.job import JobConfig
@@ -396,7 +395,7 @@ def reshard_timings(width: int, repeats: int) -> dict:
                 _gathering_trainer(),
                 reshard_model(width),
                 OptimConfig(),
-                HookLoss(GRPO(GRPOConfig())),
+                GRPO(GRPOConfig()).make_loss(),
                 10,
                 master=meshes.rendezvous(name),
                 sharding=sharding,
