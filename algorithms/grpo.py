@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from algorithms.base import Algorithm, Loss, RLConfig, run_main
+from algorithms.rl_config import POOLS
 from algorithms.roles import (
     group_replicas,
     heal_trainer,
@@ -173,9 +174,7 @@ class GRPO(Algorithm):
         self.task = make_task(cfg.task)
         # Roles whose pools grow and shrink (`scale`); a tensor-parallel replica's procs
         # form a group, so its pool does not.
-        self.elastic = (
-            ("environment",) if cfg.placement.policy_tp > 1 else ("policy", "environment")
-        )
+        self.elastic = POOLS if cfg.placement.policy_tp == 1 else ("environment",)
         self.reference: Role | None = None  # a frozen mesh (a reference, a teacher), where one runs
         self.critic: Role | None = None  # a value model's mesh (PPO's), where one runs
         self.stream: Role | None = None  # the policy's running-batch endpoint (pull dispatch)

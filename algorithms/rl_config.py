@@ -24,6 +24,7 @@ from meshrl.config import (
 )
 from meshrl.envs import check_task, make_task
 from meshrl.envs.sandbox import SandboxConfig
+from meshrl.loop import elastic
 from meshrl.loop.checkpoint import CheckpointConfig
 from meshrl.loop.dispatch import RolloutConfig
 from meshrl.loop.elastic import PoolConfig
@@ -49,6 +50,21 @@ def check_inputs(model: ModelConfig, placement: PlacementConfig, task: TaskConfi
     check_tensor_parallel(model, placement)
     if task is not None:
         check_task(task)
+
+
+POOLS = ("policy", "environment")
+"""The roles whose pools an on-policy run grows and shrinks (`GRPO.elastic`): their
+procs hold no state of their own that the run needs (a replica's weights are the
+trainer's)."""
+FIXED_ROLES = {
+    "trainer": "its state lives in its procs",
+    "critic": "its state lives in its procs",
+    "reference": "it is not pooled",
+    "reward_model": "it is not pooled",
+    "eval": "it is not pooled",
+}
+"""The on-policy roles that cannot scale, and why (the run says the same of its own:
+`Run.fixed_roles`)."""
 
 
 @dataclass
@@ -97,6 +113,10 @@ class RLConfig:
         validate_sections(self)  # each section its own keys
         check_placement(self.model, self.placement)
         check_inputs(self.model, self.placement, self.task)
+        for role, size, _ in self.pool.entries():  # before any proc, with the roles' reasons
+            problem = elastic.check(role, size, {r: (None, "") for r in POOLS}, FIXED_ROLES)
+            if problem:
+                raise ConfigError(f"config key 'pool.schedule': {problem}")
         if self.rollout.dispatch == "pull" and (
             make_task(self.task).multi_turn or self.reward_model.path
         ):

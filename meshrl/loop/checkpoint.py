@@ -462,7 +462,7 @@ class Checkpointer:
         preemption, a requeue, the time limit near), a checkpoint now, whatever
         `checkpoint.every` says; a job warned of its time limit is then requeued
         (the run goes on when SLURM starts it again: `meshrl.procs.slurm`)."""
-        notices = self.run.scheduler_notices() if hasattr(self.run, "scheduler_notices") else []
+        notices = self.run.meshes.scheduler_notices()
         if notices and self.saved_at != self.state.step:
             from meshrl.procs.mesh import log_fault
 
@@ -473,7 +473,7 @@ class Checkpointer:
                 print(f"SLURM: {said}: checkpoint {path} written", flush=True)
         for mesh, reason in notices:
             if reason == "warning":
-                self.run.meshes.job.allocations.requeue(mesh)
+                self.run.meshes.requeue(mesh)
         done, stop = self.state.step, self.run.stop_request.requested
         due = self.cfg.every and (done % self.cfg.every == 0 or stop)
         if due and self.saved_at != done:

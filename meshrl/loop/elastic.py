@@ -31,9 +31,6 @@ from typing import Any
 from meshrl.config import ConfigError
 from meshrl.procs.pool import ScaleError
 
-ELASTIC = ("policy", "environment")
-"""Roles whose pools can grow and shrink: their procs hold no state of their
-own that the run needs (a replica's weights are the trainer's)."""
 REQUEST = "scale_request.json"
 _ENTRY = re.compile(r"^([a-z_]+)=(-?\d+)@(\d+)$")
 _SIZE = re.compile(r"^([a-z_]+)=(-?\d+)$")
@@ -57,9 +54,11 @@ class PoolConfig:
                     f"config key 'pool.schedule': '{entry}' is not role=size@step "
                     "(e.g. policy=3@20)"
                 )
-            problem = check(match[1], int(match[2]))
-            if problem:
-                raise ConfigError(f"config key 'pool.schedule': {problem}")
+            if int(match[2]) < 1:
+                raise ConfigError(
+                    f"config key 'pool.schedule': scale: {match[1]}={match[2]}: a pool keeps "
+                    "at least 1 proc"
+                )
 
     def entries(self) -> list[tuple[str, int, int]]:
         """(role, size, step) of each entry, in step order."""
@@ -67,25 +66,25 @@ class PoolConfig:
         return sorted(((m[1], int(m[2]), int(m[3])) for m in parsed), key=lambda e: e[2])
 
 
-def check(role: str, size: int, limits: dict[str, tuple[int, str]] | None = None) -> str | None:
-    """Why `role` cannot have `size` procs (one line), or None."""
-    if role not in ELASTIC:
-        if role in ("trainer", "critic", "reference", "reward_model", "eval"):
-            why = (
-                "its state lives in its procs"
-                if role in ("trainer", "critic")
-                else "it is not pooled"
-            )
-            return f"scale: {role} cannot be scaled ({why}); elastic roles: {', '.join(ELASTIC)}"
-        return f"scale: no role {role!r}; elastic roles: {', '.join(ELASTIC)}"
+def check(
+    role: str,
+    size: int,
+    pools: dict[str, tuple[int | None, str]],
+    fixed: dict[str, str] | None = None,
+) -> str | None:
+    """Why `role` cannot have `size` procs (one line), or None. `pools`: the
+    elastic roles, each with its job's limit and the reason for it (None: no
+    limit known yet); `fixed`: the other roles, each with why it cannot scale."""
+    names = ", ".join(pools) or "none"
+    if role not in pools:
+        if fixed and role in fixed:
+            return f"scale: {role} cannot be scaled ({fixed[role]}); elastic roles: {names}"
+        return f"scale: no role {role!r}; elastic roles: {names}"
     if size < 1:
         return f"scale: {role}={size}: a pool keeps at least 1 proc"
-    if limits is not None:
-        if role not in limits:
-            return f"scale: this run has no {role} pool of its own (colocated, or not spawned)"
-        limit, reason = limits[role]
-        if size > limit:
-            return f"scale: {role}={size}: past this job's limit of {limit} ({reason})"
+    limit, reason = pools[role]
+    if limit is not None and size > limit:
+        return f"scale: {role}={size}: past this job's limit of {limit} ({reason})"
     return None
 
 
@@ -116,8 +115,9 @@ class Scaler:
     ):
         self.run, self.cfg, self.settle, self.catch_up = run, cfg, settle, catch_up
         self.group = run.meshes.meshes  # role -> ProcGroup, for the elastic roles
-        self.roles = [r for r in ELASTIC if r in run.meshes.elastic]
+        self.roles = list(run.elastic)  # in the order the algorithm named them
         self.limits = {r: (self.group[r].limit, self.group[r].limit_reason) for r in self.roles}
+        self.fixed = run.fixed_roles()  # the others, each with why it cannot scale
         self.fired: set[tuple[str, int, int]] = set()
         for role, count in (standby or {}).items():  # spares, now that every actor is spawned
             if role in self.roles:
@@ -141,7 +141,7 @@ class Scaler:
     def scale(self, **sizes: int) -> None:
         """Grow or shrink pools now (between steps): `scale(policy=3)`."""
         for role, size in sizes.items():
-            problem = check(role, size, self.limits)
+            problem = check(role, size, self.limits, self.fixed)
             if problem:
                 raise ScaleError(problem)
         for role, size in sizes.items():
@@ -171,6 +171,7 @@ class Scaler:
                 }
                 for role in self.roles
             }
+            self.run.status.extra["fixed_roles"] = self.fixed
 
     def metrics(self) -> dict[str, int]:
         """`pool/<role>_size` for each elastic role (both logged every step)."""
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     pools = status.get("pool", {})
     limits = {role: (p["limit"], p["reason"]) for role, p in pools.items()}
     for role, size in sizes.items():
-        problem = check(role, size, limits)
+        problem = check(role, size, limits, status.get("fixed_roles", {}))
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 1

@@ -181,6 +181,8 @@ class Run:
         metric_prefix: dict[str, str] | None = None,
     ):
         self.cfg, self.name = cfg, name
+        self.trains = trains
+        self.elastic = tuple(role for role in elastic if role in procs)
         self.timeout_s = cfg.run.call_timeout_s
         if (
             cfg.job.kind == "local"
@@ -219,12 +221,7 @@ class Run:
             process_group_roles=set(),  # `spawn(..., rendezvous=True)` adds
             log_dir=f"{self.dir}/slurm",  # SLURM jobs' output
         )
-        self.notices: Any = (
-            None  # SLURM's notices to the run's jobs (`meshrl.procs.slurm_faults.NoticeWatch`)
-        )
         self.workers: slurm_faults.WorkerWatch | None = None
-        if cfg.job.kind == "slurm":
-            self.notices = slurm_faults.NoticeWatch(self.meshes.job.allocations)
         self.detector: Detector | None = None
         if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
             self.workers = slurm_faults.WorkerWatch(self._watched, faults.detect_s)
@@ -290,6 +287,20 @@ class Run:
             self.close()
             raise
         return handle
+
+    def fixed_roles(self) -> dict[str, str]:
+        """The roles whose pools cannot grow or shrink, each with why (`scale`)."""
+        fixed = {}
+        for role in self.roles:
+            if role in self.meshes.elastic:
+                continue
+            if role in self.trains:
+                fixed[role] = "its state lives in its procs"
+            elif role in self.meshes.share:
+                fixed[role] = f"it runs in {self.meshes.share[role]}'s procs"
+            else:
+                fixed[role] = "it is not pooled"
+        return fixed
 
     def __contains__(self, role: str) -> bool:
         return role in self.roles
@@ -391,12 +402,6 @@ class Run:
                 logger.warning("Monarch's telemetry did not answer: %s", error)
         return procs
 
-    def scheduler_notices(self) -> list[tuple[str, str]]:
-        """New notices of the scheduler to this run's jobs, as (mesh, "warning" |
-        "terminated"): their procs are killed soon (SLURM's KillWait or GraceTime
-        after "terminated"; at the time limit after "warning")."""
-        return self.notices.take() if self.notices is not None else []
-
     def step_begins(self, step: int) -> None:
         """`step` opens (`StepLog.begin_step`, which `Steps` calls): start profiling if due."""
         if self.profiler is None or not self.profiler.on:
@@ -424,8 +429,6 @@ class Run:
             self.status.stop()  # before the meshes go: it asks their procs
         if self.detector is not None:
             self.detector.close()
-        if self.notices is not None:
-            self.notices.close()
         if self.workers is not None:
             self.workers.close()
         self.meshes.stop()

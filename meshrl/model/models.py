@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,6 @@ from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
     from meshrl.model.routing import Replay
-    from meshrl.types import TrainBatch
 
 
 def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfig:
@@ -299,7 +298,7 @@ def completion_logprobs(
 
 def batch_logprobs(
     model: torch.nn.Module,
-    batch: TrainBatch,
+    batch: Any,  # a `meshrl.types.TrainBatch` (a layer above: not imported)
     temperature: float = 1.0,
     layout: str = "padded",
     replay: Replay | None = None,

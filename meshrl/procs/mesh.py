@@ -333,6 +333,7 @@ class RoleMeshes:
         self.elastic = set(elastic) & set(self.counts)
         """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
+        self._notices: Any = None  # the scheduler's notices (SLURM: `NoticeWatch`), once asked
         self.observe = observe  # Monarch telemetry (`meshrl.observe.monarch.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -362,9 +363,25 @@ class RoleMeshes:
                 # Separate hosts have GPUs of their own; local roles share this host's.
                 if role not in cpu_roles and self.job_cfg.kind == "local":
                     device_offset += count
+            if self.job_cfg.kind == "slurm":  # the scheduler's notices to its jobs, asked now on
+                from meshrl.procs.slurm_faults import NoticeWatch
+
+                self._notices = NoticeWatch(self.job.allocations)
         except BaseException:
             self.stop()
             raise
+
+    def scheduler_notices(self) -> list[tuple[str, str]]:
+        """New notices of the scheduler to the job's allocations, as (mesh,
+        "warning" | "terminated"): their procs are killed soon (SLURM's KillWait
+        or GraceTime after "terminated"; at the time limit after "warning").
+        None on one machine."""
+        return self._notices.take() if self._notices is not None else []
+
+    def requeue(self, mesh: str) -> None:
+        """Ask the scheduler to start `mesh`'s allocation again after its time limit
+        (the run goes on when it does: `meshrl.procs.slurm`)."""
+        self.job.allocations.requeue(mesh)
 
     def joins_group(self, role: str, with_others: bool = False) -> None:
         """`role`'s actors join a torch.distributed group over its procs, or (with
@@ -635,6 +652,9 @@ class RoleMeshes:
         their actors only). Safe to call twice; never raises."""
         meshes, self.meshes = self.meshes, {}
         watches, self.watches = self.watches, {}
+        if self._notices is not None:
+            self._notices.close()
+            self._notices = None
 
         # One thread per mesh: a mesh's stop waits for its procs to exit (about a
         # second each with torch loaded), and Monarch drives a future only while

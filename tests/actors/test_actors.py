@@ -11,7 +11,7 @@ from actors.environment import Environment
 from actors.policy import Policy
 from actors.reference import Reference
 from actors.trainer import Trainer
-from algorithms.grpo import GRPO, GRPOConfig
+from algorithms.grpo import GRPOConfig, GRPOLoss
 from meshrl.config import GenerationConfig, ModelConfig, OptimConfig, TaskConfig
 from meshrl.envs import make_task
 from meshrl.model.tokenizer import build_char_tokenizer
@@ -28,7 +28,7 @@ GEN = GenerationConfig(max_new_tokens=5)
 
 
 # The algorithm's own loss hook travels to the trainer procs, as in a run.
-grpo_like_loss = GRPO(GRPOConfig()).loss
+grpo_like_loss = GRPOLoss(GRPOConfig())
 
 
 def spawn_trainer(meshes, **kwargs):

@@ -107,8 +107,10 @@ def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
     out, err = asked.communicate(timeout=60)
     assert asked.returncode == 0 and "scaled: policy=3 environment=2" in out, err
     algo.scale(environment=1)  # the notebook's call, between steps
-    with pytest.raises(ScaleError, match="reference cannot be scaled"):
-        algo.scale(reference=2)
+    with pytest.raises(ScaleError, match=r"trainer cannot be scaled \(its state lives in its"):
+        algo.scale(trainer=2)  # a role of this run's, said so where it was spawned
+    with pytest.raises(ScaleError, match="no role 'reference'; elastic roles: policy, environ"):
+        algo.scale(reference=2)  # this run has none
     return algo.run()  # steps 5-7; the schedule shrinks the policy pool at step 6
 
 

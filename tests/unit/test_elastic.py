@@ -9,15 +9,18 @@ from meshrl.procs.pool import PoolFuture, ScaleError
 
 @pytest.mark.unit
 def test_scale_input_and_limits():
-    assert check("policy", 2, {"policy": (3, "x")}) is None
-    assert check("critic", 2) == (
+    pools = {"policy": (3, "x"), "environment": (None, "")}
+    fixed = {"critic": "its state lives in its procs"}
+    assert check("policy", 2, pools) is None
+    assert check("critic", 2, pools, fixed) == (
         "scale: critic cannot be scaled (its state lives in its procs); "
         "elastic roles: policy, environment"
     )
     assert check("policy", 5, {"policy": (4, "job.max_procs.policy=4")}) == (
         "scale: policy=5: past this job's limit of 4 (job.max_procs.policy=4)"
     )
-    assert "no role 'polcy'" in check("polcy", 2)
+    assert check("policy", 0, pools) == "scale: policy=0: a pool keeps at least 1 proc"
+    assert "no role 'polcy'" in check("polcy", 2, pools, fixed)
     assert parse_sizes(["policy=3", "environment=2"]) == {"policy": 3, "environment": 2}
     with pytest.raises(ScaleError, match="'policy:3' is not role=size"):
         parse_sizes(["policy:3"])
