@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from algorithms.base import Algorithm, Loss, run_main
-from algorithms.rl_config import HeldOutConfig, check_inputs
+from algorithms.rl_config import HeldOutConfig, check_sections
 from algorithms.roles import heal_trainer, spawn_policy, spawn_trainer
 from meshrl.config import (
     ConfigError,
@@ -49,8 +49,6 @@ from meshrl.config import (
     PolicyConfig,
     RunConfig,
     WarmStartConfig,
-    check_placement,
-    validate_sections,
 )
 from meshrl.config.trainer import TrainerConfig
 from meshrl.envs import kuhn
@@ -112,9 +110,7 @@ class CoevolveConfig:
         return self.steps
 
     def validate(self) -> None:
-        validate_sections(self)  # each section its own keys
-        check_placement(self.model, self.placement)
-        check_inputs(self.model, self.placement, None)
+        check_sections(self)
         if self.placement.policy_tp > 1:
             raise ConfigError(
                 "config key 'placement.policy_tp': co-evolution's players sample with "

@@ -5,7 +5,7 @@ SFT). Each algorithm's config adds its own keys to one (`GRPOConfig`, ...)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from meshrl.config import (
     ConfigError,
@@ -50,6 +50,14 @@ def check_inputs(model: ModelConfig, placement: PlacementConfig, task: TaskConfi
     check_tensor_parallel(model, placement)
     if task is not None:
         check_task(task)
+
+
+def check_sections(cfg: Any, task: Any = None) -> None:
+    """What every algorithm's `validate` checks first: each section its own keys,
+    the placement against the model, and the model's inputs (and the task's)."""
+    validate_sections(cfg)
+    check_placement(cfg.model, cfg.placement)
+    check_inputs(cfg.model, cfg.placement, task)
 
 
 POOLS = ("policy", "environment")
@@ -110,9 +118,7 @@ class RLConfig:
     min_group_size = 1
 
     def validate(self) -> None:
-        validate_sections(self)  # each section its own keys
-        check_placement(self.model, self.placement)
-        check_inputs(self.model, self.placement, self.task)
+        check_sections(self, self.task)
         for role, size, _ in self.pool.entries():  # before any proc, with the roles' reasons
             problem = elastic.check(role, size, {r: (None, "") for r in POOLS}, FIXED_ROLES)
             if problem:
@@ -271,9 +277,7 @@ class OfflineConfig:
         return self.steps
 
     def validate(self) -> None:
-        validate_sections(self)  # each section its own keys
-        check_placement(self.model, self.placement)
-        check_inputs(self.model, self.placement, None)
+        check_sections(self)
         for key in ("steps", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}': must be >= 1")
