@@ -69,7 +69,7 @@ class Algorithm:
         self.tokenizer = load_tokenizer(cfg.model)
         self.vision = vision_format(cfg.model)  # None: a text model
         self.context = context_length(cfg.model)
-        self.meshes: Any = None  # the `Run`, once spawned
+        self.runtime: Any = None  # the `Run`, once spawned
         self.ready = False  # the meshes spawned and set up (`steps` says so)
         self._run_dir: str | None = None  # kept after `close`
         # What `run()` sets once its meshes are up, for the calls below; None where
@@ -158,14 +158,14 @@ class Algorithm:
 
     def mesh_status(self, timeout_s: float = 15.0, show: bool = True) -> list[dict]:
         """Every proc of every mesh, asked now (`Run.mesh_status`)."""
-        if self.meshes is None:
+        if self.runtime is None:
             raise ValueError(f"{self.name}: mesh_status(): no meshes yet (train(0) spawns them)")
-        return self.meshes.mesh_status(timeout_s, show)
+        return self.runtime.mesh_status(timeout_s, show)
 
     @property
     def run_dir(self) -> str | None:
         """The run directory (also after `stop()`)."""
-        return self.meshes.dir if self.meshes is not None else self._run_dir
+        return self.runtime.dir if self.runtime is not None else self._run_dir
 
     @property
     def last_episodes(self) -> list:
@@ -175,12 +175,12 @@ class Algorithm:
 
     def save_final(self) -> None:
         """The final model in `<run dir>/final` (`run.save_final`)."""
-        self.sup.call_all(self.trainer, "save", f"{self.meshes.dir}/final")
+        self.sup.call_all(self.trainer, "save", f"{self.runtime.dir}/final")
 
     def stop(self, save: bool = True) -> None:
         """Save the final model (`save`, per `run.save_final`), draw the curve,
         print the summary and stop every proc. Safe to call twice."""
-        if self.meshes is None:
+        if self.runtime is None:
             return
         try:
             if save and self.log is not None:
@@ -221,7 +221,7 @@ class Algorithm:
 
     def close(self) -> None:
         """Stop every proc now (no save)."""
-        meshes, self.meshes, self.ready = self.meshes, None, False
+        meshes, self.runtime, self.ready = self.runtime, None, False
         if self.dispatcher is not None:
             with contextlib.suppress(Exception):
                 self.dispatcher.pause()  # its thread sends no more calls
@@ -262,7 +262,7 @@ class Algorithm:
             if num_steps is None
             else min(self.cfg.steps, self.state.step + num_steps)
         )
-        return Steps(self.meshes, self.state, self.log, self.ckpt, end, self.before_step)
+        return Steps(self.runtime, self.state, self.log, self.ckpt, end, self.before_step)
 
     def before_step(self, step: int) -> None:
         """As `step` begins: the `faults:` drills due, then the pool sizes due."""

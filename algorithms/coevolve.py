@@ -43,6 +43,7 @@ from algorithms.roles import heal_trainer, spawn_policy, spawn_trainer
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
+    HealthConfig,
     ModelConfig,
     OptimConfig,
     PlacementConfig,
@@ -58,12 +59,11 @@ from meshrl.loop.games import Match, format_batch, strategy_batch
 from meshrl.loop.run import Role, Run
 from meshrl.loop.steplog import StepLog, add_evaluation
 from meshrl.loop.supervised import supervised_steps
-from meshrl.loop.supervisor import RoleLost, Supervisor, mean_metrics
+from meshrl.loop.supervisor import RoleLost, Supervisor
 from meshrl.loop.weight_sync import WeightsConfig, WeightSync
 from meshrl.model.losses import policy_loss
 from meshrl.procs.faults import FaultsConfig
 from meshrl.procs.job import JobConfig
-from meshrl.procs.mesh import start_each
 from meshrl.types import TrainBatch
 
 GAMES = ("kuhn_poker",)
@@ -103,6 +103,7 @@ class CoevolveConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def total_updates(self) -> int:
@@ -171,7 +172,7 @@ class Coevolve(Algorithm):
         (None: to `cfg.steps`, then save both models and stop every proc)."""
         cfg, state = self.cfg, self.state
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:
+            if self.runtime is None:
                 self.spawn()
             log = self.log
             pairings = [("a", "a")] if cfg.shared_policy else [("a", "b"), ("b", "a")]
@@ -218,7 +219,7 @@ class Coevolve(Algorithm):
         trains = tuple(f"trainer_{n}" for n in names)  # each player's: sized as a trainer
         # The actors' own figures (time/policy/generate_s, ...) per player: a/..., b/...
         prefix = {role: f"{role.rsplit('_', 1)[1]}/" for role in procs}
-        run = self.meshes = Run(
+        run = self.runtime = Run(
             cfg, self.name, procs, busy_together=busy, trains=trains, metric_prefix=prefix
         )
         self.sup = sup = Supervisor(run, cfg.faults, self.state)
@@ -279,22 +280,16 @@ class Coevolve(Algorithm):
         """One optimizer step of every player's trainer, all at once, then each
         player's weight sync. A player whose trainer proc was lost is restored
         from the newest checkpoint (`recover`); the others keep their step."""
-        started = {}
-        for name, batch in batches.items():
-            trainer = self.players[name].trainer
-            shards = [(shard,) for shard in trainer.shards(batch)]
-            started[name] = (shards, start_each(trainer, "train_step", shards), trainer.respawns)
+        trainers = {self.players[name].trainer: batch for name, batch in batches.items()}
+        answers = self.sup.call_apart(trainers, "train_step")
         metrics: dict[str, float] = {}
-        for name, (shards, futures, respawns) in started.items():
+        for name in batches:
             player = self.players[name]
-            try:
-                results_, _ = self.sup.call(
-                    player.trainer, "train_step", shards, (futures, respawns)
-                )
-            except RoleLost as lost:
-                metrics[f"{name}/recovered_from_step"] = self.recover(player, lost)
+            answer = answers[player.trainer.name]
+            if isinstance(answer, RoleLost):  # no peer to heal from: this player alone
+                metrics[f"{name}/recovered_from_step"] = self.recover(player, answer)
                 continue
-            metrics.update({f"{name}/{k}": v for k, v in mean_metrics(results_).items()})
+            metrics.update({f"{name}/{k}": v for k, v in answer.items()})
             player.sync.pull(player.policy, player.sync.publish(player.trainer))
             metrics[f"{name}/weights/version"] = player.sync.version
         return metrics
@@ -357,13 +352,15 @@ class Coevolve(Algorithm):
     def stop(self, save: bool = True) -> None:
         """Save each player's final model (`final/a`, `final/b`, per
         `run.save_final`), draw the curve, stop every proc. Safe to call twice."""
-        if self.meshes is None:
+        if self.runtime is None:
             return
         try:
             if save and self.log is not None:
                 if self.cfg.run.save_final:
                     for name, player in self.players.items():
-                        self.sup.call_all(player.trainer, "save", f"{self.meshes.dir}/final/{name}")
+                        self.sup.call_all(
+                            player.trainer, "save", f"{self.runtime.dir}/final/{name}"
+                        )
                 self.log.close()
         finally:
             self.close()

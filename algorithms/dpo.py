@@ -215,7 +215,7 @@ class DPO(SFT):
             pairs = rng.sample(self.train_pairs, min(cfg.batch_size, len(self.train_pairs)))
             return self.pair_batch(pairs).rows(slice(0, len(pairs)))  # the chosen rows
 
-        path = f"{self.meshes.dir}/warm_start.jsonl"
+        path = f"{self.runtime.dir}/warm_start.jsonl"
         supervised_steps(self.sup, self.trainer, chosen, cfg.steps, cfg.lr, path, "warm-start")
 
 

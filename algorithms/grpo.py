@@ -61,10 +61,25 @@ from meshrl.model.losses import (
     kl_estimate,
     mismatch_metrics,
     mismatch_weights,
+    per_token,
     policy_loss,
     scale_of,
 )
 from meshrl.types import Completions, TrainBatch
+
+
+def per_token_advantages(advantages: Any, batch: TrainBatch) -> torch.Tensor:
+    """What `compute_advantages` returned, checked: [B, T] like the batch's mask."""
+    want = tuple(batch.completion_mask.shape)
+    got = tuple(getattr(advantages, "shape", ()))
+    if got != want:
+        raise ValueError(
+            f"compute_advantages returned shape {list(got)}, not [B, T] = {list(want)}: one "
+            "advantage per completion token (meshrl.model.losses.per_token(a, "
+            "batch.completion_mask) spreads one a sequence)"
+        )
+    return advantages
+
 
 DROP_REASONS = ("stale", "trainer_rewind")
 REDO_REASONS = ("policy_lost",)
@@ -191,8 +206,8 @@ class GRPO(Algorithm):
 
         cfg, state = self.cfg, self.state
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:  # --- the meshes: one per role, one actor per proc ---
-                run = self.meshes = Run(
+            if self.runtime is None:  # --- the meshes: one per role, one actor per proc ---
+                run = self.runtime = Run(
                     cfg,
                     self.name,
                     *self.placement(),
@@ -224,7 +239,7 @@ class GRPO(Algorithm):
                     )
                 self.assemble(run)  # supervisor, sync, collector, evaluator, checkpoints, ...
                 self.start()  # a checkpoint's state, or version 0, the warm start, the copies
-            run, sup, sync, log, critic = self.meshes, self.sup, self.sync, self.log, self.critic
+            run, sup, sync, log, critic = self.runtime, self.sup, self.sync, self.log, self.critic
             policy, trainer, reference = self.policy, self.trainer, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
@@ -258,7 +273,9 @@ class GRPO(Algorithm):
                             rollout_info.update(self.old_logprobs(batch))  # trainer's, if on
                             if critic is not None:  # the value of every prefix
                                 batch.old_values = sup.call_rows(critic, "values", batch)
-                            batch.advantages = self.compute_advantages(rewards, batch)
+                            batch.advantages = per_token_advantages(
+                                self.compute_advantages(rewards, batch), batch
+                            )
                             if critic is not None:  # what its value step learns to predict
                                 batch.returns = self.value_targets(rewards, batch)
                             advantage_info = self.advantage_metrics(rewards, batch)
@@ -403,7 +420,7 @@ class GRPO(Algorithm):
         result, the held-out evaluation before training and the critic's backbone
         (the policy's weights); then the step log."""
         cfg, state, sup, sync = self.cfg, self.state, self.sup, self.sync
-        policy, trainer, run = self.policy, self.trainer, self.meshes
+        policy, trainer, run = self.policy, self.trainer, self.runtime
         if self.ckpt.resume() is None:
             sync.pull(policy, sync.publish(trainer))  # version 0: the trainer's weights
             if cfg.warm_start.steps:
@@ -425,7 +442,7 @@ class GRPO(Algorithm):
             lambda step: demonstrations(self.collector, cfg.batch_size),
             cfg.steps,
             cfg.lr,
-            f"{self.meshes.dir}/warm_start.jsonl",
+            f"{self.runtime.dir}/warm_start.jsonl",
             "warm-start",
         )
         self.sync.pull(self.policy, self.sync.publish(self.trainer))
@@ -629,12 +646,16 @@ class GRPO(Algorithm):
         )
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        """[B] rewards -> [B] group-normalized advantages ([B, T] per token also works).
+        """[B] rewards -> [B, T] advantages, one per completion token and 0 off the
+        mask, in every algorithm (`per_token` spreads one a sequence); nothing in
+        `batch` changes. GRPO's: each row's group-normalized reward.
 
-        `batch` holds the completions, their mask and, when a reference runs,
-        `ref_logprobs`.
+        `batch` holds the completions, their mask, the sampler's log-probs and,
+        when a reference runs, `ref_logprobs` (with a critic, `old_values`).
         """
-        return group_advantages(rewards, self.cfg.group_size, scale=self.cfg.advantage_scale)
+        cfg = self.cfg
+        advantages = group_advantages(rewards, cfg.group_size, scale=cfg.advantage_scale)
+        return per_token(advantages, batch.completion_mask)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from meshrl.config import (
     ConfigError,
     GenerationConfig,
+    HealthConfig,
     ModelConfig,
     OptimConfig,
     PlacementConfig,
@@ -110,6 +111,7 @@ class RLConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -266,6 +268,7 @@ class OfflineConfig:
     job: JobConfig = field(default_factory=JobConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     ALGORITHM: ClassVar[str] = ""
     """The algorithm's name in its errors."""

@@ -16,7 +16,7 @@ import torch
 
 from algorithms.base import run_main
 from algorithms.grpo import GRPO, GRPOConfig
-from meshrl.model.losses import rloo_advantages
+from meshrl.model.losses import per_token, rloo_advantages
 from meshrl.types import TrainBatch
 
 
@@ -24,7 +24,7 @@ class RLOO(GRPO):
     name = "rloo"
 
     def compute_advantages(self, rewards: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        return rloo_advantages(rewards, self.cfg.group_size)
+        return per_token(rloo_advantages(rewards, self.cfg.group_size), batch.completion_mask)
 
 
 if __name__ == "__main__":

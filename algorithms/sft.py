@@ -110,9 +110,9 @@ class SFT(Algorithm):
         `cfg.steps`, then save the model and stop every proc)."""
         cfg, state = self.cfg, self.state
         with self.running(num_steps):  # an error: `failed`; a whole run: `stop()` at its end
-            if self.meshes is None:  # --- the meshes: the trainer (and a frozen reference) ---
+            if self.runtime is None:  # --- the meshes: the trainer (and a frozen reference) ---
                 self.load_data()  # before any proc: a bad file costs no spawn
-                run = self.meshes = Run(cfg, self.name, self.placement(), trains=("trainer",))
+                run = self.runtime = Run(cfg, self.name, self.placement(), trains=("trainer",))
                 self.trainer = trainer = spawn_trainer(run, cfg, self.make_loss())
                 self.reference = reference = self.spawn_reference(run)
                 self.sup = sup = Supervisor(run, cfg.faults, state)
@@ -124,7 +124,7 @@ class SFT(Algorithm):
                         reference.name, lambda: restore_frozen(sup, self.ckpt, reference)
                     )
                 self.start()  # a checkpoint's state, or the warm start and the copy
-            run, sup, log, reference = self.meshes, self.sup, self.log, self.reference
+            run, sup, log, reference = self.runtime, self.sup, self.log, self.reference
             # Ctrl-C or SIGTERM: stop after the step under way; the drills and pool sizes
             # due before each step; its count and the checkpoints due after it (`Steps`).
             with self.steps(num_steps) as steps:
@@ -160,7 +160,7 @@ class SFT(Algorithm):
             if self.reference is not None:
                 handle = self.sync.publish(self.trainer)
                 self.sup.call_all(self.reference, "load_weights", handle)
-        self.log = StepLog(self.meshes, self.cfg.steps, self.state.step, self.headline)
+        self.log = StepLog(self.runtime, self.cfg.steps, self.state.step, self.headline)
         self.before = self.evaluate()
 
     # --- hooks ------------------------------------------------------------------------

@@ -184,7 +184,9 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [B, P + T]
     completion_mask: torch.Tensor  # [B, T] 1 on tokens that count in the loss
     old_logprobs: torch.Tensor  # [B, T] log-probs at sampling time
-    advantages: torch.Tensor | None = None  # [B] or [B, T]; set by the algorithm
+    advantages: torch.Tensor | None = (
+        None  # [B, T] from the loop ([B] also trains); set by the algorithm
+    )
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference model, when KL is used
     old_values: torch.Tensor | None = None  # [B, T] critic values at rollout (PPO)
     returns: torch.Tensor | None = None  # [B, T] value targets (PPO)

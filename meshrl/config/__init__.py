@@ -23,6 +23,7 @@ from meshrl.config.files import (  # noqa: F401
     validate_sections,
 )
 from meshrl.config.files import check as _check
+from meshrl.config.health import HealthConfig  # noqa: F401
 from meshrl.config.policy import PolicyConfig  # noqa: F401
 from meshrl.config.trainer import TrainerConfig  # noqa: F401
 from meshrl.config.vision import VisionConfig

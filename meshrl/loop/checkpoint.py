@@ -440,10 +440,12 @@ class Checkpointer:
         trainer was lost)."""
         self._each_role("load_state", path, roles)
 
-    def rewind_roles(self, lost, supervisor, roles: list) -> int:
-        """A proc of `lost.role` died: replace its procs and restore only `roles`
-        (one player's trainer of several) from the newest checkpoint, the loop's
-        state and every other role as they are; returns the checkpoint's step.
+    def rewind_roles(self, lost, supervisor, roles: list, samples_per_step: int = 0) -> int:
+        """A proc of `lost.role` died during step `state.step`: replace its procs and
+        restore only `roles` (one player's trainer of several) from the newest
+        checkpoint, the loop's state and every other role as they are; returns the
+        checkpoint's step. Those roles' `samples_per_step` a step trained since then,
+        and this step's, count as dropped (`trainer_rewind`), as in `rewind`.
         Without a checkpoint, `lost` is raised again."""
         path = self.latest(rehash=True)
         if path is None:
@@ -452,7 +454,17 @@ class Checkpointer:
         print(f"recovering {lost.role} from {path}: {lost}", flush=True)
         self.run.respawn(lost.role)
         self.load_roles(path, roles)
-        return step_of(path)
+        back_to, step = step_of(path), self.state.step
+        self._undo(step, back_to, samples_per_step)
+        return back_to
+
+    def _undo(self, step: int, back_to: int, samples_per_step: int, in_flight: int = 0) -> None:
+        """The ledger after going back from step `step` (under way, not trained) to
+        the checkpoint after `back_to` steps: the samples trained in between, this
+        step's and `in_flight` generated ahead are dropped (`trainer_rewind`)."""
+        ledger = self.state.ledger
+        ledger.trained -= (step - back_to) * samples_per_step
+        ledger.drop("trainer_rewind", (step + 1 - back_to) * samples_per_step + in_flight)
 
     def after_step(self) -> None:
         """After each step (`meshrl.loop.steps.Steps` calls it): a checkpoint every
@@ -582,6 +594,5 @@ class Checkpointer:
         self.run.report()  # actors' metrics of the undone steps belong to no step
         log.rewind(back_to)
         # Steps back_to .. step-1 were trained and are undone; step's samples never were.
-        ledger.trained -= (step - back_to) * samples_per_step
-        ledger.drop("trainer_rewind", (step + 1 - back_to) * samples_per_step + in_flight)
+        self._undo(step, back_to, samples_per_step, in_flight)
         return back_to

@@ -114,7 +114,7 @@ class Scaler:
         standby: dict[str, int] | None = None,
     ):
         self.run, self.cfg, self.settle, self.catch_up = run, cfg, settle, catch_up
-        self.group = run.meshes.meshes  # role -> ProcGroup, for the elastic roles
+        self.group = run.meshes.by_role  # role -> ProcGroup, for the elastic roles
         self.roles = list(run.elastic)  # in the order the algorithm named them
         self.limits = {r: (self.group[r].limit, self.group[r].limit_reason) for r in self.roles}
         self.fixed = run.fixed_roles()  # the others, each with why it cannot scale

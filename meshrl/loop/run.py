@@ -226,7 +226,7 @@ class Run:
         if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
             self.workers = slurm_faults.WorkerWatch(self._watched, faults.detect_s)
         if faults is not None and faults.detect_s and cfg.job.kind in ("local", "process"):
-            groups = self.meshes.meshes
+            groups = self.meshes.by_role
             self.detector = Detector(
                 lambda: {r: groups[r] for r in self.meshes.elastic if r in groups},
                 faults.detect_s,
@@ -313,8 +313,8 @@ class Run:
             (alloc, functools.partial(self._procs_on, name))
             for name, alloc in self.meshes.job.allocations.jobs.items()
         ]
-        for role in self.meshes.elastic & set(self.meshes.meshes):
-            for index, host in enumerate(list(self.meshes.meshes[role].hosts)):
+        for role in self.meshes.elastic & set(self.meshes.by_role):
+            for index, host in enumerate(list(self.meshes.by_role[role].hosts)):
                 if host.job is not None:
                     # A joined host is a one-node job: whichever worker is down, it is this host.
                     procs = functools.partial(self._members_on, role, [index])
@@ -328,7 +328,7 @@ class Run:
         """`role[rank]` of the procs on those workers (hosts) of host mesh
         `mesh_name`'s own job (None: all), every role sharing them included."""
         if mesh_name in self.meshes.elastic:  # its members one by one, on their hosts
-            group = self.meshes.meshes.get(mesh_name)
+            group = self.meshes.by_role.get(mesh_name)
             own = [i for i, h in enumerate(group.hosts) if h.job is None] if group else []
             return self._members_on(mesh_name, [i for i in own if workers is None or i in workers])
         roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == mesh_name]
@@ -337,7 +337,7 @@ class Run:
     def _members_on(self, role: str, hosts: list[int]) -> list[str]:
         """`role[rank]` of an elastic role's members on those of its pool's hosts,
         every role sharing its procs included."""
-        group = self.meshes.meshes.get(role)
+        group = self.meshes.by_role.get(role)
         ranks = [r for r, m in enumerate(group.members) if m.host in hosts] if group else []
         roles = [r for r in self.meshes.roles if self.meshes.share.get(r, r) == role]
         return [f"{r}[{rank}]" for r in roles for rank in ranks]

@@ -142,6 +142,25 @@ class Supervisor:
             metrics.update(mean_metrics(results))
         return metrics
 
+    def call_apart(self, batches: dict, endpoint: str, *args: Any) -> dict[str, Any]:
+        """`endpoint(shard, *args)` on several roles at once, each on its own batch
+        (`batches`: role -> batch; each proc its data-parallel shard): two players'
+        trainers stepping together. Per role name, its ranks' metrics averaged, or
+        the `RoleLost` it raised: the other roles' calls stand."""
+        started = []
+        for role, batch in batches.items():
+            shards = [(shard, *args) for shard in role.shards(batch)]
+            started.append((role, shards, start_each(role, endpoint, shards), role.respawns))
+        answers: dict[str, Any] = {}
+        for role, shards, futures, respawns in started:
+            try:
+                results, _ = self.call(role, endpoint, shards, (futures, respawns))
+            except RoleLost as lost:
+                answers[role.name] = lost
+                continue
+            answers[role.name] = mean_metrics(results)
+        return answers
+
     def call_rows(self, role: Role, endpoint: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
         """`endpoint` on contiguous row blocks of `batch` over `role`'s procs (as
         even as the rows allow), concatenated in row order (reference and

@@ -62,6 +62,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] advantages, one a sequence -> [B, T]: each completion token of a row takes
+    its row's, 0 off the mask (the shape every `compute_advantages` returns)."""
+    return advantages.unsqueeze(1) * mask
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:

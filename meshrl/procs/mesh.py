@@ -313,7 +313,8 @@ class RoleMeshes:
         self.hosts = {
             role: self.job_cfg.hosts_for(self.beside.get(role, role)) for role in self.counts
         }
-        self.meshes: dict[str, Any] = {}
+        self.by_role: dict[str, Any] = {}
+        """Role -> its proc mesh (an elastic role's: a `meshrl.procs.pool.ProcGroup`)."""
         self.watches: dict[str, Any] = {}  # role -> its procs' `Watch` actors
         # role -> a prefix for its actors' metrics (a player's meshes: "a/")
         self.metric_prefix: dict[str, str] = dict(metric_prefix or {})
@@ -422,7 +423,7 @@ class RoleMeshes:
                 name=role,
                 bootstrap_command=self._bootstrap_command(),
             )
-        self.meshes[role] = mesh
+        self.by_role[role] = mesh
         self.actors[role] = []
         from meshrl.observe.telemetry import Watch
 
@@ -494,7 +495,7 @@ class RoleMeshes:
     def scale(self, role: str, size: int) -> list[int]:
         """Grow or shrink an elastic role to `size` procs (the newest leave first;
         collect their work before); returns the new members' ranks."""
-        group = self.meshes[role]
+        group = self.by_role[role]
         if size > len(group):
             return group.grow(size - len(group))
         group.retire(list(range(size, len(group))))
@@ -524,10 +525,10 @@ class RoleMeshes:
         if role in self.share:
             raise RuntimeError(f"{role} runs in the {self.share[role]} procs: respawn those")
         if role in self.elastic:  # only its lost members
-            group = self.meshes[role]
+            group = self.by_role[role]
             group.replace(group.dead())
             return None
-        old = self.meshes.pop(role)
+        old = self.by_role.pop(role)
         self.pids.pop(role, None)  # stopping: no longer watched
         if keep_old:
             watch, size = self.watches.get(role), self.size(role)
@@ -591,15 +592,15 @@ class RoleMeshes:
             logger.warning("stopping the failed %s mesh: %s", role, error)
 
     def __getitem__(self, role: str) -> Any:
-        return self.meshes[self._own(role)]
+        return self.by_role[self._own(role)]
 
     def __contains__(self, role: str) -> bool:
-        return self._own(role) in self.meshes
+        return self._own(role) in self.by_role
 
     def size(self, role: str) -> int:
         """Ranks of a role: hosts x procs per host (an elastic role's: as it is now)."""
-        if self._own(role) in self.elastic and self._own(role) in self.meshes:
-            return len(self.meshes[self._own(role)])
+        if self._own(role) in self.elastic and self._own(role) in self.by_role:
+            return len(self.by_role[self._own(role)])
         return self.counts[self._own(role)] * self.hosts[self._own(role)]
 
     def spawn(self, role: str, name: str, actor_class: type, *args: Any, **kwargs: Any) -> Any:
@@ -650,7 +651,7 @@ class RoleMeshes:
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop every proc, then the job's hosts (procs that a `ProcPool` keeps:
         their actors only). Safe to call twice; never raises."""
-        meshes, self.meshes = self.meshes, {}
+        meshes, self.by_role = self.by_role, {}
         watches, self.watches = self.watches, {}
         if self._notices is not None:
             self._notices.close()

@@ -137,8 +137,8 @@ def where(meshes: Any) -> dict[str, dict]:
     for role, alloc in allocations.where().items():
         lost = set(losses) & set(allocations.dead_nodes(role))  # replaced by joined hosts
         found[role] = {**alloc, "nodes": [n for n in alloc["nodes"] if n not in lost]}
-    for role in meshes.elastic & set(meshes.meshes):
-        for host in meshes.meshes[role].hosts:
+    for role in meshes.elastic & set(meshes.by_role):
+        for host in meshes.by_role[role].hosts:
             for alloc in host.job.allocations.where().values() if host.job else ():
                 joined = found.setdefault(role, {"job_id": "", "nodes": []})
                 joined["job_id"] = ",".join(filter(None, [joined["job_id"], alloc["job_id"]]))

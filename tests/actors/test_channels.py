@@ -72,7 +72,7 @@ def test_another_user_cannot_connect_to_a_runs_channels(kind, no_stray_procs):
     its host processes listen only on pathname sockets of mode 0600 in directories
     only their user can enter; uid 65534 connects to none of them."""
     with RoleMeshes({"a": 2}, JobConfig(kind=kind)) as meshes:
-        actors = meshes.meshes["a"].spawn("who", Who)
+        actors = meshes.by_role["a"].spawn("who", Who)
         procs = set(actors.pid.call().get().values())
         ours = descendants(os.getpid()) | (monarch_pids() & own_pids())
         assert procs <= ours

@@ -139,7 +139,7 @@ def test_in_a_notebook_an_actor_error_keeps_the_meshes_and_the_next_step_goes_on
         pids = {p["pid"] for p in algo.mesh_status(show=False)}
         with pytest.raises(RemoteCallError, match=r"trainer\.train_step"):
             algo.train(3)
-        assert algo.meshes is not None and algo.state.step == 1
+        assert algo.runtime is not None and algo.state.step == 1
         record = algo.step()
         assert record["step"] == 1 and {p["pid"] for p in algo.mesh_status(show=False)} == pids
         assert (
@@ -150,4 +150,4 @@ def test_in_a_notebook_an_actor_error_keeps_the_meshes_and_the_next_step_goes_on
         )
     finally:
         algo.stop()
-    assert algo.meshes is None
+    assert algo.runtime is None

@@ -167,7 +167,7 @@ def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stra
     algo = GRPO(cfg)
     try:
         algo.run(2)
-        group = algo.meshes.meshes.meshes["policy"]
+        group = algo.runtime.meshes.by_role["policy"]
         assert len(group) == 2 and len(group.hosts) == 2 and group.hosts[1].job is not None
         policy = [p for p in algo.mesh_status(show=False) if p["role"] == "policy"]
         assert [p["rank"] for p in policy] == [0, 1] and policy[0]["pid"] != policy[1]["pid"]
@@ -415,7 +415,7 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
     algo = GRPO(cfg)
     try:
         algo.run(2)
-        group = algo.meshes.meshes.meshes["policy"]
+        group = algo.runtime.meshes.by_role["policy"]
         spare = group.standbys[0]
         # It takes each published version as the replicas do (unwaited: let it land).
         deadline = time.monotonic() + 30

@@ -321,7 +321,7 @@ def test_notebook_calls_work_on_every_algorithm_or_say_why_not(tmp_path):
     with pytest.raises(ValueError, match=r"train\(num_steps='ten'\)"):
         grpo.train("ten")
     grpo.set_temperature(0.5)
-    assert grpo.cfg.generation.temperature == 0.5 and grpo.meshes is None
+    assert grpo.cfg.generation.temperature == 0.5 and grpo.runtime is None
 
 
 # --- a role's properties are said where it is spawned --------------------------------------
