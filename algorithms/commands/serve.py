@@ -9,7 +9,8 @@ http://127.0.0.1:PORT/v1 (`policy.serve_port`, else 8000), each request at
 its own sampling settings (temperature, 0 for greedy; top_p; seed; n; stop
 strings; top_logprobs; stream), up to `generation.max_new_tokens` tokens; with
 `tools`, the model's tool calls come back as `tool_calls`, read by the parser
-its chat template implies (`meshrl.envs.tool_calls`; docs/environments.md).
+`policy.tool_parser` names, or its chat template implies (auto: `meshrl.envs.tool_calls`;
+docs/environments.md).
 Callers send the token printed at start (also in `<run dir>/status.json`) as
 `Authorization: Bearer TOKEN`, the OpenAI client's `api_key`.
 Every answer is appended to `<run dir>/requests.jsonl` (prompt and completion
@@ -69,6 +70,7 @@ def serve(cfg: ServeConfig) -> None:
             model_name=name,
             sampling="request",
             record_path=f"{run.dir}/requests.jsonl",
+            tool_parser=cfg.policy.tool_parser,
         )
         print(f"serving {name} at {server.access()}; requests in {run.dir}/requests.jsonl")
         run.status.extra.update(server.status_fields())

@@ -34,6 +34,11 @@ class PolicyConfig:
     kept in status.json (`endpoint_token`): `Authorization: Bearer TOKEN`, the OpenAI
     client's api_key (401 without it); the Host header must name 127.0.0.1, localhost
     or [::1] with this port (421 otherwise)."""
+    tool_parser: str = "auto"
+    """How the endpoint reads the model's tool calls into `tool_calls`
+    (`meshrl.envs.tool_calls`): hermes (also qwen2.5, qwen3), llama3_json (llama3),
+    mistral, harmony; auto: the one the tokenizer's chat template implies (none
+    known: a request with `tools` is refused, saying to name one here)."""
     gpu_memory_utilization: float = 0.5
     """vllm: the share of its GPU a replica's engine may take."""
     share_prefix: bool = True
@@ -72,6 +77,13 @@ class PolicyConfig:
             "policy.gpu_memory_utilization",
             "must be in (0, 1]",
         )
+        if self.tool_parser != "auto":
+            from meshrl.envs.tool_calls import parser_name  # pure: imports nothing of meshrl
+
+            try:
+                parser_name(self.tool_parser)
+            except ValueError as error:
+                _check(False, "policy.tool_parser", f"{error}, or auto")
         _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
         if self.serve_port:  # known now, not after the procs started
             _check(

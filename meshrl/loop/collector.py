@@ -30,6 +30,15 @@ from meshrl.types import Completions, Prompt
 
 logger = logging.getLogger(__name__)
 
+ENDPOINT_COUNTS = (
+    ("refused", "episodes/refused_calls"),
+    ("tool_call_errors", "episodes/tool_call_errors"),
+    ("tool_choice_unmet", "episodes/tool_choice_unmet"),
+)
+"""The endpoint's counters (`PolicyServer`) logged per step, as the step's increase:
+calls to episodes that are not theirs, tool-call text that did not parse, answers
+without the call `tool_choice` asked for."""
+
 
 class PromptTooLong(ValueError):
     """A prompt does not fit the model's context; one line."""
@@ -90,7 +99,7 @@ class Collector:
         """Prompts training never draws, by `Prompt.key` (the held-out sets')."""
         self.server = None
         """The policy's OpenAI-compatible endpoint (`endpoint()`), once started."""
-        self._refused = 0  # the endpoint's refused calls already reported
+        self._reported: dict[str, int] = {}  # the endpoint's counts already logged
         self._overlong: dict[str, str] = {}  # prompt key -> its length, for prompts that do not fit
         self._token_chars = max_token_chars(tokenizer)  # a text over room x this cannot fit
 
@@ -339,9 +348,11 @@ class Collector:
                 "tokens/environment": int((attention - mask).sum().item()),
             }
         )
-        if self.server is not None:  # calls to episodes that are not theirs, since the last step
-            info["episodes/refused_calls"] = self.server.refused - self._refused
-            self._refused = self.server.refused
+        if self.server is not None:  # the endpoint's counts since the last step
+            for name, metric in ENDPOINT_COUNTS:
+                now = getattr(self.server, name)
+                info[metric] = now - self._reported.get(name, 0)
+                self._reported[name] = now
         self.last_episodes = kept
         return completions, rewards, info
 
@@ -358,14 +369,16 @@ class Collector:
                 self.sup.timeout_s,
                 on_lost=self.sup.recover,
             )
-            self.server = PolicyServer(router, self.format, self.context, port)
+            self.server = PolicyServer(
+                router, self.format, self.context, port, tool_parser=self.cfg.policy.tool_parser
+            )
         return self.server
 
     def close(self) -> None:
         """Stop the endpoint (the task is its owner's to close: `Env.close`)."""
         if self.server is not None:
             self.server.close()
-            self.server, self._refused = None, 0
+            self.server, self._reported = None, {}
 
     def add_model_reward(self, completions: Completions, rewards: torch.Tensor, info: dict):
         """With a reward model: rule_weight x the environment's reward + weight x

@@ -257,7 +257,7 @@ class Evaluator:
             from meshrl.envs.endpoint import PolicyServer, Router
 
             router = Router(lambda: role.actors, role.size, generation, c.sup.timeout_s)
-            server = PolicyServer(router, c.format, c.context)
+            server = PolicyServer(router, c.format, c.context, tool_parser=c.cfg.policy.tool_parser)
             try:
                 episodes, _ = c.task.play(group, server, f"eval.{name}.")
             finally:
