@@ -251,10 +251,14 @@ listener.listen(8)
 print(path, flush=True)
 received = accepted = 0
 conns = []
-while True:  # until stdin closes: count the connections and the bytes sent
+done = False
+while not done:  # until stdin closes: count the connections and the bytes sent
     ready, _, _ = select.select([listener, sys.stdin, *conns], [], [], 30)
     if not ready or sys.stdin in ready:
-        break
+        # What is pending still counts (a loaded machine may have let a client
+        # connect, or send, before this process ran again): one last look, no wait.
+        done = True
+        ready, _, _ = select.select([listener, *conns], [], [], 0)
     for s in ready:
         if s is listener:
             conns.append(listener.accept()[0])
