@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import signal
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +37,8 @@ from meshrl.observe.run_dir import make_private
 from meshrl.observe.status import StatusFile
 from meshrl.observe.status import table as status_table
 from meshrl.procs import faultlog, mesh, slurm_faults
+from meshrl.procs.health import HangWatch, Spec
+from meshrl.procs.health_checks import on_hang
 from meshrl.procs.mesh import RoleMeshes
 from meshrl.procs.pool import Detector
 from meshrl.procs.proc_pool import alive
@@ -207,6 +210,7 @@ class Run:
         self.status: StatusFile | None = None
         self.profiler: Profiler | None = None
         self.observe = Observe.of(cfg.run, alive)  # Monarch's telemetry and dashboard, if on
+        health = getattr(cfg, "health", None)  # (`meshrl serve` and `meshrl eval` have none)
         self.meshes = RoleMeshes(
             procs,
             cfg.job,
@@ -220,7 +224,15 @@ class Run:
             metric_prefix=metric_prefix,
             process_group_roles=set(),  # `spawn(..., rendezvous=True)` adds
             log_dir=f"{self.dir}/slurm",  # SLURM jobs' output
+            health=health,
+            preflight=preflight_spec(cfg, self.dir, trains),
         )
+        self.hangs: HangWatch | None = None
+        if health is not None and health.hang_s > 0:
+            python = cfg.job.python_exe if cfg.job.kind == "slurm" else sys.executable
+            self.hangs = HangWatch(
+                self.meshes, health.hang_s, functools.partial(on_hang, self.meshes, python)
+            )
         self.workers: slurm_faults.WorkerWatch | None = None
         self.detector: Detector | None = None
         if faults is not None and faults.detect_s and cfg.job.kind == "slurm":
@@ -233,11 +245,7 @@ class Run:
                 self.meshes.watched_pids,
             )
         self.status = StatusFile(self.dir, self.proc_status, cfg.run.status_every_s)
-        if cfg.job.kind == "slurm":
-            self.status.scheduler = lambda: {
-                "slurm": slurm_faults.where(self.meshes),
-                "quarantined": sorted(slurm_faults.quarantined),
-            }
+        self.status.scheduler = self._scheduler_status
         if self.observe is not None:
             self.status.extra = self.observe.urls()
         self.status.start()
@@ -245,6 +253,17 @@ class Run:
             self.profiler = Profiler(
                 self.dir, cfg.run.profile_steps, self.meshes, mesh.wait, self.timeout_s
             )
+
+    def _scheduler_status(self) -> dict:
+        """status.json's view of the allocations: SLURM's jobs and quarantined nodes,
+        each host's preflight figures and the hosts it quarantined."""
+        found = {} if self.meshes.checks is None else self.meshes.checks.status()
+        if self.cfg.job.kind == "slurm":
+            found["slurm"] = slurm_faults.where(self.meshes)
+            found["quarantined"] = sorted(slurm_faults.quarantined)
+        elif found.get("preflight_quarantined"):
+            found["quarantined"] = sorted(found["preflight_quarantined"])
+        return found
 
     def spawn(
         self,
@@ -425,6 +444,8 @@ class Run:
                 self.profiler.finish()  # a run that stopped inside the profiled steps
             except Exception as error:  # noqa: BLE001 - closing goes on
                 print(f"profile not written: {error}", flush=True)
+        if self.hangs is not None:
+            self.hangs.close()  # before the meshes go: their procs stop answering
         if self.status is not None:
             self.status.stop()  # before the meshes go: it asks their procs
         if self.detector is not None:
@@ -484,6 +505,23 @@ def check_fits(
             f"config key 'placement': {sum(own.values())} procs ({counts}) need about "
             f"{need / 2**30:.1f} GB of memory; this machine has {have / 2**30:.1f} GB"
         )
+
+
+def preflight_spec(cfg: Any, run_dir: str, trains: tuple[str, ...]) -> Spec:
+    """What each host's preflight checks: the model's dtype, the run directory and
+    the next checkpoint's size there (the weights, and for a run that trains Adam's
+    two moments), the GPUs a SLURM node was asked for."""
+    from meshrl.model.models import weight_bytes
+
+    model = getattr(cfg, "model", None)
+    weights = weight_bytes(model) if model is not None else 0
+    return Spec(
+        dtype=getattr(model, "dtype", "float32"),
+        run_dir=run_dir,
+        need_bytes=weights * (3 if trains else 1),
+        matmul_s=cfg.health.preflight_s if getattr(cfg, "health", None) else 0.3,
+        expected_devices=cfg.job.gpus_per_node,
+    )
 
 
 def find_resume(cfg: Any) -> str | None:

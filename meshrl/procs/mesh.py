@@ -26,6 +26,7 @@ from meshrl.procs import faultlog, proc_pool
 
 # (Their old home: callers import them from here.)
 from meshrl.procs.faultlog import debugging, log_fault  # noqa: F401
+from meshrl.procs.health_checks import HostChecks
 
 # (Their old home: callers import them from here.)
 from meshrl.procs.proc_pool import DEVICE_OFFSET_ENV, HOST_TAG_ENV, monarch_pids  # noqa: F401
@@ -302,6 +303,8 @@ class RoleMeshes:
         metric_prefix: dict[str, str] | None = None,
         process_group_roles: set[str] | None = None,
         log_dir: str | None = None,
+        health: Any = None,
+        preflight: Any = None,
     ):
         from meshrl.procs.job import JobConfig, build_job, host_meshes
 
@@ -335,6 +338,11 @@ class RoleMeshes:
         """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
         self._notices: Any = None  # the scheduler's notices (SLURM: `NoticeWatch`), once asked
+        self.health = health  # `meshrl.config.health.HealthConfig`; None: no preflight
+        self.checks = (
+            HostChecks(self, preflight) if health is not None and health.preflight else None
+        )
+        """The preflight of every allocation (`meshrl.procs.health`), its figures for status."""
         self.observe = observe  # Monarch telemetry (`meshrl.observe.monarch.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.
@@ -364,6 +372,8 @@ class RoleMeshes:
                 # Separate hosts have GPUs of their own; local roles share this host's.
                 if role not in cpu_roles and self.job_cfg.kind == "local":
                     device_offset += count
+            if self.checks is not None:  # every host, before any role's actor runs there
+                self.checks.run(list(self.counts))
             if self.job_cfg.kind == "slurm":  # the scheduler's notices to its jobs, asked now on
                 from meshrl.procs.slurm_faults import NoticeWatch
 
@@ -535,6 +545,8 @@ class RoleMeshes:
             # Seen gone by pid, it may not be by Monarch yet: not asked (no answer comes).
             live = [r for r in range(size) if not proc_pool.is_lost(f"{role}.report[{r}]")]
             self._spawn_procs(role)
+            if self.checks is not None:
+                self.checks.run([role])
 
             def stop_old() -> None:
                 self._carry(role, watch, live)
@@ -561,6 +573,8 @@ class RoleMeshes:
         else:  # its live procs (on the same hosts) go before new ones start
             stopping.join()
         self._spawn_procs(role)
+        if self.checks is not None:
+            self.checks.run([role])
 
     def _carry(self, role: str, watch: Any, ranks: list[int], timeout_s: float = 5.0) -> None:
         """What the procs of `role` that live on recorded since the last report

@@ -1,0 +1,561 @@
+"""Host and proc health: a preflight on every host before a role's actors run
+there, and a heartbeat that finds a hung proc, writes its stacks and kills it.
+
+Preflight (`health.preflight`): a `Preflight` actor on the first proc of each
+host checks the device (a matmul at the model's dtype; on CUDA also the device
+count, free memory, ECC errors where the driver reports them), the collective
+among the role's procs (gloo, or NCCL on GPUs), a Monarch RDMA buffer read from
+another host, the run directory (a file written and fsynced, free space for a
+checkpoint) and the versions of Python, torch, transformers and Monarch against
+the controller's. `judge` turns the figures into findings: a check that failed,
+or a figure below `health.min_ratio` of the median of the hosts checked.
+
+Hangs (`health.hang_s`): `HangWatch` asks every proc's `Watch` (an actor of its
+own, which answers while the role's actors compute) every second; a proc that has
+not answered for `hang_s` is hung (stopped, or deadlocked holding the GIL). Its
+Python stacks, every thread's, are taken on its host (`dump_and_kill`: py-spy if
+installed, else the `faulthandler` each proc registers on SIGUSR2 at start,
+`install_stack_dump`), written to faults.log, the proc is killed, and it is
+entered in `proc_pool.lost`: the call waiting on it fails at once and the
+Supervisor replaces it as a lost proc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib import metadata
+from typing import Any
+
+from monarch.actor import Actor, endpoint
+
+from meshrl.procs import proc_pool
+from meshrl.procs.faultlog import log_fault
+
+logger = logging.getLogger(__name__)
+
+STACK_SIGNAL = signal.SIGUSR2
+"""The signal on which a proc writes every thread's stack (`install_stack_dump`);
+SIGUSR1 is forwarded by the fork server (`meshrl.procs.zygote`) and used by
+SLURM's batch scripts."""
+STACK_FILE = "meshrl-stacks"
+"""The name of the memory file a proc writes its stacks into (`memfd_create`):
+nothing on any filesystem, readable through /proc/PID/fd by its user only."""
+
+_stack_fd: int | None = None
+
+
+def install_stack_dump() -> None:
+    """In a proc, at its start: every thread's Python stack written on `STACK_SIGNAL`
+    into an anonymous memory file (faulthandler's handler runs in C inside the
+    signal handler, so it answers while a thread holds the GIL in a deadlock; a
+    stopped proc answers once it is continued). No file is left behind."""
+    global _stack_fd
+    import faulthandler
+
+    if _stack_fd is not None or not hasattr(os, "memfd_create"):
+        return
+    _stack_fd = os.memfd_create(STACK_FILE, 0)
+    faulthandler.register(STACK_SIGNAL, file=_stack_fd, all_threads=True, chain=False)
+
+
+def _stack_fd_of(pid: int) -> str | None:
+    """/proc/PID/fd/N of `pid`'s stack file, or None."""
+    base = f"/proc/{pid}/fd"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{base}/{name}").startswith(f"/memfd:{STACK_FILE}"):
+                    return f"{base}/{name}"
+    return None
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def dump_and_kill(pid: int, wait_s: float = 3.0) -> str:
+    """Every thread's Python stack of process `pid` (on this host), then SIGKILL.
+    py-spy where installed (it reads a stopped process's memory), else the proc's
+    own faulthandler: `STACK_SIGNAL`, then SIGCONT (a stopped proc takes the
+    signal as it continues), and its memory file read back. The stacks, or a line
+    saying why there are none."""
+    stacks = ""
+    spy = shutil.which("py-spy")
+    if spy:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid), "--nonblocking"],
+                capture_output=True,
+                text=True,
+                timeout=15,
+            )
+            stacks = done.stdout.strip() if done.returncode == 0 else ""
+    if not stacks:
+        path = _stack_fd_of(pid)
+        if path is None:
+            stacks = f"(no stack file in process {pid}: not a meshrl proc, or gone)"
+        else:
+            before = len(_read(path))
+            try:
+                os.kill(pid, STACK_SIGNAL)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                return f"(process {pid} is gone)"
+            deadline, text = time.monotonic() + wait_s, ""
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                now = _read(path)[before:]
+                if now and now == text:  # written, and no longer growing
+                    break
+                text = now
+            stacks = text.strip() or f"(process {pid} wrote no stacks within {wait_s:g}s)"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return stacks
+
+
+# --- preflight: what runs on each host -------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    """Python's, torch's, transformers' and Monarch's versions, as installed (read
+    from the distributions' metadata: nothing imported)."""
+    found = {"python": ".".join(map(str, sys.version_info[:3]))}
+    for name, dist in (
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+        ("monarch", "torchmonarch"),
+    ):
+        try:
+            found[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[name] = "missing"
+    return found
+
+
+def matmul_rate(dtype: str, seconds: float, size: int = 256) -> float:
+    """GFLOP/s of square matmuls at `dtype`, over at least `seconds` of wall time
+    (longer than a CPU quota's period, 100 ms, so a throttled host shows)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(size, size, device=device).to(torch_dtype)
+    b = torch.randn(size, size, device=device).to(torch_dtype)
+    torch.mm(a, b)  # warm
+    count, started = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        count += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return count * 2 * size**3 / elapsed / 1e9
+
+
+def cuda_figures(expected_devices: int | None) -> tuple[dict, list[str]]:
+    """On a CUDA host: device count (against `expected_devices`), each device's free
+    memory share and uncorrected ECC errors where nvidia-smi reports them. Figures
+    and failures (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}, []
+    figures: dict[str, Any] = {"cuda_devices": torch.cuda.device_count()}
+    failures = []
+    if expected_devices and figures["cuda_devices"] < expected_devices:
+        failures.append(
+            f"device: {figures['cuda_devices']} CUDA devices, {expected_devices} expected"
+        )
+    free = []
+    for index in range(figures["cuda_devices"]):
+        have, total = torch.cuda.mem_get_info(index)
+        free.append(have / total)
+    figures["cuda_free_share"] = round(min(free), 3) if free else 0.0
+    ecc = ecc_errors()
+    if ecc:
+        figures["ecc_uncorrected"] = ecc
+        if any(v > 0 for v in ecc):
+            failures.append(f"device: uncorrected ECC errors {ecc}")
+    return figures, failures
+
+
+def ecc_errors() -> list[int]:
+    """Volatile uncorrected ECC errors per GPU, from nvidia-smi; [] where it does not
+    report them (no driver tool, ECC off: `[N/A]`)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=ecc.errors.uncorrected.volatile.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    values = [line.strip() for line in out.splitlines() if line.strip()]
+    return [int(v) for v in values] if values and all(v.isdigit() for v in values) else []
+
+
+def disk_figures(run_dir: str, need_bytes: int, nbytes: int = 4 << 20) -> tuple[dict, list[str]]:
+    """Write and fsync `nbytes` in `run_dir` (a private file, removed), and its free
+    space against `need_bytes` (the next checkpoint)."""
+    path = os.path.join(run_dir, f".preflight-{socket.gethostname()}-{os.getpid()}")
+    try:
+        started = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, os.urandom(nbytes))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        took = time.perf_counter() - started
+        free = shutil.disk_usage(run_dir).free
+    except OSError as error:
+        return {}, [f"run_dir: cannot write {run_dir}: {error.strerror or error}"]
+    figures = {
+        "disk_mb_s": round(nbytes / 2**20 / max(took, 1e-6), 1),
+        "free_gb": round(free / 2**30, 2),
+    }
+    if free < need_bytes:
+        return figures, [
+            f"run_dir: {free / 2**30:.2f} GB free in {run_dir}, the next checkpoint needs "
+            f"{need_bytes / 2**30:.2f} GB"
+        ]
+    return figures, []
+
+
+@dataclass
+class Spec:
+    """What a host is checked for (sent to its `Preflight` actor)."""
+
+    dtype: str = "float32"
+    run_dir: str = ""
+    need_bytes: int = 0
+    matmul_s: float = 0.3
+    expected_devices: int | None = None
+
+
+class Preflight(Actor):
+    """Spawned on a role's procs before its actors: the checks of one host (`check`,
+    on its first proc), the RDMA buffer other hosts read (`buffer`, `read`) and
+    the collective among the role's procs (`collective`)."""
+
+    def __init__(self) -> None:
+        self.data: Any = None
+
+    @endpoint
+    def check(self, spec: Spec) -> dict:
+        """This host's figures and failures (each failure `check: why`)."""
+        figures: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "node": os.environ.get("SLURMD_NODENAME", ""),
+            "tag": os.environ.get(proc_pool.HOST_TAG_ENV, ""),
+            "pid": os.getpid(),
+            "versions": versions(),
+        }
+        failures: list[str] = []
+        started = time.perf_counter()
+        try:
+            figures["matmul_gflops"] = round(matmul_rate(spec.dtype, spec.matmul_s), 3)
+        except Exception as error:  # noqa: BLE001 - a broken device is this check's finding
+            failures.append(f"device: matmul at {spec.dtype} failed: {error}")
+        try:
+            cuda, bad = cuda_figures(spec.expected_devices)
+            figures.update(cuda)
+            failures += bad
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"device: {error}")
+        if spec.run_dir:
+            disk, bad = disk_figures(spec.run_dir, spec.need_bytes)
+            figures.update(disk)
+            failures += bad
+        figures["check_s"] = round(time.perf_counter() - started, 3)
+        return {"figures": figures, "failures": failures}
+
+    @endpoint
+    def buffer(self, nbytes: int) -> Any:
+        """An RDMA buffer of `nbytes` in this proc, for another host to read."""
+        import torch
+        from monarch.rdma import RDMABuffer
+
+        self.data = torch.ones(nbytes, dtype=torch.uint8)
+        return RDMABuffer(self.data)
+
+    @endpoint
+    def read(self, buffer: Any, nbytes: int) -> dict:
+        """Read another host's `buffer` into this proc: GB/s, or the failure."""
+        import torch
+
+        into = torch.zeros(nbytes, dtype=torch.uint8)
+        started = time.perf_counter()
+        try:
+            buffer.read_into(into).get()
+        except Exception as error:  # noqa: BLE001 - the finding
+            return {"failure": f"rdma: reading another host's buffer failed: {error}"}
+        took = time.perf_counter() - started
+        if int(into[-1]) != 1:
+            return {"failure": "rdma: the buffer read back differs from what was written"}
+        return {"rdma_gb_s": round(nbytes / 1e9 / max(took, 1e-9), 3)}
+
+    @endpoint
+    def collective(self, master: tuple[str, int], rank: int, world: int, nbytes: int) -> dict:
+        """An all-reduce of `nbytes` among the role's `world` procs, the backend its
+        training uses (NCCL on own GPUs, else gloo), in a group of its own (the
+        default group is left to the role's actors): GB/s, or the failure."""
+        import torch
+        import torch.distributed as dist
+
+        from meshrl.procs import parallel
+
+        address, port = master
+        try:
+            if address.startswith(parallel.FILE_STORE):
+                store: Any = dist.FileStore(address[len(parallel.FILE_STORE) :], world)
+            else:
+                store = parallel._STORES.pop(port, None) if rank == 0 else None
+                if store is None:
+                    store = dist.TCPStore(address, port, world, False, timedelta(seconds=30))
+            local = address.startswith(parallel.FILE_STORE) or address == "127.0.0.1"
+            if local and "GLOO_SOCKET_IFNAME" not in os.environ:
+                os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            prefixed = dist.PrefixStore("meshrl-preflight", store)
+            cuda = torch.cuda.is_available() and world <= torch.cuda.device_count()
+            if cuda:
+                device = torch.device("cuda", rank % torch.cuda.device_count())
+                group: Any = dist.ProcessGroupNCCL(prefixed, rank, world)
+            else:
+                device = torch.device("cpu")
+                group = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=30))
+            tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            group.allreduce([tensor]).wait()  # warm: connections made
+            started = time.perf_counter()
+            for _ in range(3):
+                group.allreduce([tensor]).wait()
+            if cuda:
+                torch.cuda.synchronize()
+            took = (time.perf_counter() - started) / 3
+            ok = float(tensor[0]) == float(world**4)
+            del group
+        except Exception as error:  # noqa: BLE001 - the finding
+            return {"failure": f"collective: all-reduce among {world} procs failed: {error}"}
+        if not ok:
+            return {"failure": "collective: the all-reduce gave a wrong sum"}
+        backend = "nccl" if cuda else "gloo"
+        return {f"{backend}_gb_s": round(2 * nbytes / 1e9 / max(took, 1e-9), 3)}
+
+
+# --- preflight: judging the figures ----------------------------------------------
+
+RATED = ("matmul_gflops", "gloo_gb_s", "nccl_gb_s", "rdma_gb_s", "disk_mb_s")
+"""Figures judged against the median (higher is better)."""
+
+
+@dataclass
+class Finding:
+    """A host that failed a check, or fell below `min_ratio` of the median."""
+
+    host: str
+    check: str
+    detail: str
+
+    def line(self) -> str:
+        return f"host {self.host} failed the {self.check} check: {self.detail}"
+
+
+def judge(
+    figures: dict[str, dict],
+    failures: dict[str, list[str]],
+    min_ratio: float,
+    baseline: dict[str, float] | None = None,
+    controller: dict[str, str] | None = None,
+) -> list[Finding]:
+    """Findings for hosts (`figures`: host -> its figures; `failures`: host -> its
+    failed checks as `check: why`): each failure, each version that differs from
+    `controller`'s, and each `RATED` figure below `min_ratio` of its median, taken
+    over these hosts and `baseline` (medians of hosts checked before: one new host
+    is judged against the run's others). A single host with no baseline has no
+    median to fall below."""
+    found = []
+    for host, failed in failures.items():
+        for failure in failed:
+            check, _, why = failure.partition(": ")
+            found.append(Finding(host, check, why))
+    if controller:
+        for host, figs in figures.items():
+            differ = {
+                k: v
+                for k, v in figs.get("versions", {}).items()
+                if controller.get(k) not in (None, v)
+            }
+            if differ:
+                said = ", ".join(f"{k} {v} (controller {controller[k]})" for k, v in differ.items())
+                found.append(Finding(host, "versions", said))
+    medians = medians_of(figures, baseline)
+    for host, figs in figures.items():
+        for key in RATED:
+            if key not in figs or key not in medians or medians[key] <= 0:
+                continue
+            ratio = figs[key] / medians[key]
+            if ratio < min_ratio:
+                found.append(
+                    Finding(
+                        host,
+                        key.split("_")[0],
+                        f"{key} {figs[key]:g} is {ratio:.2f} of the median {medians[key]:g} "
+                        f"(health.min_ratio {min_ratio:g})",
+                    )
+                )
+    return found
+
+
+def medians_of(figures: dict[str, dict], baseline: dict[str, float] | None = None) -> dict:
+    """Each `RATED` figure's median over the hosts (and the `baseline`'s value, as
+    many times as hosts it stood for: `baseline['hosts']`), where two or more
+    hosts give one."""
+    medians = {}
+    weight = int((baseline or {}).get("hosts", 0))
+    for key in RATED:
+        values = [f[key] for f in figures.values() if key in f]
+        if baseline and key in baseline:
+            values += [baseline[key]] * weight
+        if len(values) >= 2:
+            medians[key] = statistics.median(values)
+    return medians
+
+
+# --- hangs -------------------------------------------------------------------------
+
+
+@dataclass
+class _Beat:
+    target: Any  # the actor mesh asked (replaced procs: a new one)
+    future: Any = None
+    sent: float = 0.0
+    answered: float = 0.0
+    pid: int | None = None
+    host: str = ""
+
+
+class HangWatch:
+    """Asks every proc's `Watch` (`meshes.watches`) every `every_s`; a proc that
+    has not answered for `hang_s` is hung: `on_hang(role, rank, pid, host,
+    silent_s)` takes its stacks and kills it (a thread; `close()` stops it). Procs replaced since
+    (a new actor mesh at that rank) start afresh."""
+
+    def __init__(
+        self,
+        meshes: Any,
+        hang_s: float,
+        on_hang: Callable[[str, int, int | None, str, float], None],
+        every_s: float | None = None,
+    ):
+        self.meshes, self.hang_s, self.on_hang = meshes, hang_s, on_hang
+        self.every_s = every_s or min(1.0, hang_s / 4)
+        self.beats: dict[tuple[str, int], _Beat] = {}
+        self.hung: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshrl-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _targets(self) -> dict[tuple[str, int], Any]:
+        found = {}
+        for role, watch in list(self.meshes.watches.items()):
+            with contextlib.suppress(Exception):  # a role being replaced: next time
+                for rank in range(self.meshes.size(role)):
+                    found[(role, rank)] = watch.slice(procs=rank)
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.tick(time.monotonic())
+            except Exception as error:  # noqa: BLE001 - a mesh changing meanwhile: next time
+                logger.debug("heartbeat: %s", error)
+
+    def tick(self, now: float) -> None:
+        targets = self._targets()
+        for key in [k for k in self.beats if k not in targets]:
+            del self.beats[key]
+        for key, target in targets.items():
+            beat = self.beats.get(key)
+            if beat is None or beat.target is not target:
+                beat = self.beats[key] = _Beat(target, answered=now)
+            if beat.future is not None:
+                try:
+                    answer = beat.future.get(timeout=0.001)
+                except TimeoutError:
+                    answer = None
+                except Exception:  # noqa: BLE001 - its proc is gone: the loss's own path
+                    beat.future, beat.answered = None, now
+                    continue
+                if answer is not None:
+                    beat.future, beat.answered = None, now
+                    beat.pid, beat.host = answer.get("pid"), answer.get("host", "")
+            if beat.future is None:
+                beat.future, beat.sent = target.status.call_one(), now
+                continue
+            role, rank = key
+            if now - beat.answered > self.hang_s and f"{role}[{rank}]" not in proc_pool.lost:
+                silent = now - beat.answered
+                self.hung.append({"role": role, "rank": rank, "silent_s": silent})
+                beat.answered = now  # reported once
+                self.on_hang(role, rank, beat.pid, beat.host, silent)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def hung_line(role: str, rank: int, silent_s: float, pid: int | None, host: str) -> str:
+    return (
+        f"hung: {role}[{rank}] (pid {pid} on {host or '?'}) answered no heartbeat for "
+        f"{silent_s:.1f}s (health.hang_s); its stacks are in faults.log, it was killed "
+        "and is replaced as a lost proc"
+    )
+
+
+def take_stacks(pid: int | None, host: str, remote: Callable[[int], str] | None) -> str:
+    """The stacks of hung proc `pid`, killing it: here when it runs on this host, else
+    through `remote(pid)` (SLURM: a job step on its node), else a line saying why not."""
+    if pid is None:
+        return "(its pid is unknown: it never answered)"
+    here = host == socket.gethostname() and proc_pool.alive(pid)
+    if remote is not None:
+        try:
+            return remote(pid)
+        except Exception as error:  # noqa: BLE001 - then here, where it is this host
+            if not here:
+                return f"(its stacks could not be taken on {host}: {error})"
+    if here:
+        return dump_and_kill(pid)
+    return f"(process {pid} runs on {host}, which this controller cannot reach)"
+
+
+def log_hang(line: str, stacks: str) -> None:
+    log_fault(f"{line}\n--- stacks of the hung proc ---\n{stacks}\n--- end of stacks ---")
+
+
+if __name__ == "__main__":  # `python -m meshrl.procs.health dump PID`, on the proc's host
+    if len(sys.argv) != 3 or sys.argv[1] != "dump" or not sys.argv[2].isdigit():
+        sys.exit("usage: python -m meshrl.procs.health dump PID")
+    print(dump_and_kill(int(sys.argv[2])), flush=True)
