@@ -29,6 +29,7 @@ from meshrl.model.tokenizer import load_tokenizer
 from meshrl.observe.telemetry import observed, proc_rank, record
 from meshrl.procs.faults import Drillable
 from meshrl.types import Completions
+from meshrl.weights.precision import check_precisions, to_precision
 from meshrl.weights.publisher import TornWeights, WeightHandle
 from meshrl.weights.receiver import Pulled, WeightReceiver
 
@@ -64,8 +65,11 @@ class Policy(Drillable, Actor):
         policy_cfg = policy_cfg or PolicyConfig()
         self.device = device_for_this_proc()
         self.model = load_model(model_cfg, seed).to(self.device).eval()
-        if policy_cfg.dtype:  # a sampler in its own precision (pulls cast: weights.publisher)
-            self.model.to(getattr(torch, policy_cfg.dtype))
+        # A sampler in its own precision (`policy.precision`): it reads the trainer's
+        # bytes of that precision (`meshrl.weights.precision`).
+        precision = policy_cfg.precision_for(model_cfg.dtype)
+        check_precisions("fp32", (precision,), model_cfg.dtype, tp)
+        to_precision(self.model, precision)
         self.followers = None  # a tensor-parallel leader's: `follow`
         self.tp, self.leader = tp, leader
         tokenizer = load_tokenizer(model_cfg)
@@ -352,10 +356,12 @@ class Policy(Drillable, Actor):
                     rdma_bytes=pulled.rdma_bytes + sum(a.rdma_bytes for a in answers),
                     bytes_moved=pulled.bytes_moved + sum(a.bytes_moved for a in answers),
                     verified=pulled.verified and all(a.verified for a in answers),
+                    version_bytes=pulled.version_bytes + sum(a.version_bytes for a in answers),
                     relay=WeightHandle.merge([a.relay for a in [pulled, *answers]])
                     if serve
                     else None,
                 )
+            record("weights/replica_bytes", pulled.version_bytes, "mean")
             return pulled
         if not self.partial:  # every row is sampled by one version
             self.continuous.wait_idle(timeout_s or 600.0)
@@ -363,6 +369,7 @@ class Policy(Drillable, Actor):
             pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
             self.engine.weights_changed()
             record("rollout/refilled_rows", self.continuous.refill(), "sum")
+        record("weights/replica_bytes", pulled.version_bytes, "mean")
         return pulled
 
     @endpoint

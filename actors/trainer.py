@@ -50,6 +50,12 @@ from meshrl.procs.parallel import (
 from meshrl.procs.reshard import replica_parts
 from meshrl.types import TrainBatch
 from meshrl.weights.peer_state import PeerState
+from meshrl.weights.precision import (
+    check_precisions,
+    compute_precision,
+    fp8_weight_names,
+)
+from meshrl.weights.precision import source as wire_source
 from meshrl.weights.publisher import WeightHandle, WeightPublisher
 
 LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -74,6 +80,8 @@ class Trainer(PeerState, Drillable, Actor):
         routing_replay: bool = False,
         tp: int = 1,
         replica_tp: int = 1,
+        precision: str = "fp32",
+        precisions: tuple[str, ...] = ("fp32",),
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
         meshrl.model.packing). `routing_replay` (MoE models): a batch's recorded routes
@@ -81,7 +89,17 @@ class Trainer(PeerState, Drillable, Actor):
         `sharding` and `tp`: the layout over this mesh's procs (`placement.sharding`,
         meshrl.procs.parallel). `replica_tp`: procs per policy replica
         (`placement.policy_tp`); the weights are published in the parts each of
-        their procs holds (meshrl.procs.reshard)."""
+        their procs holds (meshrl.procs.reshard).
+        `precision` (`trainer.precision`): fp32, or bf16-mixed: float32 parameters,
+        gradients (so reduced in float32 by DDP, FSDP2 and tensor parallelism alike)
+        and optimizer state, each forward's matmuls in bfloat16 under autocast.
+        `precisions`: each version is published once in each (`policy.precision`
+        of the replicas, fp32 for a reference or critic that pulls it), converted
+        here (`meshrl.weights.precision`)."""
+        check_precisions(precision, precisions, model_cfg.dtype, replica_tp)
+        self.precision = precision
+        if model_cfg.dtype == "bfloat16":  # its own bytes are bf16 already: named so
+            precisions = tuple(dict.fromkeys("bf16" if p == "fp32" else p for p in precisions))
         # Global rank over hosts x procs (the controller sees one flat `procs` dim).
         sizes = dict(current_size())
         self.rank, self.world_size = current_rank().rank, math.prod(sizes.values())
@@ -89,6 +107,7 @@ class Trainer(PeerState, Drillable, Actor):
         self.model_cfg = model_cfg
         self.model = load_model(model_cfg, seed).to(self.device).train()
         split = replica_parts(self.model, replica_tp) if replica_tp > 1 else None
+        fp8_names = fp8_weight_names(self.model)  # HF names, before any wrapper renames them
         if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
             frozen = None if model_cfg.vision.train else FROZEN_VISION  # no adapters there
             self.model = lora.wrap(self.model, model_cfg.lora, seed, frozen)
@@ -114,17 +133,18 @@ class Trainer(PeerState, Drillable, Actor):
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards
         # (of what tensor parallelism keeps whole on every rank: rank 0).
         owns = self.rank == 0 or self.sharded
-        self.publisher = (
+        self.publishers = [
             WeightPublisher(
                 self.model,
                 shm_prefix,
-                parameters=self.served_parameters,
+                parameters=wire_source(self.served_parameters, wire, fp8_names),
                 owns_whole=self.rank == 0,
                 split=split,
+                precision=wire,
             )
-            if owns
-            else None
-        )
+            for wire in (dict.fromkeys(precisions) if owns else ())
+        ]
+        self.publisher = self.publishers[0] if self.publishers else None  # (drills: the first)
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
         if self.world_size > 1:  # its peers may heal from it (`PeerState`)
@@ -136,7 +156,8 @@ class Trainer(PeerState, Drillable, Actor):
         return lora.merged_parameters(self.model)
 
     def _logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        return batch_logprobs(module, batch, self.temperature, self.layout, self.routing)
+        with compute_precision(self.precision, self.device):
+            return batch_logprobs(module, batch, self.temperature, self.layout, self.routing)
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """`_logprobs` of the unwrapped model in eval mode, without a gradient."""
@@ -313,7 +334,9 @@ class Trainer(PeerState, Drillable, Actor):
         `WeightHandle.merge`."""
         if self.publisher is None:
             return None
-        handle = self.publisher.publish(self.version, verify, delta)
+        handle = WeightHandle.merge(
+            [publisher.publish(self.version, verify, delta) for publisher in self.publishers]
+        )
         if self.armed("corrupt"):
             self.publisher.corrupt(self.version)
         unmerged = lora.unmerged_parameters(self.model)  # the adapters left out
@@ -343,6 +366,6 @@ class Trainer(PeerState, Drillable, Actor):
         return {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
 
     def __del__(self):
-        if self.publisher is not None:
-            self.publisher.close()
+        for publisher in self.publishers:
+            publisher.close()
         shutdown()

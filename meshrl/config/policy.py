@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from meshrl.config.files import check as _check
 
+PRECISIONS = ("fp32", "bf16", "fp8")
+"""`policy.precision`'s values (`meshrl.weights.precision`)."""
+FROM_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether nothing listens on `host`:`port` now."""
@@ -56,10 +60,18 @@ class PolicyConfig:
     max_rows: int = 0
     """continuous: the most rows a replica decodes at once (0: every row it was
     given); the others wait and join as rows end."""
+    precision: str | None = None
+    """hf: what the replicas hold and sample with (docs/precision.md): fp32, bf16,
+    or fp8 (decoder linear weights float8_e4m3fn with 128 x 128 block scales,
+    the rest bfloat16; FP8 matmuls on CUDA >= 8.9, else each layer dequantized
+    to bfloat16). The trainer publishes each version in it, converted on its
+    side, so a bf16 replica reads half the bytes and an fp8 one about a
+    quarter; checksums are over those bytes. Unset: `dtype`'s, else
+    model.dtype's (float32: fp32, bfloat16: bf16)."""
     dtype: str | None = None
-    """hf: the replicas' parameter dtype when it is not `model.dtype` (e.g. a
-    bfloat16 sampler for a float32 trainer): each pull casts the published
-    weights, checked against the trainer's checksums as they arrive."""
+    """hf: the replicas' parameter dtype when it is not `model.dtype` (float32 or
+    bfloat16): the same as `precision` fp32 or bf16, which it sets when that is
+    unset (both set must agree)."""
     record_routes: bool = False
     """hf, mixture-of-experts models: return the experts each prompt and
     completion token was computed with (`meshrl.model.routing`), so the trainer can
@@ -102,6 +114,23 @@ class PolicyConfig:
             "the replicas' own dtype needs policy.engine=hf",
         )
         _check(
+            self.precision in (None, *PRECISIONS),
+            "policy.precision",
+            f"'{self.precision}' is not one of {', '.join(PRECISIONS)} (or unset: model.dtype's)",
+        )
+        _check(
+            self.precision is None or self.engine == "hf",
+            "policy.precision",
+            "the replicas' own precision needs policy.engine=hf",
+        )
+        _check(
+            self.dtype is None
+            or self.precision is None
+            or self.precision == FROM_DTYPE[self.dtype],
+            "policy.precision",
+            f"'{self.precision}' disagrees with policy.dtype={self.dtype} (set one)",
+        )
+        _check(
             not self.continuous or (self.engine == "hf" and not self.record_routes),
             "policy.continuous",
             "continuous batching runs on policy.engine=hf without policy.record_routes",
@@ -112,3 +141,7 @@ class PolicyConfig:
             "policy.record_routes",
             "routes are recorded by the hf engine only (policy.engine=hf)",
         )
+
+    def precision_for(self, model_dtype: str) -> str:
+        """The replicas' precision: `precision`, else `dtype`'s, else `model_dtype`'s."""
+        return self.precision or FROM_DTYPE[self.dtype or model_dtype]

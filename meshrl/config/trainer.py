@@ -8,6 +8,8 @@ from meshrl.config.files import check
 
 LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.model.packing)."""
+PRECISIONS = ("fp32", "bf16-mixed")
+"""`trainer.precision`'s values (`meshrl.weights.precision`)."""
 CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence", "icepop", "geo-mask")
 """`trainer.correction`'s train-inference mismatch corrections (`meshrl.model.losses`)."""
 CORRECTION_HIGH = {
@@ -37,7 +39,8 @@ class TrainerConfig:
     pass before its first optimizer step, so the PPO ratio compares the trainer
     with itself; the sampler's stay for `correction` and the `sampling/`
     metrics. false: the sampler's log-probs are the old ones. auto: true when
-    the engine is vllm, model.dtype or policy.dtype is not float32, top_p < 1,
+    the engine is vllm, model.dtype is not float32, trainer.precision or
+    policy.precision is not fp32, top_p < 1,
     min_new_tokens > 0, or a correction is set."""
     correction: str = "none"
     """Train-inference mismatch correction (needs the recomputed old log-probs):
@@ -52,6 +55,11 @@ class TrainerConfig:
     method's own (`CORRECTION_HIGH`): 2.0 for tis and mis (the truncation of Yao et
     al. 2025), 5.0 for icepop (Ring-1T's band is [0.5, 5]; [0.5, 2] trained
     unstably there), 2.0 for geo-mask (no published default: TIS's)."""
+    precision: str = "fp32"
+    """fp32, or bf16-mixed: float32 master weights, gradients (reduced in float32
+    on every layout) and optimizer state, each forward's matmuls in bfloat16
+    (autocast, the same on DDP, FSDP2 and tensor parallelism). Needs
+    model.dtype float32 (docs/precision.md)."""
     layout: str = "tree"
     """How the trainer, reference and critic lay a batch out for their forward
     pass (meshrl.model.packing): tree (no padding, and the completions of one prompt
@@ -78,6 +86,11 @@ class TrainerConfig:
             self.correction in CORRECTIONS,
             "trainer.correction",
             f"'{self.correction}' is not one of {', '.join(CORRECTIONS)}",
+        )
+        check(
+            self.precision in PRECISIONS,
+            "trainer.precision",
+            f"'{self.precision}' is not one of {', '.join(PRECISIONS)}",
         )
         check(
             self.layout in LAYOUTS,
@@ -125,8 +138,26 @@ class TrainerConfig:
         return (
             policy.engine == "vllm"
             or model.dtype != "float32"
-            or (policy.dtype or model.dtype) != model.dtype
+            or self.precision != "fp32"
+            or policy.precision_for(model.dtype) != "fp32"
             or generation.top_p < 1
             or generation.min_new_tokens > 0  # the sampler's distribution is truncated
             or self.correction != "none"
         )
+
+    def check_precision(self, model) -> None:
+        """bf16-mixed keeps float32 master weights: model.dtype must be float32."""
+        check(
+            self.precision == "fp32" or model.dtype == "float32",
+            "trainer.precision",
+            f"bf16-mixed keeps float32 master weights, so model.dtype must be float32 "
+            f"(it is {model.dtype})",
+        )
+
+    def published(self, model, policy, full_readers: bool = False) -> tuple[str, ...]:
+        """The precisions the trainer publishes each version in (`Trainer(precisions=)`):
+        the policy replicas' (`policy.precision`), and with `full_readers` (a
+        reference or critic that pulls the trainer's weights) the trainer's own."""
+        own = "fp32" if model.dtype == "float32" else "bf16"
+        wanted = [policy.precision_for(model.dtype), *([own] if full_readers else [])]
+        return tuple(dict.fromkeys(wanted))

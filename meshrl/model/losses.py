@@ -465,6 +465,10 @@ def mismatch_weights(
     raise ValueError(f"correction '{kind}' is not one of {', '.join(CORRECTIONS)}")
 
 
+OFF_BAND = (0.9, 1.1)
+"""The ratio band `sampling/ratio_off_band` counts the tokens outside of."""
+
+
 def mismatch_metrics(
     old_logprobs: torch.Tensor,
     sampler_logprobs: torch.Tensor,
@@ -480,6 +484,8 @@ def mismatch_metrics(
       they agree; the share of the batch the weighted estimate is worth);
     - `sampling/sampler_logprob_abs_diff` and `..._max_abs_diff`: |log rho|, mean
       and max;
+    - `sampling/ratio_off_band`: the share of tokens whose rho leaves [0.9, 1.1]
+      (`OFF_BAND`; the figure TRL's issue #7269 reports for low-precision samplers);
     - with `weights`: `sampling/masked_fraction` (tokens of weight 0) and
       `sampling/truncated_fraction` (tokens whose weight is below a rho > 1).
     """
@@ -492,6 +498,9 @@ def mismatch_metrics(
         "sampling/ess": (mean_rho.pow(2) / mean_rho2.clamp(min=1e-30)).item(),
         "sampling/sampler_logprob_abs_diff": masked_mean(log_ratio.abs(), mask).item(),
         "sampling/sampler_logprob_max_abs_diff": (log_ratio.abs() * mask).max().item(),
+        "sampling/ratio_off_band": masked_mean(
+            ((rho < OFF_BAND[0]) | (rho > OFF_BAND[1])).float(), mask
+        ).item(),
     }
     if weights is not None:
         on = mask > 0

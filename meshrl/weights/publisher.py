@@ -130,6 +130,10 @@ class WeightSource:
     changed, so a replica that holds publish r of this source needs the pieces
     changed after r only; None: pull every piece."""
     piece_buffers: list | None = None  # delta over RDMA: per slot, one RDMABuffer per piece
+    precision: str = "fp32"
+    """What its bytes are (`meshrl.weights.precision`): a trainer publishes each
+    version once per precision its replicas hold, and each replica reads the
+    sources of its own (`WeightHandle.of_precision`)."""
 
     @property
     def lineage(self) -> str:
@@ -143,6 +147,30 @@ class WeightHandle:
 
     version: int
     sources: list[WeightSource]
+
+    @property
+    def precisions(self) -> list[str]:
+        """The precisions this version was published in."""
+        return list(dict.fromkeys(s.precision for s in self.sources))
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes of this version's pieces, over its sources (one precision's
+        handle: what a replica that holds all of it takes)."""
+        return sum(p.num_bytes for s in self.sources for p in s.pieces)
+
+    def of_precision(self, precision: str) -> WeightHandle:
+        """This version's sources of `precision`; else its fp32 ones, where a
+        replica casts what it reads (bf16); else one clear error."""
+        for wanted in (precision, "fp32"):
+            sources = [s for s in self.sources if s.precision == wanted]
+            if sources and (wanted == precision or precision == "bf16"):
+                return WeightHandle(self.version, sources)
+        raise ValueError(
+            f"version {self.version} was published in {', '.join(self.precisions)}, not "
+            f"{precision}: the trainer publishes each precision its replicas hold "
+            "(Trainer(precisions=...), from policy.precision)"
+        )
 
     @staticmethod
     def merge(handles: list[WeightHandle | None]) -> WeightHandle:
@@ -315,6 +343,7 @@ class WeightPublisher:
         owns_whole: bool = True,
         split: Callable[[str, tuple[int, ...]], list[Block]] | None = None,
         by_piece: bool = False,
+        precision: str = "fp32",
     ):
         """`parameters` gives the (name, tensor) pairs to publish, called at each
         publish (default: the model's parameters; LoRA: the merged weights).
@@ -326,7 +355,8 @@ class WeightPublisher:
         the parts it holds. None: one piece per owned block.
         `by_piece` (implied by `split`): each piece is its own RDMA buffer too, so a
         replica proc that holds some of them reads only those (a tensor-parallel
-        relay's blocks)."""
+        relay's blocks). `precision`: what `parameters` gives (its handles say so;
+        `meshrl.weights.precision.source` converts a trainer's)."""
         from torch.distributed.tensor import DTensor
 
         source = parameters or model.named_parameters
@@ -348,6 +378,7 @@ class WeightPublisher:
                 self._cuts.append(relative(part, mine))
                 offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum
             published.add(name)
+        self.precision = precision
         self.by_piece = by_piece or split is not None
         self.data_bytes = offset
         self.parameters = lambda: ((n, p) for n, p in source() if n in published)
@@ -445,6 +476,8 @@ class WeightPublisher:
                 flush()
                 pending = 0
         flush()
+        for _ in params:  # the rest converted too: a sharded fp8 source reduces over every rank
+            pass
         self.header(slot).fill_(2 * version + 2)  # complete
         self.held[slot], self.held_sequence[slot] = version, self.sequence
         self.next_slot = 1 - slot
@@ -461,6 +494,7 @@ class WeightPublisher:
             self.sequence,
             list(self.changed_at) if delta else None,
             self._piece_buffers if delta or self.by_piece else None,
+            self.precision,
         )
         return WeightHandle(version, [source])
 

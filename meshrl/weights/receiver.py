@@ -13,6 +13,7 @@ import torch
 
 from meshrl.procs.reshard import Block, intersect, relative, span
 from meshrl.weights.checksum import checksum, copy_sums
+from meshrl.weights.precision import precision_of
 from meshrl.weights.publisher import (
     HEADER_BYTES,
     ParamPiece,
@@ -40,6 +41,8 @@ class Pulled:
     relay: WeightHandle | None = None  # where others can pull this version from it
     verified: bool = False  # its parameters matched the trainer's checksums
     bytes_moved: int = 0  # bytes copied or read into it (0: every piece served in place)
+    precision: str = "fp32"  # of the bytes it took (`meshrl.weights.precision`)
+    version_bytes: int = 0  # the bytes of the version in that precision (what travels)
 
 
 class WeightReceiver:
@@ -79,6 +82,9 @@ class WeightReceiver:
             block == tuple((0, n) for n in self.params[name].shape)
             for name, block in self.held.items()
         )
+        self.precision = precision_of(model)
+        """What it holds, and so which of a version's sources it reads (a bf16 one
+        casts the trainer's fp32 where no bf16 was published)."""
         self.owner = "replica"  # named in errors; actors set their role and rank
         self.publishes_whole = True
         """Whether a relay of this receiver publishes the parameters it holds whole
@@ -132,7 +138,13 @@ class WeightReceiver:
         receiver's), so a source that died fails the pull soon. `skip_copy`
         (the `faults.weights` skip_pull drill) moves no bytes, as a pull that
         silently did not apply. A source published with `delta` is read only
-        where it changed since the version of it this replica holds."""
+        where it changed since the version of it this replica holds. Of a
+        handle published in several precisions, the sources of this
+        receiver's own are read (`WeightHandle.of_precision`)."""
+        try:
+            handle = handle.of_precision(self.precision)
+        except ValueError as error:
+            raise ValueError(f"{self.owner}: {error}") from None
         self._check_layout(handle)
         lineage, self._lineage = self._lineage, {}  # a failed pull leaves no delta base
         self.version, self.torn = -1, True  # until every byte of the new version is in
@@ -164,7 +176,23 @@ class WeightReceiver:
         self._mapped = {path: t for path, t in self._mapped.items() if path in keep}
         delta = any(s.changed is not None for s in handle.sources)
         relay = self.serve(shm_prefix, verify=verified, delta=delta) if serve else None
-        return Pulled(self.version, self.path, rdma_bytes, relay, verified, moved)
+        precision = handle.sources[0].precision if handle.sources else self.precision
+        return Pulled(
+            self.version,
+            self.path,
+            rdma_bytes,
+            relay,
+            verified,
+            moved,
+            precision,
+            self._version_bytes(handle),
+        )
+
+    def _version_bytes(self, handle: WeightHandle) -> int:
+        """The bytes of `handle`'s pieces this receiver holds a part of."""
+        return sum(
+            p.num_bytes for s in handle.sources for p in s.pieces if self._overlap(p) is not None
+        )
 
     def _target(self, piece: ParamPiece) -> torch.Tensor | None:
         """The part of this receiver's parameter that `piece` fills (None: not held).
@@ -259,6 +287,7 @@ class WeightReceiver:
                 parameters=lambda: iter(self.params.items()),
                 owns_whole=self.publishes_whole,
                 by_piece=not self.whole,
+                precision=self.precision,
             )
         return self._relay.publish(self.version, verify, delta)
 

@@ -1,0 +1,329 @@
+"""Precisions of the published weights: what a replica serves in, made on the
+trainer's side before the bytes travel (`meshrl.weights.publisher`).
+
+- `fp32`: the trainer's parameters as they are.
+- `bf16`: each floating parameter rounded to bfloat16 (round to nearest even,
+  torch's cast): half the bytes.
+- `fp8`: each decoder linear layer's weight as `torch.float8_e4m3fn` with one
+  float32 scale per 128 x 128 block (`BLOCK`), published as two pieces, `<name>`
+  and `<name>_scale`; everything else (embeddings, norms, biases, the output
+  head, MoE expert tensors, a vision tower) in bfloat16. A quarter of a
+  matrix's bytes plus 4 bytes per 16,384 weights. The 128 x 128 weight blocks
+  are DeepSeek-V3's fine-grained FP8 scheme (arXiv 2412.19437, section 3.3:
+  "128x128 weight blocks", activations per 1 x 128 tile), also the
+  `weight_block_size: [128, 128]` of the FP8 checkpoints vLLM and SGLang serve.
+  A block's scale is its largest magnitude over 448, e4m3's largest finite
+  value, so no weight saturates.
+
+A sharded trainer (FSDP2, tensor parallelism) quantizes its own block of each
+matrix against the same global 128 x 128 grid, its blocks' largest magnitudes
+reduced (max) over every rank first, so the bytes equal those of the whole
+matrix quantized on one proc (`quantize_blocks`), whatever the layout.
+
+On the replica (`Fp8Linear`): on a CUDA device of compute capability >= 8.9
+the matmul runs in FP8 (`torch._scaled_mm`, one call per 128-column block of
+the weight with per-row activation scales over that block, 1 x 128 tiles);
+elsewhere, the CPU included, each layer dequantizes its weight to bfloat16
+before a bfloat16 matmul: the same weights, no speed gain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+"""`policy.precision`'s values: what the replicas hold and the trainer publishes."""
+TRAINER_PRECISIONS = ("fp32", "bf16-mixed")
+"""`trainer.precision`'s values."""
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+SCALE_SUFFIX = "_scale"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+"""Each precision's dtype for the parameters that are not FP8 matrices."""
+FROM_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+"""`model.dtype` / the old `policy.dtype` values as precisions."""
+
+
+def precision_of(model: torch.nn.Module) -> str:
+    """The precision a model's parameters are in: fp8 when it has FP8 weights,
+    bf16 when its floating parameters are bfloat16, else fp32."""
+    dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    if FP8 in dtypes:
+        return "fp8"
+    return "bf16" if dtypes == {torch.bfloat16} else "fp32"
+
+
+def fp8_weight_names(model: torch.nn.Module) -> set[str]:
+    """The HF names of the weights an fp8 replica holds in FP8: every
+    `nn.Linear`'s weight but the output head's (and those tied to the
+    embeddings), outside a vision tower. Call on the model before any wrapper
+    (LoRA, DDP) renames its parameters."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = {id(head.weight)} if head is not None else set()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        tied.add(id(embeddings.weight))
+    names = set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if "vision" in module_name or id(module.weight) in tied:
+            continue
+        names.add(f"{module_name}.weight")
+    return names
+
+
+def _grid(rows: int, cols: int) -> tuple[int, int]:
+    return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
+
+
+def _block_amax(local: torch.Tensor, start: tuple[int, int], full: tuple[int, int]) -> torch.Tensor:
+    """Each global 128 x 128 block's largest magnitude over `local`, a block of
+    the full [rows, cols] matrix starting at `start` (zero where it has none)."""
+    rows, cols = local.shape
+    grid = torch.zeros(_grid(*full), dtype=torch.float32, device=local.device)
+    if local.numel() == 0:
+        return grid
+    r0, c0 = start
+    # Padded to the grid's lines around it, so one reshape gives its blocks.
+    top, left = r0 % BLOCK, c0 % BLOCK
+    padded_rows = math.ceil((top + rows) / BLOCK) * BLOCK
+    padded_cols = math.ceil((left + cols) / BLOCK) * BLOCK
+    padded = torch.zeros(padded_rows, padded_cols, dtype=torch.float32, device=local.device)
+    padded[top : top + rows, left : left + cols] = local.detach().float().abs()
+    blocks = padded.view(padded_rows // BLOCK, BLOCK, padded_cols // BLOCK, BLOCK)
+    amax = blocks.amax(dim=(1, 3))
+    br, bc = r0 // BLOCK, c0 // BLOCK
+    grid[br : br + amax.size(0), bc : bc + amax.size(1)] = amax
+    return grid
+
+
+def scales_of(amax: torch.Tensor) -> torch.Tensor:
+    """Block scales from block maxima: amax / 448, and 1 for an all-zero block."""
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def _expand(scale: torch.Tensor, start: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Each element's block scale over a [rows, cols] block starting at `start`."""
+    rows = (torch.arange(shape[0], device=scale.device) + start[0]) // BLOCK
+    cols = (torch.arange(shape[1], device=scale.device) + start[1]) // BLOCK
+    return scale[rows][:, cols]
+
+
+def quantize_local(
+    local: torch.Tensor, scale: torch.Tensor, start: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """`local` (a block of the matrix starting at `start`) in float8_e4m3fn with
+    the matrix's block `scale`s."""
+    expanded = _expand(scale, start, tuple(local.shape))
+    return (local.detach().float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole [rows, cols] matrix as (float8_e4m3fn weights, float32 scales
+    [ceil(rows / 128), ceil(cols / 128)])."""
+    scale = scales_of(_block_amax(weight, (0, 0), tuple(weight.shape)))
+    return quantize_local(weight, scale), scale
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """FP8 weights times their block scales, in `dtype`."""
+    return (weight.float() * _expand(scale, (0, 0), tuple(weight.shape))).to(dtype)
+
+
+def _quantized_dtensor(param) -> tuple:
+    """A DTensor matrix's (FP8 DTensor of the same layout, whole scales): its
+    blocks' maxima reduced over every rank (each holds a block of the matrix)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = param.to_local()
+    _, start = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    amax = _block_amax(local, tuple(start), tuple(param.shape))
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # every rank publishes (sharded)
+    scale = scales_of(amax)
+    quantized = quantize_local(local, scale, tuple(start))
+    wire = DTensor.from_local(
+        quantized,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    return wire, scale
+
+
+def converted(
+    parameters: Iterable[tuple[str, torch.Tensor]], precision: str, fp8_names: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of what a `precision` replica holds, from the trainer's
+    (name, parameter) pairs, in their order: each FP8 matrix followed by its
+    `<name>_scale`. A DTensor stays one (its local block converted)."""
+    from meshrl.weights.publisher import _is_dtensor
+
+    dtype = DTYPES[precision]
+    for name, param in parameters:
+        param = param.detach()
+        if precision == "fp8" and name in fp8_names and param.dim() == 2:
+            if _is_dtensor(param):
+                weight, scale = _quantized_dtensor(param)
+            else:
+                weight, scale = quantize_blocks(param)
+            yield name, weight
+            yield name + SCALE_SUFFIX, scale
+        elif param.dtype.is_floating_point and param.dtype != dtype:
+            yield name, param.to(dtype)
+        else:
+            yield name, param
+
+
+def source(
+    parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]], precision: str, fp8: set[str]
+) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+    """`parameters` as a `WeightPublisher` source of `precision`'s tensors."""
+    if precision == "fp32":
+        return lambda: iter(parameters())
+    return lambda: converted(parameters(), precision, fp8)
+
+
+def fp8_matmul_available(device: torch.device) -> bool:
+    """Whether `device` runs FP8 matmuls (`torch._scaled_mm`): CUDA with compute
+    capability >= 8.9 (Ada, Hopper and later)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ weight.T in FP8 on the device: per 128-column block k of
+    the weight, x's block quantized per row (1 x 128 tiles) and one
+    `torch._scaled_mm` with row scales on both sides (the weight's rows take
+    their 128 x 128 block's scale), the blocks' products summed in float32."""
+    rows, cols = weight.shape
+    out = torch.zeros(x.size(0), rows, dtype=torch.float32, device=x.device)
+    row_block = torch.arange(rows, device=x.device) // BLOCK
+    for k, at in enumerate(range(0, cols, BLOCK)):
+        xs = x[:, at : at + BLOCK].float()
+        x_scale = scales_of(xs.abs().amax(dim=1, keepdim=True))  # [M, 1]
+        xq = (xs / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        wq = weight[:, at : at + BLOCK]  # [N, k]; its transpose is column-major
+        w_scale = scale[row_block, k].float().view(1, rows)
+        out += torch._scaled_mm(
+            xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32
+        )
+    return out
+
+
+def _fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`torch._scaled_mm` wants dims that are multiples of 16 (each block too)."""
+    rows, cols = weight.shape
+    return rows % 16 == 0 and cols % 16 == 0 and (cols % BLOCK == 0 or cols < BLOCK)
+
+
+class Fp8Linear(torch.nn.Module):
+    """A linear layer whose weight is float8_e4m3fn with 128 x 128 block scales
+    (`weight`, `weight_scale`: parameters, so weight sync fills them by name); the
+    bias, if any, in bfloat16. FP8 matmul where the device has it, else the
+    weight dequantized to bfloat16 for each call (module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = quantize_blocks(linear.weight.detach())
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        bias = linear.bias
+        self.bias = (
+            None
+            if bias is None
+            else torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        )
+        self.fp8_matmul = fp8_matmul_available(weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.fp8_matmul and _fp8_shapes_ok(flat, self.weight):
+            out = _fp8_matmul(flat, self.weight, self.weight_scale).to(torch.bfloat16)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            weight = dequantize_blocks(self.weight, self.weight_scale, torch.bfloat16)
+            out = torch.nn.functional.linear(flat, weight, self.bias)
+        return out.view(*shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        # A model-wide `.to(dtype)` leaves the FP8 bytes and their scales as they are;
+        # a move to another device takes them along (and looks at its FP8 matmul again).
+        weight, scale = self.weight.data, self.weight_scale.data
+        super()._apply(fn, recurse)
+        if self.weight.dtype != FP8:
+            self.weight.data = weight.to(self.weight.device)
+            self.weight_scale.data = scale.to(self.weight.device)
+        self.fp8_matmul = fp8_matmul_available(self.weight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
+
+
+def to_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """`model` (float32, as built) made a `precision` replica in place: fp32 as
+    it is; bf16 cast; fp8 cast to bfloat16 with its `fp8_weight_names` linear
+    layers replaced by `Fp8Linear`s holding their weights quantized. Returns it."""
+    if precision != "fp8":
+        return model.to(DTYPES[precision])
+    names = fp8_weight_names(model)
+    for name in names:  # quantized from the float32 weights, then the rest cast
+        owner_name, _, attr = name[: -len(".weight")].rpartition(".")
+        owner = model.get_submodule(owner_name)
+        setattr(owner, attr, Fp8Linear(getattr(owner, attr)))
+    return model.to(torch.bfloat16)
+
+
+def check_precisions(
+    precision: str, precisions: Iterable[str], model_dtype: str, replica_tp: int = 1
+) -> None:
+    """One clear error (naming the key) for a trainer precision, or published
+    precisions, that cannot be."""
+    if precision not in TRAINER_PRECISIONS:
+        raise ValueError(
+            f"config key 'trainer.precision': '{precision}' is not one of "
+            f"{', '.join(TRAINER_PRECISIONS)}"
+        )
+    if precision == "bf16-mixed" and model_dtype != "float32":
+        raise ValueError(
+            "config key 'trainer.precision': bf16-mixed keeps float32 master weights, "
+            f"so model.dtype must be float32 (it is {model_dtype})"
+        )
+    for wire in precisions:
+        if wire not in PRECISIONS:
+            raise ValueError(
+                f"config key 'policy.precision': '{wire}' is not one of {', '.join(PRECISIONS)}"
+            )
+    if "fp8" in precisions and replica_tp > 1:
+        raise ValueError(
+            "config key 'policy.precision': fp8 replicas are not split with tensor "
+            "parallelism (placement.policy_tp must be 1)"
+        )
+
+
+def compute_precision(precision: str, device: torch.device):
+    """The context a trainer's forward runs in: bf16-mixed autocasts matmuls to
+    bfloat16 over float32 parameters (norms, softmax and the loss stay float32,
+    autocast's lists); fp32 runs as it is."""
+    import contextlib
+
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
