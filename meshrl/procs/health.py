@@ -454,6 +454,7 @@ class _Beat:
     answered: float = 0.0
     pid: int | None = None
     host: str = ""
+    hung: bool = False  # reported: never again (its replacement is a new target)
 
 
 class HangWatch:
@@ -500,6 +501,8 @@ class HangWatch:
             beat = self.beats.get(key)
             if beat is None or beat.target is not target:
                 beat = self.beats[key] = _Beat(target, answered=now)
+            if beat.hung:
+                continue
             if beat.future is not None:
                 try:
                     answer = beat.future.get(timeout=0.001)
@@ -518,7 +521,7 @@ class HangWatch:
             if now - beat.answered > self.hang_s and f"{role}[{rank}]" not in proc_pool.lost:
                 silent = now - beat.answered
                 self.hung.append({"role": role, "rank": rank, "silent_s": silent})
-                beat.answered = now  # reported once
+                beat.hung = True  # reported once
                 self.on_hang(role, rank, beat.pid, beat.host, silent)
 
     def close(self) -> None:
