@@ -361,23 +361,58 @@ class Allocations:
         slurm("scontrol", "requeue", self.jobs[name].job_id, check=False)
 
     def cancel(self, name: str) -> None:
-        """Cancel a mesh's job: its processes are killed at once (the procs were
-        stopped before, or are lost)."""
-        alloc = self.jobs.pop(name, None)
-        if alloc is None:
-            return
-        if alloc.job_id is not None:
-            # SIGKILL: the workers ignore SIGTERM (for the checkpoint before a preemption).
-            slurm("scancel", "--signal=KILL", "--full", alloc.job_id, check=False)
-            slurm("scancel", alloc.job_id, check=False)
-        for port in range(alloc.port, alloc.port + alloc.count * RESTARTS):
-            self.ports_taken.discard(port)
-        for hold in self.port_holds.pop(alloc.port, ()):
-            hold.close()
+        """End a mesh's job (the procs were stopped before, or are lost), not waiting
+        for it to leave the queue: a job being replaced, whose lost node answers
+        no signal (`end_jobs`)."""
+        self.cancel_all([name], wait_s=0.0)
 
-    def cancel_all(self) -> None:
-        for name in list(self.jobs):
-            self.cancel(name)
+    def cancel_all(self, names: list[str] | None = None, wait_s: float = 5.0) -> None:
+        """End the jobs of these meshes (default: all) together, waiting up to
+        `wait_s` for them to leave the queue (`end_jobs`)."""
+        names = list(self.jobs) if names is None else names
+        allocs = [self.jobs.pop(n) for n in names if n in self.jobs]
+        end_jobs([a.job_id for a in allocs if a.job_id is not None], wait_s)
+        for alloc in allocs:
+            for port in range(alloc.port, alloc.port + alloc.count * RESTARTS):
+                self.ports_taken.discard(port)
+            for hold in self.port_holds.pop(alloc.port, ()):
+                hold.close()
+
+
+END_SIGNAL = "HUP"
+"""What ends a run's jobs: every process of the job (batch script, srun, workers,
+procs) exits on it by default, and SLURM only signals it (see `end_jobs`)."""
+
+
+def end_jobs(job_ids: list[str], wait_s: float = 5.0) -> None:
+    """End these jobs so that they leave the queue within a second or so.
+
+    A cancel (`scancel`, also `scancel --signal=KILL`: SLURM 22.05 turns it into a
+    cancel) sends SIGTERM, which the workers ignore (for the checkpoint before a
+    preemption), and SIGKILL only after KillWait (30 s by default): the jobs stayed
+    COMPLETING that long. A plain signal is delivered at once: SIGHUP to every
+    process of each job (`--full`: the batch script too) ends them, and the jobs
+    complete. What is still queued after `wait_s` (a node that does not answer)
+    is cancelled."""
+    if not job_ids:
+        return
+    for job_id in job_ids:
+        slurm("scancel", f"--signal={END_SIGNAL}", "--full", job_id, check=False)
+    deadline = time.monotonic() + wait_s
+    left = set(job_ids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            queued = query(sorted(left))
+        except SlurmError:
+            break
+        left = {j for j in left if j in queued and queued[j].state not in GONE}
+        if all(queued[j].state == "PENDING" for j in left):  # signals reach no pending job
+            break
+    queued = query(sorted(left)) if left else {}
+    for job_id in sorted(left):
+        if job_id in queued and queued[job_id].state != "COMPLETING":  # (ending already)
+            slurm("scancel", job_id, check=False)
 
 
 def ephemeral_low() -> int:
