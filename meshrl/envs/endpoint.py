@@ -341,13 +341,13 @@ class Transcript:
         messages, tools = body["messages"], body.get("tools")
         if not self.calls:
             return fmt.conversation([_for_template(m) for m in messages], tools)
-        seen = [_message(m) for m in messages[: len(self.messages)]]
-        if seen != self.messages:
+        resent = _resent(messages, self.messages)
+        if resent is None:
             raise RequestError(
                 "the messages do not continue the episode: earlier messages (the "
                 "assistant's as answered) must be sent unchanged"
             )
-        new = messages[len(self.messages) :]
+        new = messages[resent:]
         if not new or any(m.get("role") == "assistant" for m in new):
             raise RequestError("a continuing request adds tool or user messages after the answer")
         return fmt.after_turn(new, self.last_turn, tools)
@@ -427,6 +427,65 @@ def _for_template(message: dict) -> dict:
                     call = {**call, "function": {**function, "arguments": arguments}}
         rendered.append(call)
     return {**message, "tool_calls": rendered}
+
+
+def _resent(messages: list[dict], recorded: list[tuple]) -> int | None:
+    """How many of `messages` resend the episode's conversation so far (`recorded`,
+    as `_message` keeps it), or None when they do not.
+
+    Each message is sent unchanged, except that an answer with tool calls may come
+    back as text of the client's own: one or more assistant messages without
+    `tool_calls` whose joined text holds the answer's content, each call's name
+    and each of its arguments' values (smolagents sends `Calling tools: [...]`,
+    the calls as Python writes them). The row keeps the model's tokens either way;
+    an edited call (another name or value) is still refused."""
+    at = 0
+    for kept in recorded:
+        if at < len(messages) and _message(messages[at]) == kept:
+            at += 1
+            continue
+        role, content, calls = kept
+        if role != "assistant" or not calls:
+            return None
+        texts = []
+        while (
+            at < len(messages)
+            and messages[at].get("role") == "assistant"
+            and not messages[at].get("tool_calls")
+        ):
+            texts.append(_message(messages[at])[1])
+            at += 1
+        text = "\n".join(texts)
+        if not texts or content not in text or not all(_named(call, text) for call in calls):
+            return None
+    return at
+
+
+def _named(call: tuple, text: str) -> bool:
+    """Whether `text` names a call (name, arguments as `_message` keeps them) and
+    every value of its arguments."""
+    name, arguments = call
+    if not isinstance(name, str) or name not in text:
+        return False
+    try:
+        values = list(_leaves(json.loads(arguments)))
+    except (TypeError, ValueError):
+        return False
+    return all(value in text for value in values)
+
+
+def _leaves(value: Any) -> Iterator[str]:
+    """A JSON value's scalars, as text (strings as they are)."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, str):
+        yield value
+    elif value is not None:
+        yield json.dumps(value)
 
 
 def _message(message: dict) -> tuple[str, str, tuple]:
