@@ -45,6 +45,7 @@ from algorithms.roles import (
 )
 from meshrl.config import ConfigError
 from meshrl.envs import make_task
+from meshrl.loop import health
 from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.collector import Batch, Collector, decode
 from meshrl.loop.dispatch import Dispatcher
@@ -555,9 +556,12 @@ class GRPO(Algorithm):
             cfg.trainer.correction,
             *cfg.trainer.correction_band(),
         )
-        return mismatch_metrics(
-            batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
-        )
+        return {
+            **mismatch_metrics(
+                batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
+            ),
+            **health.mismatch(batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask),
+        }
 
     def minibatches(self, batch_size: int) -> list[torch.Tensor | slice]:
         """Row indices of each optimizer step: `epochs` shuffled passes cut into

@@ -6,8 +6,9 @@
 
 `StepLog.step` writes one record: the loop's metrics, the step's timers, and
 what every actor recorded since the last step (`meshrl.observe.telemetry.record`,
-reduced over the meshes) to `metrics.jsonl` and the sinks (`RunLogger`), and
-each proc's state to `status.json`.
+reduced over the meshes) and the step's health figures (`meshrl.loop.health`:
+slow procs, alarms) to `metrics.jsonl` and the sinks (`RunLogger`), and each
+proc's state to `status.json`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from meshrl.loop.health import Health
 from meshrl.loop.state import LoopState
 from meshrl.observe.metrics import RunLogger
 from meshrl.weights.publisher import rdma_backend
@@ -48,6 +50,7 @@ class StepLog:
             sinks=tuple(cfg.sinks),
         )
         self.times: dict[str, float] = {}
+        self.health = Health(run, self.logger)
         self.next_step = first_step  # the step after the last one logged
         self.step_started = time.time()
 
@@ -76,10 +79,11 @@ class StepLog:
     def step(self, metrics: dict[str, Any]) -> None:
         """Record one step (see the module docstring); the timers start over."""
         recorded, procs = self.run.report()
-        if self.run.status is not None:
-            self.run.status.write(procs, step=metrics.get("step"))
         times, self.times = self.times, {}
         record = {**recorded, **times, **metrics}
+        record.update(self.health.step(record, procs, time.time() - self.step_started))
+        if self.run.status is not None:
+            self.run.status.write(procs, step=metrics.get("step"))
         self.logger.log(record)
         step = metrics.get("step", self.next_step)
         self.next_step = step + 1

@@ -163,6 +163,16 @@ class Observe:
         line = f"meshrl_step|{step}|{int(start * 1e6)}|{int(end * 1e6)}||{values}"
         forward_to_tracing(logging.LogRecord("meshrl", logging.INFO, "meshrl", 0, line, (), None))
 
+    def alarm(self, step: int, name: str, line: str) -> None:
+        """A run-health alarm as it trips (`meshrl.loop.health`), into the same
+        `events` table: `meshrl_health|<step>|<name>|<line>`, beside the step records."""
+        from monarch._rust_bindings.monarch_hyperactor.telemetry import forward_to_tracing
+
+        text = f"meshrl_health|{step}|{name}|{line}"
+        forward_to_tracing(
+            logging.LogRecord("meshrl", logging.WARNING, "meshrl", 0, text, (), None)
+        )
+
     def actor_states(self, timeout_s: float = 10.0) -> dict[tuple[str, int], dict[str, dict]]:
         """(role, rank) -> actor -> its latest Monarch status and the reason given."""
         return states_from_rows(self.query(STATES_SQL, timeout_s))

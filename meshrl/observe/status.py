@@ -205,6 +205,7 @@ def show(run_dir: str, status: dict) -> None:
         print(f"SLURM {role}: job {where['job_id']} on {','.join(where['nodes']) or '-'}")
     if status.get("quarantined"):
         print(f"SLURM quarantined nodes: {', '.join(status['quarantined'])}")
+    print(health_lines(status.get("health")), end="")
     procs = status["procs"]
     if status.get("telemetry_url") and pid and run_state(status) == "running":
         try:  # each actor's state now, from Monarch's telemetry
@@ -212,6 +213,19 @@ def show(run_dir: str, status: dict) -> None:
         except (OSError, ValueError, KeyError) as error:
             print(f"(Monarch's telemetry did not answer: {error})")
     print(table(procs, now))
+
+
+def health_lines(health: dict | None) -> str:
+    """The run-health view (`meshrl.loop.health`): each alarm that holds at the
+    step last logged, the slow procs, the evicted ones; nothing when all is well."""
+    if not health:
+        return ""
+    lines = [f"health at step {health['step']}: {line}" for line in health["alarms"].values()]
+    if health.get("slow"):
+        lines.append(f"slow procs: {', '.join(health['slow'])}")
+    if health.get("evicted"):
+        lines.append(f"evicted (slow): {', '.join(health['evicted'])}")
+    return "".join(line + "\n" for line in lines)
 
 
 def live_states(telemetry_url: str, timeout_s: float = 10.0) -> dict:

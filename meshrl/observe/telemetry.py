@@ -89,6 +89,17 @@ def reduce_partials(parts: list[dict[str, tuple[str, float, int]]]) -> dict[str,
 
 
 _actors: dict[int, dict[str, Any]] = {}  # id(actor) -> what `Watch` reports of it
+_calls: dict[str, list] = {}  # `role/endpoint` -> [calls, seconds] since the last report
+
+
+def drain_calls() -> dict[str, tuple[int, float]]:
+    """This proc's endpoint calls since the last drain: `role/endpoint` -> (calls,
+    seconds). Kept per proc, where the metrics are reduced over the mesh: the
+    controller compares each proc's times with its role's (`meshrl.loop.health`)."""
+    global _calls
+    with _lock:
+        taken, _calls = _calls, {}
+    return {key: (n, seconds) for key, (n, seconds) in taken.items()}
 
 
 def observed(fn: Callable) -> Callable:
@@ -112,6 +123,10 @@ def observed(fn: Callable) -> Callable:
             entry.update(endpoint=None, since=None, last_active=ended, calls=entry["calls"] + 1)
             entry["version"] = self.weight_version()
             record(f"time/{self.role}/{name}_s", ended - started, "max")
+            with _lock:
+                calls = _calls.setdefault(f"{self.role}/{name}", [0, 0.0])
+                calls[0] += 1
+                calls[1] += ended - started
 
     return wrapper
 
@@ -177,6 +192,7 @@ class Watch(Actor):
         # before): the actors and metrics of earlier runs are not this one's.
         _actors.clear()
         drain()
+        drain_calls()
         os.environ.pop(RANK_ENV, None)
 
     @endpoint
@@ -228,5 +244,6 @@ class Watch(Actor):
 
     @endpoint
     def report(self) -> tuple[dict[str, tuple[str, float, int]], dict[str, Any]]:
-        """The metrics recorded in this proc since the last report, and `status`."""
-        return drain(), self._status()
+        """The metrics recorded in this proc since the last report, and `status`
+        with this proc's endpoint calls since then (`calls`: `drain_calls`)."""
+        return drain(), {**self._status(), "calls": drain_calls()}
