@@ -35,7 +35,7 @@ class HealthConfig:
     """Alarm when the reward has not moved for this many steps; 0: off."""
     flat_range: float = 0.01
     """... "not moved": the step's mean reward stayed within this range."""
-    idle_share: float = 0.9
+    idle_share: float = 0.95
     """Alarm when the trainer, or generation, is idle more than this share of a step."""
     sync_ratio: float = 3.0
     """Alarm when a weight sync takes more than this multiple of its running median."""
