@@ -132,23 +132,43 @@ class Trainer(PeerState, Drillable, Actor):
         self.temperature = temperature
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards
         # (of what tensor parallelism keeps whole on every rank: rank 0).
-        owns = self.rank == 0 or self.sharded
-        self.publishers = [
-            WeightPublisher(
-                self.model,
-                shm_prefix,
-                parameters=wire_source(self.served_parameters, wire, fp8_names),
-                owns_whole=self.rank == 0,
-                split=split,
-                precision=wire,
-            )
-            for wire in (dict.fromkeys(precisions) if owns else ())
-        ]
-        self.publisher = self.publishers[0] if self.publishers else None  # (drills: the first)
+        self._owns, self._split, self._fp8_names = self.rank == 0 or self.sharded, split, fp8_names
+        self.shm_prefix, self.replica_tp = shm_prefix, replica_tp
+        self.publishers: list[WeightPublisher] = []
+        self._publish_in(precisions)
         self.version = 0
         self.warm_start_optimizer: torch.optim.Optimizer | None = None
         if self.world_size > 1:  # its peers may heal from it (`PeerState`)
             self.ready_to_share()
+
+    def _publish_in(self, precisions: tuple[str, ...]) -> None:
+        """One publisher per precision (each its own slots), on the ranks that own
+        weights; `self.publisher` is the first (the drills write there)."""
+        check_precisions(self.precision, precisions, self.model_cfg.dtype, self.replica_tp)
+        for publisher in self.publishers:
+            publisher.close()
+        self.publishers = [
+            WeightPublisher(
+                self.model,
+                self.shm_prefix,
+                parameters=wire_source(self.served_parameters, wire, self._fp8_names),
+                owns_whole=self.rank == 0,
+                split=self._split,
+                precision=wire,
+            )
+            for wire in (dict.fromkeys(precisions) if self._owns else ())
+        ]
+        self.publisher = self.publishers[0] if self.publishers else None
+
+    @endpoint
+    def set_precision(self, precision: str, precisions: tuple[str, ...] | None = None) -> None:
+        """Compute in `precision` (`trainer.precision`) from the next call on and,
+        given `precisions`, publish in those (every rank must be called: a sharded
+        trainer's fp8 conversion reduces over its ranks). For tests and notebooks."""
+        check_precisions(precision, precisions or (), self.model_cfg.dtype, self.replica_tp)
+        self.precision = precision
+        if precisions is not None:
+            self._publish_in(precisions)
 
     def served_parameters(self):
         """(HF name, tensor) of what replicas serve: the parameters (a shard of

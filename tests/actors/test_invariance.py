@@ -215,6 +215,72 @@ def test_value_gradient_is_the_same_with_one_or_two_critic_procs(meshes):
     assert error < TOLERANCE, f"value loss on 2 critic procs: relative error {error:.2e}"
 
 
+BF16_MIXED_TOLERANCE = 2e-2
+"""bf16-mixed's tolerance: its matmuls round to bfloat16 (8 significant bits, a
+unit roundoff of 2**-9 = 2e-3), and a placement rounds other partial products
+(tensor parallelism splits each matmul; micro-batches and shards split the
+rows), so each layer's activations differ by a few roundoffs and the gradient
+by about ten; 1e-5 is float32's."""
+
+
+def test_bf16_mixed_gradient_is_the_same_at_any_placement(meshes):
+    """trainer.precision=bf16-mixed: the gradient at every placement (DDP, FSDP2,
+    TP, FSDP2 x TP) equals the 1-proc bf16-mixed one within its tolerance, and
+    is within it of float32's too (float32 master weights: the same step)."""
+    names = ("one", *PLACEMENTS)
+    for name in names:
+        call_all(meshes[name], "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
+    batch = fixed_batch()
+    fp32 = gradient(meshes["one"], 1, batch)
+    try:
+        for name in names:
+            call_all(meshes[name], "set_precision", "bf16-mixed", what="bf16", timeout_s=TIMEOUT)
+        want = gradient(meshes["one"], 1, batch)
+        assert 0 < relative_error(want, fp32) < BF16_MIXED_TOLERANCE  # bf16 did compute
+        for name in PLACEMENTS:
+            got = gradient(meshes[name], PROCS[name], batch, tp=TP.get(name, 1))
+            error = relative_error(got, want)
+            assert error < BF16_MIXED_TOLERANCE, f"bf16-mixed on {name}: {error:.2e}"
+    finally:
+        for name in names:
+            call_all(meshes[name], "set_precision", "fp32", what="fp32", timeout_s=TIMEOUT)
+
+
+def test_a_sharded_trainer_publishes_the_one_proc_bf16_and_fp8_bytes(meshes):
+    """FSDP2 x TP (2 x 2 procs) publishes each precision's bytes equal to the
+    1-proc trainer's (fp8: every shard quantized on the whole matrix's 128 x 128
+    grid, its block maxima reduced over the ranks), each checked as it is pulled."""
+    from meshrl.model.models import load_model
+    from meshrl.weights.precision import to_precision
+    from meshrl.weights.publisher import WeightHandle
+    from meshrl.weights.receiver import WeightReceiver
+
+    wires = ("fp32", "bf16", "fp8")
+    held = {}
+    try:
+        for name in ("one", "fsdp_tp"):
+            call_all(meshes[name], "set_precision", "fp32", wires, what="wires", timeout_s=TIMEOUT)
+            handle = WeightHandle.merge(
+                call_all(meshes[name], "publish", what="publish", timeout_s=TIMEOUT)
+            )
+            assert handle.precisions == list(wires)
+            for wire in ("bf16", "fp8"):
+                receiver = WeightReceiver(to_precision(load_model(MODEL, 1), wire))
+                assert receiver.pull(handle).verified
+                held[name, wire] = {k: p.detach().clone() for k, p in receiver.params.items()}
+    finally:
+        for name in ("one", "fsdp_tp"):
+            call_all(
+                meshes[name], "set_precision", "fp32", ("fp32",), what="fp32", timeout_s=TIMEOUT
+            )
+    for wire in ("bf16", "fp8"):
+        for key, want in held["one", wire].items():
+            got = held["fsdp_tp", wire][key]
+            assert got.dtype == want.dtype and torch.equal(
+                got.view(torch.uint8), want.view(torch.uint8)
+            ), (wire, key)
+
+
 def test_tensor_parallel_steps_end_where_one_proc_does_and_sync_whole_weights(meshes):
     """Three optimizer steps on 2 tensor-parallel procs end at the 1-proc
     trainer's weights; the version they publish (each rank its blocks, as the
@@ -344,3 +410,28 @@ def test_a_tensor_parallel_replica_relays_its_blocks_to_the_next(meshes):
             call_all(meshes[name], "load_weights", relay, what="pull", timeout_s=TIMEOUT)
         got = call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
         assert all(torch.equal(got[k], trained[k]) for k in trained), name
+
+
+def test_a_bf16_mixed_trainer_resumes_bitwise(meshes):
+    """bf16-mixed keeps its whole state in float32 (weights, optimizer, schedule):
+    two steps from a saved state, then the state loaded and the same two steps
+    again, end at the same bits. The 1-proc trainer ends where it began."""
+    one = meshes["one"]
+    call_all(one, "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
+    call_all(one, "set_precision", "bf16-mixed", what="bf16", timeout_s=TIMEOUT)
+    batch = fixed_batch()
+    with tempfile.TemporaryDirectory() as start:
+        try:
+            call_all(one, "save_state", start, what="save", timeout_s=TIMEOUT)
+            runs = []
+            for _ in range(2):
+                call_all(one, "load_state", start, what="load", timeout_s=TIMEOUT)
+                for _ in range(2):
+                    call_each(one, "train_step", [(batch.shard(0, 1),)], "step", TIMEOUT)
+                runs.append(call_all(one, "parameters", what="one", timeout_s=TIMEOUT)[0])
+            first, again = runs
+            assert all(torch.equal(first[k], again[k]) for k in first)
+            assert all(p.dtype == torch.float32 for p in first.values())
+        finally:
+            call_all(one, "load_state", start, what="back", timeout_s=TIMEOUT)
+            call_all(one, "set_precision", "fp32", what="fp32", timeout_s=TIMEOUT)
