@@ -185,6 +185,80 @@ def check_bf16(quick: bool) -> dict:
     return figures
 
 
+def check_fp8(quick: bool) -> dict:
+    """FP8 replicas (`policy.precision=fp8`): on a device with FP8 matmul each
+    decoder linear layer runs `torch._scaled_mm`; its output against the same
+    FP8 weights dequantized to bf16, and the sampler's log-probs against the
+    fp32 and the bf16-mixed trainer's (the mismatch the correction sees)."""
+    from meshrl.model.losses import mismatch_metrics
+    from meshrl.weights.precision import (
+        Fp8Linear,
+        compute_precision,
+        dequantize_blocks,
+        fp8_matmul_available,
+        to_precision,
+    )
+
+    on = device()
+    figures: dict = {"fp8_matmul": fp8_matmul_available(on)}
+    linear = torch.nn.Linear(256, 384).to(on)
+    layer = Fp8Linear(linear)
+    x = torch.randn(37, 256, device=on)
+    got = layer(x).float()
+    dense = torch.nn.functional.linear(
+        x.to(torch.bfloat16), dequantize_blocks(layer.weight, layer.weight_scale), layer.bias
+    ).float()
+    figures["layer_rel_error"] = float((got - dense).norm() / dense.norm())
+    assert figures["layer_rel_error"] < 0.1, figures  # activations quantized too (1 x 128)
+    trainer = load_model(ModelConfig(), seed=0).to(on).eval()
+    replica = to_precision(copy.deepcopy(trainer), "fp8").eval()
+    started = time.perf_counter()
+    completions = sampled(replica, 16, 8, 16 if quick else 64)
+    synchronize()
+    figures["sample_s"] = time.perf_counter() - started
+    mask = completions.completion_mask
+    for name, precision in (("fp32", "fp32"), ("bf16_mixed", "bf16-mixed")):
+        with torch.no_grad(), compute_precision(precision, on):
+            recomputed = trainer_logprobs(trainer, completions)
+        m = mismatch_metrics(recomputed.float(), completions.logprobs.float(), mask)
+        figures[f"k3_kl_vs_{name}"] = m["sampling/k3_kl"]
+        figures[f"abs_dlogp_vs_{name}"] = m["sampling/sampler_logprob_abs_diff"]
+        figures[f"off_band_vs_{name}"] = m["sampling/ratio_off_band"]
+        assert m["sampling/sampler_logprob_abs_diff"] < 0.1, figures
+    return figures
+
+
+def check_mixed_precision(quick: bool) -> dict:
+    """trainer.precision=bf16-mixed: float32 master weights, gradients and AdamW
+    state; the step's gradient against float32's within the invariance test's
+    bf16-mixed tolerance (2e-2)."""
+    from meshrl.weights.precision import compute_precision
+
+    on = device()
+    fp32 = load_model(ModelConfig(), seed=0).to(on)
+    completions = sampled(copy.deepcopy(fp32).eval(), 16, 8, 16)
+    grads = {}
+    for precision in ("fp32", "bf16-mixed"):
+        model = copy.deepcopy(fp32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with compute_precision(precision, on):
+            logprobs = trainer_logprobs(model, completions)
+        loss = -(logprobs * completions.completion_mask).sum() / completions.completion_mask.sum()
+        loss.backward()
+        grads[precision] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        optimizer.step()
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(
+            t.dtype == torch.float32
+            for s in optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.is_floating_point()
+        )
+    error = float((grads["bf16-mixed"] - grads["fp32"]).norm() / grads["fp32"].norm())
+    assert 0 < error < 2e-2, error
+    return {"grad_rel_error": error}
+
+
 def check_weight_sync(quick: bool) -> dict:
     from meshrl.weights.publisher import WeightPublisher
     from meshrl.weights.receiver import WeightReceiver
@@ -603,6 +677,8 @@ def check_partial(quick: bool) -> dict:
 CHECKS: dict[str, Callable[[bool], dict]] = {
     "model": check_model,
     "bf16": check_bf16,
+    "fp8": check_fp8,
+    "mixed_precision": check_mixed_precision,
     "weight_sync": check_weight_sync,
     "routing_replay": check_routing_replay,
     "tree_layout": check_tree_layout,

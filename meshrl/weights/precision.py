@@ -210,18 +210,21 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     `torch._scaled_mm` with row scales on both sides (the weight's rows take
     their 128 x 128 block's scale), the blocks' products summed in float32."""
     rows, cols = weight.shape
+    count = x.size(0)
+    x = torch.nn.functional.pad(x, (0, 0, 0, -count % 16))  # _scaled_mm: M a multiple of 16
     out = torch.zeros(x.size(0), rows, dtype=torch.float32, device=x.device)
     row_block = torch.arange(rows, device=x.device) // BLOCK
     for k, at in enumerate(range(0, cols, BLOCK)):
         xs = x[:, at : at + BLOCK].float()
         x_scale = scales_of(xs.abs().amax(dim=1, keepdim=True))  # [M, 1]
         xq = (xs / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        wq = weight[:, at : at + BLOCK]  # [N, k]; its transpose is column-major
-        w_scale = scale[row_block, k].float().view(1, rows)
+        wq = weight[:, at : at + BLOCK].contiguous()  # [N, k]; its transpose is column-major
+        w_scale = scale[row_block, k].float().view(1, rows).contiguous()
+        # Row-wise scaling gives bfloat16 out (torch's constraint); summed in float32.
         out += torch._scaled_mm(
-            xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32
-        )
-    return out
+            xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16
+        ).float()
+    return out[:count]
 
 
 def _fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
