@@ -41,7 +41,6 @@ def trainer():
 
 def test_each_precision_syncs_its_own_bytes_checked_with_delta_and_relay(trainer):
     model, names, publishers = trainer
-    version = 0
     receivers = {
         w: WeightReceiver(P.to_precision(load_model(ModelConfig(), 1), w), zero_copy=True)
         for w in WIRES
@@ -51,8 +50,7 @@ def test_each_precision_syncs_its_own_bytes_checked_with_delta_and_relay(trainer
             params = list(model.parameters()) if step == 0 else [model.lm_head.weight]
             for p in params:
                 p.add_(0.01 * torch.randn_like(p))
-        version += 1
-        handle = WeightHandle.merge([p.publish(version, True, True) for p in publishers])
+        handle = WeightHandle.merge([p.publish(step + 1, True, True) for p in publishers])
         assert handle.precisions == list(WIRES)
         sizes = {w: handle.of_precision(w).num_bytes for w in WIRES}
         assert sizes["bf16"] <= 0.51 * sizes["fp32"]
