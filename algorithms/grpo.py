@@ -45,7 +45,6 @@ from algorithms.roles import (
 )
 from meshrl.config import ConfigError
 from meshrl.envs import make_task
-from meshrl.loop import health
 from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.collector import Batch, Collector, decode
 from meshrl.loop.dispatch import Dispatcher
@@ -217,9 +216,17 @@ class GRPO(Algorithm):
                     trains=self.trains,
                     cpu_only=("environment",),  # no GPU for the scorers
                 )
-                temperature = cfg.generation.temperature  # the trainer's log-probs' too
-                self.trainer = spawn_trainer(run, cfg, self.make_loss(), temperature)
                 self.critic = self.spawn_critic(run)  # a value model (PPO); none here
+                self.reference = self.spawn_reference(run)
+                temperature = cfg.generation.temperature  # the trainer's log-probs' too
+                self.trainer = spawn_trainer(
+                    run,
+                    cfg,
+                    self.make_loss(),
+                    temperature,
+                    # who pulls its weights whole, beside the replicas in their precision
+                    full_readers=self.critic is not None or self.frozen_copy is not None,
+                )
                 self.policy = spawn_policy(
                     run,
                     cfg,
@@ -232,7 +239,6 @@ class GRPO(Algorithm):
                     # The running batch's endpoint, on the same procs: the pull queue's calls.
                     self.stream = run.spawn("policy_stream", PolicyStream, "policy", share="policy")
                 self.environment = run.spawn("environment", Environment, *cfg.env_args)
-                self.reference = self.spawn_reference(run)
                 self.reward_model = None
                 if cfg.reward_model.path:
                     self.reward_model = run.spawn(
@@ -556,12 +562,9 @@ class GRPO(Algorithm):
             cfg.trainer.correction,
             *cfg.trainer.correction_band(),
         )
-        return {
-            **mismatch_metrics(
-                batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
-            ),
-            **health.mismatch(batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask),
-        }
+        return mismatch_metrics(
+            batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
+        )
 
     def minibatches(self, batch_size: int) -> list[torch.Tensor | slice]:
         """Row indices of each optimizer step: `epochs` shuffled passes cut into

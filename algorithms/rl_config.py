@@ -59,6 +59,7 @@ def check_sections(cfg: Any, task: Any = None) -> None:
     validate_sections(cfg)
     check_placement(cfg.model, cfg.placement)
     check_inputs(cfg.model, cfg.placement, task)
+    cfg.trainer.check_precision(cfg.model)
 
 
 POOLS = ("policy", "environment")

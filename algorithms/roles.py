@@ -29,14 +29,19 @@ def spawn_trainer(
     role: str = "trainer",
     seed: int | None = None,
     shm_prefix: str = "",
+    full_readers: bool = False,
+    replicas: bool = True,
 ) -> Role:
     """The trainer mesh from `model`, `optim` and `trainer` (micro-batches, layout,
-    routing replay): its LR schedule over `cfg.total_updates` optimizer steps,
-    `loss` (the algorithm's loss object, pickled whole to every proc), its
-    log-probs at the sampling `temperature` (1 where nothing samples),
+    routing replay, `trainer.precision`): its LR schedule over `cfg.total_updates`
+    optimizer steps, `loss` (the algorithm's loss object, pickled whole to every
+    proc), its log-probs at the sampling `temperature` (1 where nothing samples),
     `placement.sharding`, and its tensor-parallel groups (`placement.trainer_tp`:
-    each group's procs take the same rows). Its weight slots: `shm_prefix`'s
-    (default: the run's)."""
+    each group's procs take the same rows). It publishes each version in the
+    replicas' precision (`policy.precision`; `replicas` False: an algorithm with
+    none), and in its own where `full_readers` pull it too (a frozen reference
+    copy, a critic's backbone). Its weight slots:
+    `shm_prefix`'s (default: the run's)."""
     from actors.trainer import Trainer
 
     return run.spawn(
@@ -57,6 +62,8 @@ def spawn_trainer(
         routing_replay=cfg.trainer.routing_replay,
         rendezvous=True,
         tensor_parallel=cfg.placement.trainer_tp,
+        precision=cfg.trainer.precision,
+        precisions=cfg.trainer.published(cfg.model, cfg.policy if replicas else None, full_readers),
     )
 
 

@@ -113,8 +113,11 @@ class SFT(Algorithm):
             if self.runtime is None:  # --- the meshes: the trainer (and a frozen reference) ---
                 self.load_data()  # before any proc: a bad file costs no spawn
                 run = self.runtime = Run(cfg, self.name, self.placement(), trains=("trainer",))
-                self.trainer = trainer = spawn_trainer(run, cfg, self.make_loss())
                 self.reference = reference = self.spawn_reference(run)
+                full = reference is not None  # it pulls the trainer's weights whole
+                self.trainer = trainer = spawn_trainer(
+                    run, cfg, self.make_loss(), full_readers=full, replicas=False
+                )
                 self.sup = sup = Supervisor(run, cfg.faults, state)
                 self.sync = WeightSync(sup)
                 heal_trainer(sup, cfg, trainer, self.sync)

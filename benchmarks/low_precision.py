@@ -54,43 +54,6 @@ MISMATCH = {
 }
 
 
-def passes_precisions() -> bool:
-    """Whether the algorithms' trainer spawn passes `trainer.precision` and the
-    published precisions to the Trainer (algorithms/roles.py)."""
-    import inspect
-
-    from algorithms import roles
-
-    return "precisions=" in inspect.getsource(roles.spawn_trainer)
-
-
-def pass_precisions() -> None:
-    """Until algorithms/roles.py passes them: the Trainer spawned by GRPO gets
-    `trainer.precision` and the replicas' `policy.precision` (and fp32 where a
-    reference pulls it), as `TrainerConfig.published` says. Printed to stderr."""
-    import algorithms.grpo as grpo
-    from algorithms import roles
-
-    print("low_precision: passing trainer precisions at spawn", file=sys.stderr)
-    original = roles.spawn_trainer
-
-    def spawn_trainer(run, cfg, loss, *args, **kwargs):
-        spawn = run.spawn
-
-        def with_precisions(role, actor, *a, **kw):
-            kw["precision"] = cfg.trainer.precision
-            kw["precisions"] = cfg.trainer.published(cfg.model, cfg.policy, cfg.kl_coef > 0)
-            return spawn(role, actor, *a, **kw)
-
-        run.spawn = with_precisions
-        try:
-            return original(run, cfg, loss, *args, **kwargs)
-        finally:
-            run.spawn = spawn
-
-    grpo.spawn_trainer = spawn_trainer
-
-
 def mean(values: list[float]) -> float:
     return sum(values) / max(len(values), 1)
 
@@ -115,8 +78,6 @@ def main() -> int:
     parser.add_argument("--correction", default="tis")
     parser.add_argument("--only", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = parser.parse_args()
-    if not passes_precisions():
-        pass_precisions()
     run_dir = tempfile.mkdtemp(prefix="meshrl-low-precision-")
     cells = {}
     for name in args.only:

@@ -23,6 +23,17 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
+"""`policy.tool_parser`'s values: the families `meshrl.envs.tool_calls` parses."""
+TOOL_PARSER_ALIASES = {
+    "qwen2.5": "hermes",
+    "qwen3": "hermes",
+    "qwen": "hermes",
+    "llama3": "llama3_json",
+}
+"""Other names a config may give a parser by (the families it reads)."""
+
+
 @dataclass
 class PolicyConfig:
     """How the policy replicas generate."""
@@ -90,12 +101,13 @@ class PolicyConfig:
             "must be in (0, 1]",
         )
         if self.tool_parser != "auto":
-            from meshrl.envs.tool_calls import parser_name  # pure: imports nothing of meshrl
-
-            try:
-                parser_name(self.tool_parser)
-            except ValueError as error:
-                _check(False, "policy.tool_parser", f"{error}, or auto")
+            name = self.tool_parser.lower()
+            _check(
+                TOOL_PARSER_ALIASES.get(name, name) in TOOL_PARSERS,
+                "policy.tool_parser",
+                f"'{self.tool_parser}' is not a tool-call parser (one of "
+                f"{', '.join([*TOOL_PARSERS, *TOOL_PARSER_ALIASES])}), or auto",
+            )
         _check(0 <= self.serve_port < 65536, "policy.serve_port", "must be a port (0: none)")
         if self.serve_port:  # known now, not after the procs started
             _check(

@@ -156,8 +156,11 @@ class TrainerConfig:
 
     def published(self, model, policy, full_readers: bool = False) -> tuple[str, ...]:
         """The precisions the trainer publishes each version in (`Trainer(precisions=)`):
-        the policy replicas' (`policy.precision`), and with `full_readers` (a
-        reference or critic that pulls the trainer's weights) the trainer's own."""
+        the policy replicas' (`policy.precision`; None: no replicas), and with
+        `full_readers` (a reference or critic that pulls the trainer's weights) or
+        without replicas the trainer's own."""
         own = "fp32" if model.dtype == "float32" else "bf16"
-        wanted = [policy.precision_for(model.dtype), *([own] if full_readers else [])]
+        wanted = [] if policy is None else [policy.precision_for(model.dtype)]
+        if full_readers or policy is None:
+            wanted.append(own)
         return tuple(dict.fromkeys(wanted))

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshrl.config.policy import TOOL_PARSER_ALIASES, TOOL_PARSERS
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -214,8 +216,8 @@ PARSERS: dict[str, Callable[[str], Parsed]] = {
     "mistral": parse_mistral,
     "harmony": parse_harmony,
 }
-ALIASES = {"qwen2.5": "hermes", "qwen3": "hermes", "qwen": "hermes", "llama3": "llama3_json"}
-"""Other names a config may give a parser by (the families it reads)."""
+ALIASES = TOOL_PARSER_ALIASES  # (the names a config key takes live with the key)
+assert tuple(PARSERS) == TOOL_PARSERS, "meshrl.config.policy.TOOL_PARSERS names each parser"
 
 _TEMPLATE_MARKERS = (
     ("harmony", ("<|channel|>",)),

@@ -28,24 +28,13 @@ import math
 import statistics
 from typing import Any
 
-import torch
-
+from meshrl.model.losses import OFF_BAND as BAND  # a ratio outside it: mismatched
 from meshrl.procs.mesh import log_fault
 
-BAND = (0.9, 1.1)
-"""A token whose trainer/sampler probability ratio leaves this band counts as mismatched."""
 MIN_CALL_S = 0.005
 """Calls shorter than this (the others' median) are timer noise: no proc is compared on them."""
 SYNC_HISTORY = 50
 """Weight syncs the running median is taken over."""
-
-
-def mismatch(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The share of the masked tokens whose ratio of the trainer's to the sampler's
-    probability leaves `BAND` (`health/mismatch_out_of_band`)."""
-    ratio = torch.exp(trainer - sampler)
-    out = ((ratio < BAND[0]) | (ratio > BAND[1])) & (mask > 0)
-    return {"health/mismatch_out_of_band": out.sum().item() / max(1, int((mask > 0).sum()))}
 
 
 def proc_calls(procs: list[dict]) -> dict[tuple[str, int], dict[str, tuple[int, float]]]:
@@ -165,6 +154,7 @@ class Health:
         out["health/nonfinite"] = non_finite(record)
         if "sampling/k3_kl" in record:  # the trainer recomputed the old log-probs
             out["health/mismatch_k3"] = record["sampling/k3_kl"]
+            out["health/mismatch_out_of_band"] = record["sampling/ratio_off_band"]
         if "policy/entropy" in record:
             first = next((r["policy/entropy"] for r in self.history if "policy/entropy" in r), None)
             first = record["policy/entropy"] if first is None else first

@@ -43,14 +43,21 @@ PYTHON_RUNS = [
             "eval.sets.heldout.k=3",
         ],
     ),
-    (ReinforcePP, ReinforcePPConfig, "reinforce_pp", ["placement.reference=2"]),
-    # With the held-out set on an eval mesh of its own, every step.
+    # A bf16-mixed trainer publishing bf16 to its replicas and fp32 to the reference.
+    (
+        ReinforcePP,
+        ReinforcePPConfig,
+        "reinforce_pp",
+        ["placement.reference=2", "trainer.precision=bf16-mixed", "policy.precision=bf16"],
+    ),
+    # With the held-out set on an eval mesh of its own, every step; fp8 replicas.
     (
         DAPO,
         DAPOConfig,
         "dapo",
         [
             "placement.environment=2",
+            "policy.precision=fp8",
             "eval.every=1",
             "eval.mesh=true",
             "eval.sets.heldout.prompts=4",
@@ -77,7 +84,13 @@ PYTHON_RUNS = [
         DPO,
         DPOConfig,
         "dpo",
-        ["placement.trainer=2", "placement.reference=3", "eval.every=2", "warm_start.steps=1"],
+        [
+            "placement.trainer=2",
+            "placement.reference=3",
+            "eval.every=2",
+            "warm_start.steps=1",
+            "trainer.precision=bf16-mixed",  # and no replicas: fp32 for the reference only
+        ],
     ),
 ]
 

@@ -5,9 +5,8 @@ band, idle shares; and the status view of them."""
 import math
 
 import pytest
-import torch
 
-from meshrl.loop.health import busy_share, flat_steps, mismatch, non_finite, slow_ratios
+from meshrl.loop.health import busy_share, flat_steps, non_finite, slow_ratios
 from meshrl.observe.status import health_lines
 
 pytestmark = pytest.mark.unit
@@ -45,14 +44,6 @@ def test_reward_flat_counts_the_steps_in_a_row_within_the_range():
 
 def test_non_finite_figures_are_counted():
     assert non_finite({"a": 1.0, "b": math.nan, "c": math.inf, "d": 3, "e": "x"}) == 2
-
-
-def test_mismatch_is_the_share_of_masked_tokens_outside_the_band():
-    sampler = torch.zeros(2, 3)
-    trainer = torch.log(torch.tensor([[1.0, 1.2, 0.85], [1.05, 5.0, 1.0]]))
-    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
-    # 1.2 and 0.85 leave [0.9, 1.1]; 5.0 is off the mask.
-    assert mismatch(trainer, sampler, mask) == {"health/mismatch_out_of_band": 2 / 5}
 
 
 def test_idle_share_is_over_the_procs_of_the_endpoint():
