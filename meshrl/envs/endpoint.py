@@ -159,6 +159,9 @@ class Router:
         self.closed = False
         self.generate_s = 0.0
         """Seconds the replicas spent on this router's batches (summed over batches)."""
+        self.batches = self.rows = 0
+        """Batches sent to the replicas, and the requests they held (rows per batch:
+        how well concurrent agents fill a replica's batch)."""
         threading.Thread(target=self._dispatch, name="router", daemon=True).start()
 
     def generate(
@@ -225,6 +228,7 @@ class Router:
             result, tops = wait(future, "policy.generate", self.timeout_s)
             with self.cond:
                 self.generate_s += time.perf_counter() - sent
+                self.batches, self.rows = self.batches + 1, self.rows + len(batch)
             rows = zip(result.completion_lists(), result.logprobs.tolist(), strict=True)
             for row, (request, (tokens, logprobs)) in enumerate(zip(batch, rows, strict=True)):
                 tokens = tokens[: request.max_tokens]  # the batch sampled to its longest
@@ -505,6 +509,14 @@ def _message(message: dict) -> tuple[str, str, tuple]:
     return str(message.get("role", "")), str(content), tuple(calls)
 
 
+class _Listener(BoundedServer):
+    """The endpoint's HTTP server, with a listen backlog for as many connections as
+    it has threads: the standard library's 5 overflowed when 64 agents connected at
+    once (the kernel dropped their handshakes; some clients gave up)."""
+
+    request_queue_size = WORKERS
+
+
 class PolicyServer:
     """The endpoint: an HTTP server on 127.0.0.1:`port` (0: a free port) in a
     thread of this process. `sampling`: "run" samples every request at the
@@ -559,7 +571,7 @@ class PolicyServer:
         self.unauthorized = 0
         """Calls to the stateless routes refused for want of the token."""
         try:
-            self.httpd = BoundedServer(
+            self.httpd = _Listener(
                 ("127.0.0.1", port), handler(self), workers=WORKERS, timeout_s=read_timeout_s
             )
         except OSError as error:

@@ -37,7 +37,10 @@ def served(tmp_path_factory):
     from meshrl.model.tokenizer import context_length, load_tokenizer
     from meshrl.procs.mesh import RoleMeshes
 
-    model = ModelConfig(path=str(frameworks.teach(tmp_path_factory.mktemp("frameworks"))))
+    root = tmp_path_factory.mktemp("frameworks")
+    model = ModelConfig(path=str(frameworks.teach(root)))
+    rows = [{"prompt": q, "answer": a} for q, a in frameworks.QUESTIONS.items()]
+    (root / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenizer, context = load_tokenizer(model), context_length(model)
     meshes = RoleMeshes({"policy": 1})
     server = None
@@ -46,7 +49,7 @@ def served(tmp_path_factory):
         generation = GenerationConfig(max_new_tokens=120, temperature=TEMPERATURE)
         router = Router(lambda: policy, 1, generation, timeout_s=120)
         server = PolicyServer(router, ChatFormat(tokenizer), context)
-        yield server
+        yield server, root
     finally:
         if server is not None:
             server.close()
@@ -108,7 +111,6 @@ TOOL_MESSAGES = {
     [
         ("openai_agents", False),
         ("langchain", False),
-        ("langchain", True),
         ("smolagents", False),
         ("mini_swe_agent", False),
     ],
@@ -116,9 +118,10 @@ TOOL_MESSAGES = {
 def test_a_framework_agent_gets_tool_calls_runs_them_and_trains_on_what_it_received(
     served, function, stream
 ):
-    prompts, episodes = play(served, function, stream)
+    server, _ = served
+    prompts, episodes = play(server, function, stream)
     role, tool = TOOL_MESSAGES[function]
-    pad_id = served.format.tokenizer.pad_token_id
+    pad_id = server.format.tokenizer.pad_token_id
     for prompt, episode in zip(prompts, episodes, strict=True):
         assert not episode.failed, episode.failed
         assert episode.reward == 1.0, frameworks.RECEIVED.get(episode.key)
@@ -132,3 +135,60 @@ def test_a_framework_agent_gets_tool_calls_runs_them_and_trains_on_what_it_recei
         sent = calls[1]["request"]["messages"]
         assert sent[-1]["role"] == role and prompt.answer in json.dumps(sent[-1]["content"])
         assert_trained_as_received(episode, calls, pad_id)
+
+
+def test_grpo_trains_a_streaming_langchain_agent_on_what_it_received(served, tmp_path):
+    """A GRPO run whose agent task is the LangChain agent, streaming: each trained
+    episode (the collector's, `last_episodes`) is what the framework's client
+    received, and the endpoint's counts are logged per step and documented."""
+    from algorithms.grpo import GRPO, GRPOConfig
+    from meshrl.config import load_config
+    from tests.conftest import DEFAULT_CONFIG
+    from tests.support.runs import QUIET, undocumented_metrics
+
+    _, root = served
+    cfg = load_config(
+        GRPOConfig,
+        DEFAULT_CONFIG,
+        [
+            "steps=2",
+            "prompts_per_step=2",
+            "group_size=2",
+            f"model.path={root / 'model'}",
+            "task.name=agent:tests.support.agent_frameworks:langchain",
+            f"task.dataset={root / 'questions.jsonl'}",
+            f"generation.temperature={TEMPERATURE}",
+            "generation.max_new_tokens=120",
+            "policy.tool_parser=hermes",
+            "warm_start.steps=0",
+            "eval.every=0",
+            f"run.dir={tmp_path}",
+            "run.name=langchain",
+            *QUIET,
+        ],
+    )
+    frameworks.STREAM["on"] = True
+    try:
+        algo = GRPO(cfg)
+        history = algo.run()
+    finally:
+        frameworks.STREAM["on"] = False
+    assert not undocumented_metrics(history, "algorithms/grpo.md")
+    for record in history:
+        assert record["reward/mean"] == 1.0 and record["samples/trained"] == 4
+        assert record["episodes/tool_call_errors"] == record["episodes/tool_choice_unmet"] == 0
+        assert record["episodes/refused_calls"] == 0
+    for episode in algo.last_episodes:
+        calls = frameworks.RECEIVED[episode.key]
+        assert all(c["stream"] for c in calls) and len(calls) == 2
+        assert_trained_as_received(episode, calls, algo.tokenizer.pad_token_id)
+
+
+def test_a_tool_parser_that_is_not_one_is_one_config_error():
+    from algorithms.grpo import GRPOConfig
+    from meshrl.config import ConfigError, load_config
+    from tests.conftest import DEFAULT_CONFIG
+
+    with pytest.raises(ConfigError, match="'policy.tool_parser': 'nope' is not a tool-call parser"):
+        load_config(GRPOConfig, DEFAULT_CONFIG, ["policy.tool_parser=nope"])
+    assert load_config(GRPOConfig, DEFAULT_CONFIG, ["policy.tool_parser=qwen3"])

@@ -153,6 +153,45 @@ STREAM = {"on": False}
 INSTRUCTIONS = "Use the calculator tool, then answer with the number."
 
 
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression such as 3*4.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+def plain_openai(base_url: str, prompt: Any) -> float:
+    """No framework: the `openai` client's chat calls, the tool run by hand (the
+    benchmark's measure of the endpoint alone)."""
+    from openai import OpenAI
+
+    with httpx.Client(transport=Recorder(), timeout=120) as http:
+        client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
+        messages: list[dict] = [{"role": "user", "content": prompt.text}]
+        for _ in range(3):
+            answer = client.chat.completions.create(
+                model="meshrl-policy", messages=messages, tools=[CALCULATOR], stream=False
+            )
+            message = answer.choices[0].message
+            if not message.tool_calls:
+                return _score(message.content, prompt)
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                expression = json.loads(call.function.arguments).get("expression", "")
+                result = _ran(
+                    base_url, "calculator", {"expression": expression}, calculate(expression)
+                )
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return 0.0
+
+
 def openai_agents(base_url: str, prompt: Any) -> float:
     """The OpenAI Agents SDK: an `Agent` with a `function_tool`, its model
     `OpenAIChatCompletionsModel` on an `AsyncOpenAI` client at the episode's URL,
@@ -322,6 +361,7 @@ class _RecordedShell:
 
 
 AGENTS: dict[str, Callable[[str, Any], float]] = {
+    "plain_openai": plain_openai,
     "openai_agents": openai_agents,
     "langchain": langchain,
     "smolagents": smolagents,
