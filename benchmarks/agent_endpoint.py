@@ -17,8 +17,9 @@ over its rounds.
 Every setting it does not measure is pinned here (the model and what it is taught,
 the temperature, the lengths, the seed, the threads). Prints a table and, as its
 last line, a JSON object: per phase episodes_s and tokens_s (the model's sampled
-tokens per second), replica_busy (the share of the replicas' time spent
-generating), rows_per_batch (the endpoint's requests per replica batch; 0 for
+tokens per second), in_flight (the share of the wall time each
+replica had a batch in flight, as the controller saw it: from sending to the
+answer's arrival, so it holds the controller's own waiting too), rows_per_batch (the endpoint's requests per replica batch; 0 for
 meshrl's own rollout, which sends each replica its share of the waiting episodes),
 reward (the share answered right), and the ratios of each agent
 phase's rates to meshrl's own (`*_ratio`: 1 would mean the HTTP path and the
@@ -171,7 +172,7 @@ def main() -> int:
 
     result: dict = {"agents": args.agents, "replicas": args.replicas, "rounds": args.rounds}
     print(
-        f"{'phase':<15}{'episodes/s':>12}{'tokens/s':>12}{'generating':>12}{'turns':>8}{'reward':>8}"
+        f"{'phase':<15}{'episodes/s':>12}{'tokens/s':>12}{'in flight':>12}{'turns':>8}{'reward':>8}"
     )
     for name, rounds in measured.items():
         wall = statistics.median(r["wall_s"] for r in rounds)
@@ -182,7 +183,7 @@ def main() -> int:
         result[name] = {
             "episodes_s": round(args.agents / wall, 2),
             "tokens_s": round(tokens / wall, 1),
-            "replica_busy": round(busy / args.replicas, 3),
+            "in_flight": round(busy / args.replicas, 3),
             "rows_per_batch": round(statistics.median(r["batch_rows"] for r in rounds), 2),
             "turns": round(turns, 2),
             "reward": round(reward, 3),
