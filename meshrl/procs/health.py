@@ -239,10 +239,14 @@ def disk_figures(run_dir: str, need_bytes: int, nbytes: int = 4 << 20) -> tuple[
     }
     if free < need_bytes:
         return figures, [
-            f"run_dir: {free / 2**30:.2f} GB free in {run_dir}, the next checkpoint needs "
-            f"{need_bytes / 2**30:.2f} GB"
+            f"run_dir: {_size(free)} free in {run_dir}, the next checkpoint needs "
+            f"{_size(need_bytes)}"
         ]
     return figures, []
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MB"
 
 
 @dataclass
