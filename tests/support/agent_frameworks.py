@@ -438,10 +438,11 @@ def lessons() -> list[tuple[list[tuple[str, str]], list[str]]]:
     return taught
 
 
-def teach(root: Path, steps: int = 200) -> Path:
+def teach(root: Path, steps: int = 400) -> Path:
     """Save under `root/model` a tiny Llama and a char tokenizer with TEMPLATE,
-    trained until sampling at a low temperature gives each of `lessons()`'
-    answers (then EOS) after its conversation. Returns the model's directory."""
+    trained (at most `steps` full batches) until sampling at a low temperature
+    gives each of `lessons()`' answers (then EOS) after its conversation. Returns
+    the model's directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -481,11 +482,21 @@ def teach(root: Path, steps: int = 200) -> Path:
         inputs[i, : len(ids)] = torch.tensor(ids)
         labels[i, : len(ids)] = torch.where(torch.tensor(taught), torch.tensor(ids), -100)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    taught = labels[:, 1:] != -100
     for _ in range(steps):
-        loss = model(input_ids=inputs, labels=labels).loss
+        out = model(input_ids=inputs, labels=labels)
+        # Done when every taught token has probability > 0.9 at temperature 1: then a
+        # low sampling temperature (0.05) gives the taught answers, never a near miss.
+        with torch.no_grad():
+            probs = out.logits[:, :-1].float().softmax(-1)
+            picked = probs.gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            if picked[taught].min() > 0.9:
+                break
         optimizer.zero_grad()
-        loss.backward()
+        out.loss.backward()
         optimizer.step()
+    else:
+        raise RuntimeError(f"the model did not learn its lessons in {steps} steps")
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     return root / "model"
