@@ -44,7 +44,11 @@ def policy_pid(status_path) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         procs = json.loads(status_path.read_text())["procs"]
         return next(
-            (p["pid"] for p in procs if p.get("role") == "policy" and p.get("state") == "alive"),
+            (
+                p["pid"]
+                for p in procs
+                if p.get("role") == "policy" and p.get("state", "alive") == "alive"
+            ),
             None,
         )
     return None

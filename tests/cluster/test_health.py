@@ -1,0 +1,132 @@
+"""Health on the private SLURM cluster: a node whose slurmd runs under a CPU quota of
+a tenth of a core is found by the preflight and replaced before step 1; a policy
+proc stopped with SIGSTOP mid-run is found by its heartbeat, its stacks taken on
+its node (a job step) into faults.log, killed and replaced with no sample lost;
+and the run's jobs leave the queue within seconds of its end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from meshrl.procs import proc_pool
+from tests.cluster.test_cluster import assert_ledger_exact, finish, history, start, status
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+
+CPU_CGROUP = "/sys/fs/cgroup/cpu"
+
+
+@contextlib.contextmanager
+def cpu_quota(pid: int, share: float):
+    """Process `pid` (a slurmd: every process it starts after) held to `share` of a
+    core by a cgroup v1 CPU quota; moved back and the cgroup removed after."""
+    group = os.path.join(CPU_CGROUP, f"meshrl-test-slow-{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    try:
+        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
+            f.write("100000")
+        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(int(100000 * share)))
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        yield
+    finally:
+        for _ in range(50):  # every process in it back to the root group, then it goes
+            with open(os.path.join(group, "cgroup.procs")) as f:
+                left = f.read().split()
+            for each in left:
+                with contextlib.suppress(OSError), open(f"{CPU_CGROUP}/cgroup.procs", "w") as f:
+                    f.write(each)
+            with contextlib.suppress(OSError):
+                os.rmdir(group)
+                break
+            time.sleep(0.1)
+
+
+def policy_proc(run_dir) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        procs = json.loads((run_dir / "status.json").read_text())["procs"]
+        return next(
+            (
+                p["pid"]
+                for p in procs
+                if p.get("role") == "policy" and p.get("state", "alive") == "alive"
+            ),
+            None,
+        )
+    return None
+
+
+def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_hang_s(
+    slurm_cluster, tmp_path, no_stray_procs
+):
+    cluster = slurm_cluster
+    if not os.access(os.path.join(CPU_CGROUP, "cgroup.procs"), os.W_OK):
+        pytest.skip("no writable cgroup v1 CPU controller here")
+    # Five nodes to choose from, four asked for: SLURM takes the lowest, c1 among them,
+    # and the replacement has one left.
+    others = f"c[6-{len(cluster.nodes)}]"
+    cluster.run("scontrol", "update", f"nodename={others}", "state=drain", "reason=test")
+    with open(os.path.join(cluster.root, "slurmd-c1.pid")) as f:
+        slurmd = int(f.read().strip())
+    stopped = None
+    try:
+        with cpu_quota(slurmd, 0.1):
+            proc = start(
+                cluster, tmp_path, "health", "steps=10", "job.hosts.policy=2",
+                "health.hang_s=3", "warm_start.steps=2",
+                # A slower environment (the same math): the run still steps when the
+                # proc is stopped.
+                "faults.episode_latency=0.25,0x1",
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 300
+                while len(history(tmp_path, "health")) < 2:
+                    assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-3000:]
+                    time.sleep(0.2)
+                while (stopped := policy_proc(tmp_path / "health")) is None:
+                    assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-3000:]
+                    time.sleep(0.2)
+                os.kill(stopped, signal.SIGSTOP)
+                out = finish(proc)
+            finally:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                    finish(proc, timeout=60)
+            ended = time.monotonic()
+        assert proc.returncode == 0, out[-3000:]
+        # The preflight: c1 named with its figures on the console, in faults.log and in
+        # status.json, and no job of the run on it from step 0 on.
+        said = [line for line in out.splitlines() if line.startswith("preflight: host c1")]
+        assert len(said) == 1 and "failed the matmul check" in said[0], out[-3000:]
+        assert "quarantined (matmul_gflops" in said[0]
+        faults = (tmp_path / "health" / "faults.log").read_text()
+        assert "preflight: host c1 failed the matmul check" in faults
+        seen = status(tmp_path, "health")
+        assert "c1" in seen["quarantined"]
+        assert not any("c1" in where["nodes"] for where in seen["slurm"].values()), seen
+        assert seen["preflight"]["hosts"]["c1"]["matmul_gflops"] > 0
+        # The hang: found within hang_s (and a heartbeat), stacks taken on its node.
+        assert f"hung: policy[0] (pid {stopped}" in out, out[-3000:]
+        assert "--- stacks of the hung proc ---" in faults
+        assert "Thread 0x" in faults.split("--- stacks of the hung proc ---", 1)[1]
+        assert not proc_pool.alive(stopped)
+        records = history(tmp_path, "health")
+        assert [r["step"] for r in records] == list(range(10))
+        assert records[-1]["faults/recoveries"] == 1
+        assert_ledger_exact(records)
+        assert records[-1]["samples/dropped_total"] == 0
+        # Its jobs left the queue with it (before: COMPLETING for SLURM's KillWait).
+        while cluster.jobs() and time.monotonic() - ended < 5:
+            time.sleep(0.2)
+        assert not cluster.jobs(), cluster.run("squeue", check=False)
+    finally:
+        if stopped is not None and proc_pool.alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        cluster.run("scontrol", "update", f"nodename={others}", "state=resume", check=False)
