@@ -259,7 +259,10 @@ def langchain(base_url: str, prompt: Any) -> float:
             if not answer.tool_calls:
                 return _score(answer.content, prompt)
             for call in answer.tool_calls:
-                result = calculator.invoke(call["args"])
+                try:
+                    result = calculator.invoke(call["args"])
+                except ValueError as error:  # arguments the tool's schema refuses: said back
+                    result = f"error: {error}"
                 messages.append(ToolMessage(result, tool_call_id=call["id"]))
     return 0.0
 
