@@ -90,13 +90,16 @@ def main() -> None:
             while steps_done() < 2 + 4 * i and proc.poll() is None:
                 time.sleep(0.1)
             pid = None
-            while proc.poll() is None and (pid := policy_pid()) is None:
-                time.sleep(0.1)
+            while proc.poll() is None and pid is None:
+                pid = policy_pid()
+                try:  # (status.json may still name a proc replaced since)
+                    seen, stopped = len(lines), time.monotonic()
+                    os.kill(pid, signal.SIGSTOP) if pid else time.sleep(0.1)
+                except ProcessLookupError:
+                    pid = None
+                    time.sleep(0.1)
             if pid is None:
                 break
-            seen = len(lines)
-            stopped = time.monotonic()
-            os.kill(pid, signal.SIGSTOP)
             while proc.poll() is None:
                 served = [
                     t

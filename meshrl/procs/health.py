@@ -1,8 +1,8 @@
 """Host and proc health: a preflight on every host before a role's actors run
 there, and a heartbeat that finds a hung proc, writes its stacks and kills it.
 
-Preflight (`health.preflight`): a `Preflight` actor on the first proc of each
-host checks the device (a matmul at the model's dtype; on CUDA also the device
+Preflight (`health.preflight`): a `Preflight` actor (`meshrl.procs.preflight_actor`)
+on the first proc of each host checks the device (a matmul at the model's dtype; on CUDA also the device
 count, free memory, ECC errors where the driver reports them), the collective
 among the role's procs (gloo, or NCCL on GPUs), a Monarch RDMA buffer read from
 another host, the run directory (a file written and fsynced, free space for a
@@ -35,11 +35,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from importlib import metadata
 from typing import Any
-
-from monarch.actor import Actor, endpoint
 
 from meshrl.procs import proc_pool
 from meshrl.procs.faultlog import log_fault
@@ -260,115 +257,6 @@ class Spec:
     expected_devices: int | None = None
 
 
-class Preflight(Actor):
-    """Spawned on a role's procs before its actors: the checks of one host (`check`,
-    on its first proc), the RDMA buffer other hosts read (`buffer`, `read`) and
-    the collective among the role's procs (`collective`)."""
-
-    def __init__(self) -> None:
-        self.data: Any = None
-
-    @endpoint
-    def check(self, spec: Spec) -> dict:
-        """This host's figures and failures (each failure `check: why`)."""
-        figures: dict[str, Any] = {
-            "host": socket.gethostname(),
-            "node": os.environ.get("SLURMD_NODENAME", ""),
-            "tag": os.environ.get(proc_pool.HOST_TAG_ENV, ""),
-            "pid": os.getpid(),
-            "versions": versions(),
-        }
-        failures: list[str] = []
-        started = time.perf_counter()
-        try:
-            figures["matmul_gflops"] = round(matmul_rate(spec.dtype, spec.matmul_s), 3)
-        except Exception as error:  # noqa: BLE001 - a broken device is this check's finding
-            failures.append(f"device: matmul at {spec.dtype} failed: {error}")
-        try:
-            cuda, bad = cuda_figures(spec.expected_devices)
-            figures.update(cuda)
-            failures += bad
-        except Exception as error:  # noqa: BLE001
-            failures.append(f"device: {error}")
-        if spec.run_dir:
-            disk, bad = disk_figures(spec.run_dir, spec.need_bytes)
-            figures.update(disk)
-            failures += bad
-        figures["check_s"] = round(time.perf_counter() - started, 3)
-        return {"figures": figures, "failures": failures}
-
-    @endpoint
-    def buffer(self, nbytes: int) -> Any:
-        """An RDMA buffer of `nbytes` in this proc, for another host to read."""
-        import torch
-        from monarch.rdma import RDMABuffer
-
-        self.data = torch.ones(nbytes, dtype=torch.uint8)
-        return RDMABuffer(self.data)
-
-    @endpoint
-    def read(self, buffer: Any, nbytes: int) -> dict:
-        """Read another host's `buffer` into this proc: GB/s, or the failure."""
-        import torch
-
-        into = torch.zeros(nbytes, dtype=torch.uint8)
-        started = time.perf_counter()
-        try:
-            buffer.read_into(into).get()
-        except Exception as error:  # noqa: BLE001 - the finding
-            return {"failure": f"rdma: reading another host's buffer failed: {error}"}
-        took = time.perf_counter() - started
-        if int(into[-1]) != 1:
-            return {"failure": "rdma: the buffer read back differs from what was written"}
-        return {"rdma_gb_s": round(nbytes / 1e9 / max(took, 1e-9), 3)}
-
-    @endpoint
-    def collective(self, master: tuple[str, int], rank: int, world: int, nbytes: int) -> dict:
-        """An all-reduce of `nbytes` among the role's `world` procs, the backend its
-        training uses (NCCL on own GPUs, else gloo), in a group of its own (the
-        default group is left to the role's actors): GB/s, or the failure."""
-        import torch
-        import torch.distributed as dist
-
-        from meshrl.procs import parallel
-
-        address, port = master
-        try:
-            if address.startswith(parallel.FILE_STORE):
-                store: Any = dist.FileStore(address[len(parallel.FILE_STORE) :], world)
-            else:
-                store = parallel._STORES.pop(port, None) if rank == 0 else None
-                if store is None:
-                    store = dist.TCPStore(address, port, world, False, timedelta(seconds=30))
-            local = address.startswith(parallel.FILE_STORE) or address == "127.0.0.1"
-            if local and "GLOO_SOCKET_IFNAME" not in os.environ:
-                os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-            prefixed = dist.PrefixStore("meshrl-preflight", store)
-            cuda = torch.cuda.is_available() and world <= torch.cuda.device_count()
-            if cuda:
-                device = torch.device("cuda", rank % torch.cuda.device_count())
-                group: Any = dist.ProcessGroupNCCL(prefixed, rank, world)
-            else:
-                device = torch.device("cpu")
-                group = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=30))
-            tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-            group.allreduce([tensor]).wait()  # warm: connections made
-            started = time.perf_counter()
-            for _ in range(3):
-                group.allreduce([tensor]).wait()
-            if cuda:
-                torch.cuda.synchronize()
-            took = (time.perf_counter() - started) / 3
-            ok = float(tensor[0]) == float(world**4)
-            del group
-        except Exception as error:  # noqa: BLE001 - the finding
-            return {"failure": f"collective: all-reduce among {world} procs failed: {error}"}
-        if not ok:
-            return {"failure": "collective: the all-reduce gave a wrong sum"}
-        backend = "nccl" if cuda else "gloo"
-        return {f"{backend}_gb_s": round(2 * nbytes / 1e9 / max(took, 1e-9), 3)}
-
-
 # --- preflight: judging the figures ----------------------------------------------
 
 RATED = ("matmul_gflops", "gloo_gb_s", "nccl_gb_s", "rdma_gb_s")
@@ -455,7 +343,7 @@ def medians_of(figures: dict[str, dict], baseline: dict[str, float] | None = Non
 
 @dataclass
 class _Beat:
-    target: Any  # the actor mesh asked (replaced procs: a new one)
+    target: Any  # what identifies the proc asked (replaced procs: a new one)
     future: Any = None
     sent: float = 0.0
     answered: float = 0.0
@@ -485,12 +373,18 @@ class HangWatch:
         self._thread = threading.Thread(target=self._run, name="meshrl-heartbeat", daemon=True)
         self._thread.start()
 
-    def _targets(self) -> dict[tuple[str, int], Any]:
+    def _targets(self) -> dict[tuple[str, int], tuple[Any, Any]]:
+        """(role, rank) -> (what identifies its proc, its Watch): a role's actor mesh
+        (a slice is a new object each time), or an elastic role's member."""
         found = {}
         for role, watch in list(self.meshes.watches.items()):
             with contextlib.suppress(Exception):  # a role being replaced: next time
                 for rank in range(self.meshes.size(role)):
-                    found[(role, rank)] = watch.slice(procs=rank)
+                    target = watch.slice(procs=rank)
+                    found[(role, rank)] = (
+                        target if getattr(watch, "elastic", False) else watch,
+                        target,
+                    )
         return found
 
     def _run(self) -> None:
@@ -501,13 +395,15 @@ class HangWatch:
                 logger.debug("heartbeat: %s", error)
 
     def tick(self, now: float) -> None:
+        """One round: collect the answers that came, ask again those that answered,
+        report those silent for `hang_s`."""
         targets = self._targets()
         for key in [k for k in self.beats if k not in targets]:
             del self.beats[key]
-        for key, target in targets.items():
+        for key, (ident, target) in targets.items():
             beat = self.beats.get(key)
-            if beat is None or beat.target is not target:
-                beat = self.beats[key] = _Beat(target, answered=now)
+            if beat is None or beat.target is not ident:
+                beat = self.beats[key] = _Beat(ident, answered=now)
             if beat.hung:
                 continue
             if beat.future is not None:
@@ -525,7 +421,10 @@ class HangWatch:
                 beat.future, beat.sent = target.status.call_one(), now
                 continue
             role, rank = key
-            if now - beat.answered > self.hang_s and f"{role}[{rank}]" not in proc_pool.lost:
+            # Only a proc that answered here before (its pid known, so it can be killed):
+            # one still starting is left to the call deadline.
+            silent = now - beat.answered > self.hang_s and beat.pid is not None
+            if silent and f"{role}[{rank}]" not in proc_pool.lost:
                 silent = now - beat.answered
                 self.hung.append({"role": role, "rank": rank, "silent_s": silent})
                 beat.hung = True  # reported once

@@ -83,8 +83,9 @@ class HostChecks:
     def check(self, roles: list[str]) -> list:
         """Run the checks on every host of `roles` at once; the findings (each host
         named by its SLURM node, else its host name and role)."""
-        from meshrl.procs.health import RATED, Preflight, judge, medians_of
+        from meshrl.procs.health import RATED, judge, medians_of
         from meshrl.procs.mesh import wait
+        from meshrl.procs.preflight_actor import Preflight
 
         meshes, spec = self.meshes, self.spec
         if meshes.job_cfg.kind == "local":
