@@ -327,12 +327,15 @@ def on_hang(
     host: here, or a SLURM job step on its node) into faults.log, the proc killed,
     one console line, and the proc entered as lost for every role in its procs, so
     the call waiting on it fails now and the Supervisor replaces it."""
+    import socket
     import subprocess
 
     from meshrl.procs import proc_pool
     from meshrl.procs.health import hung_line, log_hang, take_stacks
     from meshrl.procs.slurm import job_environment
 
+    if pid is not None and host == socket.gethostname() and not proc_pool.alive(pid):
+        return  # it died (a loss, not a hang): its loss's own path replaces it
     place = slurm_place(meshes, role, rank)
     remote = None
     if place is not None:
