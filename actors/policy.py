@@ -361,7 +361,6 @@ class Policy(Drillable, Actor):
                     if serve
                     else None,
                 )
-            record("weights/replica_bytes", pulled.version_bytes, "mean")
             return pulled
         if not self.partial:  # every row is sampled by one version
             self.continuous.wait_idle(timeout_s or 600.0)
@@ -369,7 +368,6 @@ class Policy(Drillable, Actor):
             pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
             self.engine.weights_changed()
             record("rollout/refilled_rows", self.continuous.refill(), "sum")
-        record("weights/replica_bytes", pulled.version_bytes, "mean")
         return pulled
 
     @endpoint

@@ -134,6 +134,7 @@ def rollout_metrics(rewards: torch.Tensor, completions: Any, sync: Any) -> dict:
         "weights/max_hop_depth": sync.depth,
         "weights/verified_replicas": sync.verified,
         "weights/bytes_moved": sync.bytes_moved,
+        "weights/replica_bytes": sync.replica_bytes,
         "weights/generated_with": completions.weight_version,
     }
 

@@ -148,6 +148,7 @@ class WeightSync:
         self.verify = verify
         self.delta = delta
         self.bytes_moved = 0  # bytes copied or read into the replicas, last pull
+        self.replica_bytes = 0  # one version's bytes in the replicas' precision, last pull
         self.verified = 0  # replicas whose parameters matched the checksums, last pull
         self.handle: WeightHandle | None = None
         self.serving: WeightHandle | None = None
@@ -428,6 +429,8 @@ class WeightSync:
                 )
         self.verified = sum(p.verified for p in pulled.values())
         self.bytes_moved = sum(p.bytes_moved for p in pulled.values())
+        # One version's bytes in the replicas' own precision (each replica's the same).
+        self.replica_bytes = max((p.version_bytes for p in pulled.values()), default=0)
         self.paths = [pulled[rank].path for rank in sorted(pulled)]
         self.egress_bytes = sum(pulled[rank].rdma_bytes for rank in from_trainer if rank in pulled)
         self.depth = max((depth[rank] for rank in pulled), default=0)

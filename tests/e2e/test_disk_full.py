@@ -69,7 +69,10 @@ def test_a_full_disk_stops_the_run_in_one_line_naming_the_file(small_disk, capfd
     captured = capfd.readouterr()
     assert "Traceback" not in captured.out + captured.err
     records = whole_lines(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1]
+    # Step 2's record is the first write after the fill, unless status.json's writer
+    # thread held a temp file then: it frees that file's blocks as its own write
+    # fails, and step 2's line fits in them (then step 3's samples are the first).
+    assert [r["step"] for r in records] in ([0, 1], [0, 1, 2])
     assert {s["step"] for s in whole_lines(run / "samples.jsonl")} <= {0, 1, 2}
     json.loads((run / "status.json").read_text())  # the last whole one
     assert not (run / "final").exists()

@@ -2,6 +2,7 @@
 ends where the same run without a slow replica ends (issue 68 item 2)."""
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -18,7 +19,7 @@ PLAIN = ("time/", "samples/", "faults/")  # timings, the ledger's redone rows, r
 def test_a_slow_replica_is_evicted_and_changes_nothing(tmp_path, capsys, no_stray_procs):
     # Replica 1 takes 4x as long from step 0 (`faults.slow`: it sleeps the difference,
     # as a throttled host would): slow at steps 0 and 1, evicted as step 1 is logged,
-    # its step-2 generation made again on its replacement with the same seeds.
+    # its next step's generation made again on its replacement with the same seeds.
     slow = GRPO(
         configure(
             tmp_path, "slow", *TWO_REPLICAS, "faults.slow=[policy:1x4@0]", "health.evict_slow=true"
@@ -27,11 +28,15 @@ def test_a_slow_replica_is_evicted_and_changes_nothing(tmp_path, capsys, no_stra
     history = slow.run()
     out = capsys.readouterr().out
     evicted = [line for line in out.splitlines() if line.startswith("health: ") and "slow" in line]
-    assert len(evicted) == 1 and "step 1: policy[1] slow: " in evicted[0], out
+    # Found at the second slow step in a row: step 1, or later on a loaded machine,
+    # where a step's calls may be too close for the ratio (the run's result is the same).
+    found = re.match(r"health: step (\d+): policy\[1\] slow: ", evicted[0] if evicted else "")
+    assert len(evicted) == 1 and found and 1 <= int(found[1]) <= 3, out
+    at = int(found[1])
     assert "evicted, replaced as a lost proc" in evicted[0]
     assert [r.split(":")[0] for r in slow.state.recoveries] == ["policy"]
-    assert [r["time/health/slow_procs"] for r in history[:2]] == [1, 1]
-    assert history[2]["samples/redone_policy_lost"] > 0
+    assert [r["time/health/slow_procs"] for r in history[at - 1 : at + 1]] == [1, 1]
+    assert history[at + 1]["samples/redone_policy_lost"] > 0
     status = json.loads((tmp_path / "slow" / "status.json").read_text())
     assert status["health"]["evicted"] == ["policy[1]"]
     assert "evicting policy[1]" in (tmp_path / "slow" / "faults.log").read_text()
