@@ -38,7 +38,7 @@ from meshrl.observe.status import StatusFile
 from meshrl.observe.status import table as status_table
 from meshrl.procs import faultlog, mesh, slurm_faults
 from meshrl.procs.health import HangWatch, Spec
-from meshrl.procs.health_checks import on_hang
+from meshrl.procs.health_checks import HostChecks, on_hang
 from meshrl.procs.mesh import RoleMeshes
 from meshrl.procs.pool import Detector
 from meshrl.procs.proc_pool import alive
@@ -224,8 +224,11 @@ class Run:
             metric_prefix=metric_prefix,
             process_group_roles=set(),  # `spawn(..., rendezvous=True)` adds
             log_dir=f"{self.dir}/slurm",  # SLURM jobs' output
-            health=health,
-            preflight=preflight_spec(cfg, self.dir, trains),
+            checks=(
+                HostChecks(None, preflight_spec(cfg, self.dir, trains), health)
+                if health is not None and health.preflight
+                else None
+            ),
         )
         self.hangs: HangWatch | None = None
         if health is not None and health.hang_s > 0:

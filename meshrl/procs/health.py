@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,89 +39,9 @@ from typing import Any
 
 from meshrl.procs import proc_pool
 from meshrl.procs.faultlog import log_fault
+from meshrl.procs.stacks import dump_and_kill, install_stack_dump  # noqa: F401 (also from here)
 
 logger = logging.getLogger(__name__)
-
-STACK_SIGNAL = signal.SIGUSR2
-"""The signal on which a proc writes every thread's stack (`install_stack_dump`);
-SIGUSR1 is forwarded by the fork server (`meshrl.procs.zygote`) and used by
-SLURM's batch scripts."""
-STACK_FILE = "meshrl-stacks"
-"""The name of the memory file a proc writes its stacks into (`memfd_create`):
-nothing on any filesystem, readable through /proc/PID/fd by its user only."""
-
-_stack_fd: int | None = None
-
-
-def install_stack_dump() -> None:
-    """In a proc, at its start: every thread's Python stack written on `STACK_SIGNAL`
-    into an anonymous memory file (faulthandler's handler runs in C inside the
-    signal handler, so it answers while a thread holds the GIL in a deadlock; a
-    stopped proc answers once it is continued). No file is left behind."""
-    global _stack_fd
-    import faulthandler
-
-    if _stack_fd is not None or not hasattr(os, "memfd_create"):
-        return
-    _stack_fd = os.memfd_create(STACK_FILE, 0)
-    faulthandler.register(STACK_SIGNAL, file=_stack_fd, all_threads=True, chain=False)
-
-
-def _stack_fd_of(pid: int) -> str | None:
-    """/proc/PID/fd/N of `pid`'s stack file, or None."""
-    base = f"/proc/{pid}/fd"
-    with contextlib.suppress(OSError):
-        for name in os.listdir(base):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"{base}/{name}").startswith(f"/memfd:{STACK_FILE}"):
-                    return f"{base}/{name}"
-    return None
-
-
-def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def dump_and_kill(pid: int, wait_s: float = 3.0) -> str:
-    """Every thread's Python stack of process `pid` (on this host), then SIGKILL.
-    py-spy where installed (it reads a stopped process's memory), else the proc's
-    own faulthandler: `STACK_SIGNAL`, then SIGCONT (a stopped proc takes the
-    signal as it continues), and its memory file read back. The stacks, or a line
-    saying why there are none."""
-    stacks = ""
-    spy = shutil.which("py-spy")
-    if spy:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(
-                [spy, "dump", "--pid", str(pid), "--nonblocking"],
-                capture_output=True,
-                text=True,
-                timeout=15,
-            )
-            stacks = done.stdout.strip() if done.returncode == 0 else ""
-    if not stacks:
-        path = _stack_fd_of(pid)
-        if path is None:
-            stacks = f"(no stack file in process {pid}: not a meshrl proc, or gone)"
-        else:
-            before = len(_read(path))
-            try:
-                os.kill(pid, STACK_SIGNAL)
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                return f"(process {pid} is gone)"
-            deadline, text = time.monotonic() + wait_s, ""
-            while time.monotonic() < deadline:
-                time.sleep(0.1)
-                now = _read(path)[before:]
-                if now and now == text:  # written, and no longer growing
-                    break
-                text = now
-            stacks = text.strip() or f"(process {pid} wrote no stacks within {wait_s:g}s)"
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return stacks
 
 
 # --- preflight: what runs on each host -------------------------------------------
@@ -401,34 +320,44 @@ class HangWatch:
         for key in [k for k in self.beats if k not in targets]:
             del self.beats[key]
         for key, (ident, target) in targets.items():
-            beat = self.beats.get(key)
-            if beat is None or beat.target is not ident:
-                beat = self.beats[key] = _Beat(ident, answered=now)
-            if beat.hung:
-                continue
-            if beat.future is not None:
-                try:
-                    answer = beat.future.get(timeout=0.001)
-                except TimeoutError:
-                    answer = None
-                except Exception:  # noqa: BLE001 - its proc is gone: the loss's own path
-                    beat.future, beat.answered = None, now
-                    continue
-                if answer is not None:
-                    beat.future, beat.answered = None, now
-                    beat.pid, beat.host = answer.get("pid"), answer.get("host", "")
-            if beat.future is None:
-                beat.future, beat.sent = target.status.call_one(), now
-                continue
-            role, rank = key
-            # Only a proc that answered here before (its pid known, so it can be killed):
-            # one still starting is left to the call deadline.
-            silent = now - beat.answered > self.hang_s and beat.pid is not None
-            if silent and f"{role}[{rank}]" not in proc_pool.lost:
-                silent = now - beat.answered
-                self.hung.append({"role": role, "rank": rank, "silent_s": silent})
-                beat.hung = True  # reported once
-                self.on_hang(role, rank, beat.pid, beat.host, silent)
+            try:
+                self._beat(key, ident, target, now)
+            except Exception as error:  # noqa: BLE001 - one proc's trouble stops no other's beat
+                logger.debug("heartbeat of %s[%d]: %s", *key, error)
+
+    def _beat(self, key: tuple[str, int], ident: Any, target: Any, now: float) -> None:
+        """One proc's round: its answer collected, asked again, or reported hung."""
+        beat = self.beats.get(key)
+        if beat is None or beat.target is not ident:
+            beat = self.beats[key] = _Beat(ident, answered=now)
+        if beat.hung:
+            return
+        if beat.future is not None:
+            try:
+                answer = beat.future.get(timeout=0.001)
+            except TimeoutError:
+                answer = None
+            except Exception:  # noqa: BLE001 - its proc is gone: the loss's own path
+                beat.future, beat.answered = None, now
+                return
+            if answer is not None:
+                beat.future, beat.answered = None, now
+                beat.pid, beat.host = answer.get("pid"), answer.get("host", "")
+        if beat.future is None:
+            beat.future, beat.sent = target.status.call_one(), now
+            return
+        role, rank = key
+        silent_s = now - beat.answered
+        # Only a proc that answered here before (its pid known, so it can be killed):
+        # one still starting is left to the call deadline.
+        if (
+            silent_s > self.hang_s
+            and beat.pid is not None
+            and f"{role}[{rank}]" not in proc_pool.lost
+        ):
+            self.hung.append({"role": role, "rank": rank, "silent_s": silent_s})
+            beat.hung = True  # reported once
+            self.on_hang(role, rank, beat.pid, beat.host, silent_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -36,10 +36,11 @@ class HostChecks:
     checkpoint's size). `figures` (host -> figures), `quarantined` and `seconds`
     (each preflight's wall time) are what status.json shows."""
 
-    def __init__(self, meshes: Any, spec: Any = None):
+    def __init__(self, meshes: Any, spec: Any = None, health: Any = None):
         from meshrl.procs.health import Spec, versions
 
-        self.meshes = meshes
+        self.meshes = meshes  # (`RoleMeshes` sets itself here)
+        self.health = health  # `meshrl.config.health.HealthConfig`
         self.spec = spec if spec is not None else Spec()
         self.controller = versions()
         self.figures: dict[str, dict] = {}
@@ -115,7 +116,7 @@ class HostChecks:
         # A `process` job's hosts are this machine's subprocesses: their figures differ
         # only by who else computes at that moment, so only failures count there.
         rated = meshes.job_cfg.kind not in ("local", "process")
-        ratio = self.meshes.health.min_ratio if rated else 0.0
+        ratio = self.health.min_ratio if rated else 0.0
         findings = judge(by_name, failed, ratio, self.baseline, self.controller)
         took = time.monotonic() - started
         with self.lock:

@@ -26,7 +26,6 @@ from meshrl.procs import faultlog, proc_pool
 
 # (Their old home: callers import them from here.)
 from meshrl.procs.faultlog import debugging, log_fault  # noqa: F401
-from meshrl.procs.health_checks import HostChecks
 
 # (Their old home: callers import them from here.)
 from meshrl.procs.proc_pool import DEVICE_OFFSET_ENV, HOST_TAG_ENV, monarch_pids  # noqa: F401
@@ -303,8 +302,7 @@ class RoleMeshes:
         metric_prefix: dict[str, str] | None = None,
         process_group_roles: set[str] | None = None,
         log_dir: str | None = None,
-        health: Any = None,
-        preflight: Any = None,
+        checks: Any = None,
     ):
         from meshrl.procs.job import JobConfig, build_job, host_meshes
 
@@ -338,11 +336,11 @@ class RoleMeshes:
         """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
         self._notices: Any = None  # the scheduler's notices (SLURM: `NoticeWatch`), once asked
-        self.health = health  # `meshrl.config.health.HealthConfig`; None: no preflight
-        self.checks = (
-            HostChecks(self, preflight) if health is not None and health.preflight else None
-        )
-        """The preflight of every allocation (`meshrl.procs.health`), its figures for status."""
+        self.checks = checks
+        """The preflight of every allocation (`meshrl.procs.health_checks.HostChecks`:
+        `run(roles)` before any of their actors), its figures for status; None: none."""
+        if checks is not None:
+            checks.meshes = self
         self.observe = observe  # Monarch telemetry (`meshrl.observe.monarch.Observe`) or None
         # On one machine (local, process) the procs that compute at the same time
         # share its cores; elsewhere each proc takes its share of its own host's.

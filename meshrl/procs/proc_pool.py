@@ -200,9 +200,9 @@ def setup_proc(
     machine's shared memory (`meshrl.weights.publisher.host_id`)."""
     if host_tag:
         os.environ[HOST_TAG_ENV] = f"process-host-{host_process()}"
-    from meshrl.procs.health import install_stack_dump
+    from meshrl.procs.stacks import install_stack_dump
 
-    install_stack_dump()  # its stacks on demand, when it hangs (`meshrl.procs.health`)
+    install_stack_dump()  # its stacks on demand, when it hangs (`meshrl.procs.stacks`)
     # RDMA registration of CUDA memory wants expandable segments; the allocator
     # reads this at its first CUDA allocation, which comes later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
