@@ -80,7 +80,7 @@ def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_ha
         with cpu_quota(slurmd, 0.1):
             proc = start(
                 cluster, tmp_path, "health", "steps=10", "job.hosts.policy=2",
-                "health.hang_s=3", "warm_start.steps=2",
+                "health.hang_s=3", "warm_start.steps=2", "health.min_ratio=0.5",
                 # A slower environment (the same math): the run still steps when the
                 # proc is stopped.
                 "faults.episode_latency=0.25,0x1",
