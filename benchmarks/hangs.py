@@ -27,6 +27,8 @@ import tempfile
 import threading
 import time
 
+from meshrl.observe.status import alive_pid
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,19 +73,6 @@ def main() -> None:
             return sum(1 for line in f if line.strip())
         return 0
 
-    def policy_pid() -> int | None:
-        with contextlib.suppress(OSError, ValueError), open(os.path.join(run, "status.json")) as f:
-            procs = json.load(f)["procs"]
-            return next(
-                (
-                    p["pid"]
-                    for p in procs
-                    if p.get("role") == "policy" and p.get("state", "alive") == "alive"
-                ),
-                None,
-            )
-        return None
-
     times: list[float] = []
     try:
         for i in range(args.hangs):
@@ -91,7 +80,7 @@ def main() -> None:
                 time.sleep(0.1)
             pid = None
             while proc.poll() is None and pid is None:
-                pid = policy_pid()
+                pid = alive_pid(run, "policy")
                 try:  # (status.json may still name a proc replaced since)
                     seen, stopped = len(lines), time.monotonic()
                     os.kill(pid, signal.SIGSTOP) if pid else time.sleep(0.1)

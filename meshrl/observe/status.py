@@ -160,6 +160,22 @@ def read(run_dir: str) -> dict:
         return json.load(f)
 
 
+def alive_pid(run_dir: str, role: str) -> int | None:
+    """The pid of a live proc of `role` as the run's status.json lists it; None while
+    there is none (or no readable status.json yet): what a drill stops or kills."""
+    with contextlib.suppress(OSError, ValueError):
+        procs = read(str(run_dir)).get("procs", [])
+        return next(
+            (
+                p["pid"]
+                for p in procs
+                if p.get("role") == role and p.get("state", "alive") == "alive"
+            ),
+            None,
+        )
+    return None
+
+
 def read_running(run_dir: str) -> dict:
     """The `status.json` of a run still going; ValueError (one line) when there is
     none, or the run has finished (for commands that talk to a live run)."""

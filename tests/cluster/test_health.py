@@ -7,13 +7,13 @@ and the run's jobs leave the queue within seconds of its end."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
 
 import pytest
 
+from meshrl.observe.status import alive_pid
 from meshrl.procs import proc_pool
 from tests.cluster.test_cluster import assert_ledger_exact, finish, history, start, status
 
@@ -49,20 +49,6 @@ def cpu_quota(pid: int, share: float):
             time.sleep(0.1)
 
 
-def policy_proc(run_dir) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        procs = json.loads((run_dir / "status.json").read_text())["procs"]
-        return next(
-            (
-                p["pid"]
-                for p in procs
-                if p.get("role") == "policy" and p.get("state", "alive") == "alive"
-            ),
-            None,
-        )
-    return None
-
-
 def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_hang_s(
     slurm_cluster, tmp_path, no_stray_procs
 ):
@@ -90,7 +76,7 @@ def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_ha
                 while len(history(tmp_path, "health")) < 2:
                     assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-3000:]
                     time.sleep(0.2)
-                while (stopped := policy_proc(tmp_path / "health")) is None:
+                while (stopped := alive_pid(tmp_path / "health", "policy")) is None:
                     assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-3000:]
                     time.sleep(0.2)
                 os.kill(stopped, signal.SIGSTOP)

@@ -13,7 +13,7 @@ from algorithms.ppo import PPO, PPOConfig
 from meshrl.config import load_config
 from meshrl.loop import checkpoint, export
 from tests.conftest import REPO
-from tests.support.runs import StopAt
+from tests.support.runs import LOOK_BACK, StopAt
 
 
 class StopAtStep(StopAt, GRPO):
@@ -62,7 +62,10 @@ def configure(schema, config, tmp_path, name, *overrides):
 def metrics(path):
     with open(path) as f:
         records = [json.loads(line) for line in f]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k not in LOOK_BACK}
+        for r in records
+    ]
 
 
 @pytest.mark.e2e

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from meshrl.observe.status import alive_pid
 from meshrl.procs import proc_pool, zygote
 from tests.conftest import DEFAULT_CONFIG, REPO
 
@@ -40,20 +41,6 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def policy_pid(status_path) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        procs = json.loads(status_path.read_text())["procs"]
-        return next(
-            (
-                p["pid"]
-                for p in procs
-                if p.get("role") == "policy" and p.get("state", "alive") == "alive"
-            ),
-            None,
-        )
-    return None
-
-
 @pytest.mark.skip(
     reason="BROKEN since d4317a5 (issue 68 stays open): the SIGSTOPped policy proc is not "
     "found by the heartbeat and the run does not end within 180 s; the cluster test "
@@ -76,7 +63,7 @@ def test_a_stopped_policy_proc_is_found_by_its_heartbeat_its_stacks_logged_and_r
         while len(records(run / "metrics.jsonl")) < 1 and proc.poll() is None:
             assert time.monotonic() < deadline, "no step 2"
             time.sleep(0.1)
-        while (stopped := policy_pid(run / "status.json")) is None:
+        while (stopped := alive_pid(run, "policy")) is None:
             assert time.monotonic() < deadline and proc.poll() is None, "no policy proc"
             time.sleep(0.2)
         os.kill(stopped, signal.SIGSTOP)

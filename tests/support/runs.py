@@ -18,6 +18,10 @@ QUIET = ["run.progress=false", "run.save_final=false"]
 
 
 SHARED_PAGES = ("observability.md", "reliability.md", "environments.md")
+LOOK_BACK = ("health/entropy_ratio", "health/reward_flat_steps")
+"""Health figures that look back over the run's records (the first step's entropy,
+the steps of flat reward): a run resumed into a new directory has none of those
+records, so they start afresh there (docs/observability.md)."""
 
 
 def undocumented_metrics(records: list[dict], page: str) -> list[str]:
