@@ -191,14 +191,17 @@ def _job(
     return job
 
 
-def joining_job(cfg: JobConfig, role: str, index: int | str) -> tuple[Any, str]:
+def joining_job(
+    cfg: JobConfig, role: str, index: int | str, log_dir: str | None = None
+) -> tuple[Any, str]:
     """A one-host job of `cfg`'s kind for a proc of `role` past the run's hosts
-    (its host `index`), and the name of its host mesh; nothing is started yet."""
+    (its host `index`), and the name of its host mesh; nothing is started yet.
+    `log_dir`: where a SLURM job writes its output (the run's, as for its other jobs)."""
     if cfg.kind == "local":
         raise ValueError("a local job has one host")
     name = f"{role}joined{index}"  # (Kubernetes: lowercase letters and digits)
     one = replace(cfg, hosts={name: 1})  # (SLURM: job `<job.name>-<name>`)
-    return _job(one, [name], False), mesh_name(one, name)
+    return _job(one, [name], False, (), log_dir), mesh_name(one, name)
 
 
 def host_meshes(cfg: JobConfig, job: Any, roles: list[str], observe: Any = None) -> dict[str, Any]:

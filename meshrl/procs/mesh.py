@@ -335,6 +335,7 @@ class RoleMeshes:
         self.elastic = set(elastic) & set(self.counts)
         """Roles whose procs are a `meshrl.procs.pool.ProcGroup`: they can grow and shrink."""
         self.job: Any = None
+        self.log_dir = log_dir  # SLURM jobs' output, hosts that join later included
         self._notices: Any = None  # the scheduler's notices (SLURM: `NoticeWatch`), once asked
         self.checks = checks
         """The preflight of every allocation (`meshrl.procs.health_checks.HostChecks`:
@@ -493,7 +494,14 @@ class RoleMeshes:
             return (threads, 1, offset + slot, self.job_cfg.fork_server)
 
         group = make_group(
-            role, self.job_cfg, self._host_mesh(role), count, spawn_proc, pool_key, wait
+            role,
+            self.job_cfg,
+            self._host_mesh(role),
+            count,
+            spawn_proc,
+            pool_key,
+            wait,
+            self.log_dir,
         )
         if kind == "slurm":
             group.renew = functools.partial(renew_slurm_hosts, self, role)

@@ -400,7 +400,7 @@ def renew_slurm_hosts(meshes: Any, role: str, hosts: list[Host]) -> None:
                 continue
             note_lost(host.job.allocations.dead_nodes(joined))
         stop_host(host, role)
-        hosts[index] = join_host(meshes.job_cfg, role, f"{index}r{next(_renewals)}")
+        hosts[index] = join_host(meshes.job_cfg, role, f"{index}r{next(_renewals)}", meshes.log_dir)
 
 
 def make_group(
@@ -411,24 +411,27 @@ def make_group(
     spawn_proc: Callable[[Any, int], Any],
     pool_key: Callable[[int], tuple | None],
     wait: Callable[[Any, str, float], Any],
+    log_dir: str | None = None,
 ) -> ProcGroup:
-    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig)."""
+    """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig; the
+    SLURM output of hosts that join it in `log_dir`)."""
     limit, reason = limit_of(job, role, per_host)
     if job.kind == "local":  # one host: a slot per proc it may have, and spares
         hosts, slots = [Host(host_mesh)], limit + 64
     else:
         hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
         slots = per_host
-    add = (lambda index: join_host(job, role, f"{index}")) if job.kind != "local" else None
+    add = (lambda index: join_host(job, role, f"{index}", log_dir)) if job.kind != "local" else None
     return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
 
 
-def join_host(job_cfg: Any, role: str, index: str) -> Host:
+def join_host(job_cfg: Any, role: str, index: str, log_dir: str | None = None) -> Host:
     """A host that joins the run for `role`: a one-host Monarch job of the run's
-    kind (`meshrl.procs.job.joining_job`), stopped with its last member."""
+    kind (`meshrl.procs.job.joining_job`; its SLURM output in `log_dir`), stopped
+    with its last member."""
     from meshrl.procs.job import joining_job
 
-    job, name = joining_job(job_cfg, role, index)
+    job, name = joining_job(job_cfg, role, index, log_dir)
     try:
         return Host(getattr(job.state(cached_path=None), name), job)
     except BaseException:
