@@ -5,7 +5,10 @@ With `placement.sharding=ddp` every proc of the trainer mesh holds a full
 replica and gradients are averaged through DDP; with `fsdp` parameters,
 gradients and optimizer state are sharded over the procs (FSDP2); `tp` and
 `fsdp_tp` split the decoder's linear layers with tensor parallelism (and FSDP2
-over groups of it): meshrl/procs/parallel.py. Every layout but ddp writes
+over groups of it): meshrl/procs/parallel.py. `pp`, `fsdp_pp` and `fsdp_tp_pp`
+split its layers into pipeline stages run by a schedule of torch's pipelining
+(meshrl/procs/pipeline.py), each stage's procs DDP replicas, FSDP2 shards or
+tensor-parallel groups with FSDP2 across them. Every layout but ddp writes
 checkpoints shard by shard (torch.distributed.checkpoint). torch.distributed
 runs gloo on CPU, NCCL on GPU. The loss is the
 algorithm's: a picklable `loss_fn(logprobs [B, T], batch) -> (loss, metrics)`
@@ -31,11 +34,17 @@ from meshrl.model import lora
 from meshrl.model.files import load_state, save_state
 from meshrl.model.hf import save_hf
 from meshrl.model.losses import nll_loss
-from meshrl.model.models import batch_logprobs, device_for_this_proc, load_model
+from meshrl.model.models import (
+    batch_logprobs,
+    device_for_this_proc,
+    load_model,
+    token_logprobs,
+)
 from meshrl.model.optim import build_optimizer
 from meshrl.model.routing import Replay, routers
 from meshrl.model.vision import FROZEN_VISION
 from meshrl.observe.telemetry import observed
+from meshrl.procs.expert_parallel import expert_blocks, gather_blocks
 from meshrl.procs.faults import Drillable
 from meshrl.procs.parallel import (
     accumulated_gradients,
@@ -44,9 +53,11 @@ from meshrl.procs.parallel import (
     full_parameters,
     is_sharded,
     load_sharded,
+    pipeline_parallel,
     save_sharded,
     shutdown,
 )
+from meshrl.procs.pipeline import broadcast_from_last, gather_over
 from meshrl.procs.reshard import replica_parts
 from meshrl.types import TrainBatch
 from meshrl.weights.peer_state import PeerState
@@ -82,6 +93,10 @@ class Trainer(PeerState, Drillable, Actor):
         replica_tp: int = 1,
         precision: str = "fp32",
         precisions: tuple[str, ...] = ("fp32",),
+        pp: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int = 4,
+        ep: int = 1,
     ):
         """`layout`: how a batch is laid out for the forward pass (`trainer.layout`,
         meshrl.model.packing). `routing_replay` (MoE models): a batch's recorded routes
@@ -95,7 +110,12 @@ class Trainer(PeerState, Drillable, Actor):
         and optimizer state, each forward's matmuls in bfloat16 under autocast.
         `precisions`: each version is published once in each (`policy.precision`
         of the replicas, fp32 for a reference or critic that pulls it), converted
-        here (`meshrl.weights.precision`)."""
+        here (`meshrl.weights.precision`).
+        `pp` > 1 (`placement.pp` of the pipelined `sharding`s): this proc holds its
+        stages only, run by `pp_schedule` (`trainer.pp_schedule`) over
+        `pp_microbatches` micro-batches of each pass (`trainer.pp_microbatches`).
+        `ep` > 1 (`placement.ep`): a mixture of experts' experts spread over the
+        procs (`meshrl.procs.expert_parallel`)."""
         check_precisions(precision, precisions, model_cfg.dtype, replica_tp)
         self.precision = precision
         if model_cfg.dtype == "bfloat16":  # its own bytes are bf16 already: named so
@@ -111,19 +131,22 @@ class Trainer(PeerState, Drillable, Actor):
         if model_cfg.lora.rank:  # adapters only train; the rest sees merged weights
             frozen = None if model_cfg.vision.train else FROZEN_VISION  # no adapters there
             self.model = lora.wrap(self.model, model_cfg.lora, seed, frozen)
-        # MoE routers: measured against a batch's recorded routes, replayed if asked.
+        # MoE routers: measured against a batch's recorded routes, replayed if asked
+        # (not across pipeline stages: the config refuses replay there).
         self.routing = Replay(self.model, routing_replay) if routers(self.model) else None
-        self.module = data_parallel(
-            self.model,
-            self.device,
-            self.rank,
-            self.world_size,
-            master,
-            sizes.get("procs"),
-            sharding,
-            tp,
-        )
-        self.sharded = is_sharded(self.model)
+        where = (self.device, self.rank, self.world_size, master, sizes.get("procs"))
+        self.pipeline = None
+        if pp > 1:
+            self.routing = None
+            self.pipeline = pipeline_parallel(
+                self.model, *where, sharding, tp, pp, pp_schedule, pp_microbatches
+            )
+            self.module = None
+        else:
+            self.module = data_parallel(self.model, *where, sharding, tp, ep=ep)
+        self._blocks = expert_blocks(self.model)  # (ep > 1: each proc's experts)
+        # Ranks that hold different parts: checkpoints are DCP's, no rank heals another.
+        self.sharded = is_sharded(self.model) or self.pipeline is not None or bool(self._blocks)
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.loss_fn = loss_fn
@@ -131,8 +154,13 @@ class Trainer(PeerState, Drillable, Actor):
         self.layout = layout
         self.temperature = temperature
         # Whoever owns weights publishes them: rank 0 of replicas, every rank of shards
-        # (of what tensor parallelism keeps whole on every rank: rank 0).
-        self._owns, self._split, self._fp8_names = self.rank == 0 or self.sharded, split, fp8_names
+        # (of what tensor parallelism keeps whole on every rank: rank 0); under a
+        # pipeline, each stage's proc at dp and tp coordinate 0 and every shard's.
+        self._whole = self.rank == 0
+        if self.pipeline is not None:
+            self._whole = self.pipeline.coords[1:] == (0, 0)
+        self._owns = self._whole or is_sharded(self.model) or bool(self._blocks)
+        self._split, self._fp8_names = split, fp8_names
         self.shm_prefix, self.replica_tp = shm_prefix, replica_tp
         self.publishers: list[WeightPublisher] = []
         self._publish_in(precisions)
@@ -152,7 +180,8 @@ class Trainer(PeerState, Drillable, Actor):
                 self.model,
                 self.shm_prefix,
                 parameters=wire_source(self.served_parameters, wire, self._fp8_names),
-                owns_whole=self.rank == 0,
+                owns_whole=self._whole,
+                placed=self._blocks,
                 split=self._split,
                 precision=wire,
             )
@@ -180,12 +209,60 @@ class Trainer(PeerState, Drillable, Actor):
             return batch_logprobs(module, batch, self.temperature, self.layout, self.routing)
 
     def _eval_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """`_logprobs` of the unwrapped model in eval mode, without a gradient."""
+        """`_logprobs` of the unwrapped model in eval mode, without a gradient
+        (pipelined: through the stages, the last one's on every rank)."""
         self.model.eval()
         with torch.no_grad():
-            logprobs = self._logprobs(self.model, batch)
+            if self.pipeline is None:
+                logprobs = self._logprobs(self.model, batch)
+            else:
+                T = batch.num_completion_tokens
+                with compute_precision(self.precision, self.device):
+                    _, outs = self.pipeline.run(batch.input_ids, batch.attention_mask, T + 1)
+                logprobs = None
+                if self.pipeline.last:
+                    targets = batch.input_ids[:, -T:]
+                    logprobs = token_logprobs(outs[0][:, :-1], targets, self.temperature)
+                last = self.pipeline.last
+                logprobs = broadcast_from_last(logprobs, self.pipeline.group, last)
+                logprobs = logprobs.to(self.device)
         self.model.train()
         return logprobs
+
+    def _pipelined(self, parts: list, loss_fn: LossFn) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of each part through the pipeline's schedule
+        (gradients accumulate); the summed loss and metrics, the last stage's on
+        every rank. An empty part runs the first again with its loss times 0, as
+        `backward_each` does: every data-parallel rank runs as many passes."""
+        total, metrics = torch.zeros(()), {}
+        pipeline = self.pipeline
+        for part in parts:
+            empty = len(part) == 0
+            run = parts[0] if empty else part
+            T = run.num_completion_tokens
+            seen: list[dict] = []
+
+            def loss_of_rows(logits, rows, run=run, T=T, seen=seen, empty=empty):
+                piece = run.rows(rows)
+                targets = piece.input_ids[:, -T:]
+                logprobs = token_logprobs(logits[:, :-1], targets, self.temperature)
+                loss, part_metrics = loss_fn(logprobs, piece)
+                if empty:
+                    return loss * 0
+                seen.append(part_metrics)
+                return loss
+
+            with compute_precision(self.precision, self.device):
+                losses, _ = pipeline.run(run.input_ids, run.attention_mask, T + 1, loss_of_rows)
+            if not empty:
+                total = total + sum(
+                    (loss.detach().float().cpu() for loss in losses), torch.zeros(())
+                )
+                for part_metrics in seen:
+                    for key, value in part_metrics.items():
+                        metrics[key] = metrics.get(key, 0.0) + value
+        total, metrics = broadcast_from_last((total, metrics), pipeline.group, pipeline.last)
+        return total, metrics
 
     def _loss_of(self, loss_fn: LossFn):
         """`loss_fn` of one micro-batch, its log-probs through the data-parallel module."""
@@ -196,12 +273,16 @@ class Trainer(PeerState, Drillable, Actor):
         Each pass's loss divides by the whole batch's counts (`batch.scale`), so
         the accumulated, rank-averaged gradient is the whole batch's."""
         batch = batch.apply(lambda t: t.to(self.device))
+        pipeline = self.pipeline
         loss, metrics, grad_norm, skipped = accumulated_step(
             batch.split(self.micro_batches),
             self._loss_of(loss_fn),
             self.model,
             optimizer,
             self.optim_cfg.max_grad_norm,
+            backward=None if pipeline is None else lambda parts: self._pipelined(parts, loss_fn),
+            stages=None if pipeline is None else pipeline.group,
+            local=self._blocks,
         )
         metrics["train/grad_norm"] = grad_norm
         metrics["train/loss"] = loss
@@ -252,9 +333,15 @@ class Trainer(PeerState, Drillable, Actor):
         ranks, before clipping), full tensors on CPU, with no step (for
         inspection and tests; every rank must be called)."""
         batch = batch.apply(lambda t: t.to(self.device))
-        return accumulated_gradients(
-            batch.split(self.micro_batches), self._loss_of(self.loss_fn), self.model
+        pipeline = self.pipeline
+        grads = accumulated_gradients(
+            batch.split(self.micro_batches),
+            self._loss_of(self.loss_fn),
+            self.model,
+            backward=None if pipeline is None else lambda p: self._pipelined(p, self.loss_fn),
         )
+        grads = gather_blocks(grads, self._blocks)
+        return grads if pipeline is None else gather_over(grads, pipeline.group)
 
     @endpoint
     def set_loss(self, loss_fn: LossFn) -> None:
@@ -279,7 +366,13 @@ class Trainer(PeerState, Drillable, Actor):
         schedule and version, and model and optimizer unless sharded) and, when
         sharded, `trainer_shards/` (every rank its shards)."""
         if self.sharded:
-            save_sharded(f"{directory}/trainer_shards", self.model, self.optimizer)
+            save_sharded(
+                f"{directory}/trainer_shards",
+                self.model,
+                self.optimizer,
+                self._blocks,
+                flat=self.pipeline is not None,
+            )
             parts = {}
         else:
             parts = {"model": self.model, "optimizer": self.optimizer}
@@ -294,7 +387,13 @@ class Trainer(PeerState, Drillable, Actor):
         """Every rank restores what `save_state` wrote; returns the version."""
         parts = {} if self.sharded else {"model": self.model, "optimizer": self.optimizer}
         if self.sharded:
-            load_sharded(f"{directory}/trainer_shards", self.model, self.optimizer)
+            load_sharded(
+                f"{directory}/trainer_shards",
+                self.model,
+                self.optimizer,
+                self._blocks,
+                flat=self.pipeline is not None,
+            )
         extra = load_state(f"{directory}/trainer.pt", scheduler=self.scheduler, **parts)
         self.version = extra["version"]
         return self.version
@@ -374,6 +473,10 @@ class Trainer(PeerState, Drillable, Actor):
         state = None
         if self.sharded:
             state = {name: t.detach().cpu() for name, t in full_parameters(self.model)}
+        if self.pipeline is not None:  # every stage's, on rank 0
+            state = gather_over(state, self.pipeline.group)
+        if self._blocks:  # every proc's experts
+            state = gather_blocks(state, self._blocks)
         if self.rank == 0:
             save_hf(self.model, self.model_cfg, path, state)
 
@@ -383,7 +486,9 @@ class Trainer(PeerState, Drillable, Actor):
         inspection and tests; every rank must be called when sharded)."""
         if lora.is_lora(self.model):
             return {name: t.detach().cpu().clone() for name, t in self.served_parameters()}
-        return {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
+        state = {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
+        state = gather_blocks(state, self._blocks)
+        return state if self.pipeline is None else gather_over(state, self.pipeline.group)
 
     def __del__(self):
         for publisher in self.publishers:

@@ -32,14 +32,16 @@ from meshrl.loop.elastic import PoolConfig
 from meshrl.loop.evaluation import EvalConfig
 from meshrl.loop.weight_sync import WeightsConfig
 from meshrl.model.engines import vllm_missing
-from meshrl.model.models import check_tensor_parallel
+from meshrl.model.models import check_layout
 from meshrl.model.routing import check_routing
 from meshrl.model.tokenizer import check_tokenizer_fits
 from meshrl.procs.faults import FaultsConfig
 from meshrl.procs.job import JobConfig
 
 
-def check_inputs(model: ModelConfig, placement: PlacementConfig, task: TaskConfig | None) -> None:
+def check_inputs(
+    model: ModelConfig, placement: PlacementConfig, task: TaskConfig | None, trainer: Any = None
+) -> None:
     """What a run's config names, checked by the layers that know it, when the
     config loads (an algorithm config's `validate`, so the CLI and `load_config`
     in Python both refuse it before any proc is spawned): a saved model's
@@ -48,7 +50,7 @@ def check_inputs(model: ModelConfig, placement: PlacementConfig, task: TaskConfi
     the environment `task.name` resolves to and the rows of `task.dataset`
     (`meshrl.envs`). The sections' own `validate` checks their keys' values."""
     check_tokenizer_fits(model)
-    check_tensor_parallel(model, placement)
+    check_layout(model, placement, trainer)
     if task is not None:
         check_task(task)
 
@@ -58,7 +60,7 @@ def check_sections(cfg: Any, task: Any = None) -> None:
     the placement against the model, and the model's inputs (and the task's)."""
     validate_sections(cfg)
     check_placement(cfg.model, cfg.placement)
-    check_inputs(cfg.model, cfg.placement, task)
+    check_inputs(cfg.model, cfg.placement, task, cfg.trainer)
     cfg.trainer.check_precision(cfg.model)
 
 

@@ -36,8 +36,8 @@ def spawn_trainer(
     routing replay, `trainer.precision`): its LR schedule over `cfg.total_updates`
     optimizer steps, `loss` (the algorithm's loss object, pickled whole to every
     proc), its log-probs at the sampling `temperature` (1 where nothing samples),
-    `placement.sharding`, and its tensor-parallel groups (`placement.trainer_tp`:
-    each group's procs take the same rows). It publishes each version in the
+    `placement.sharding`, and its groups of procs that take the same rows
+    (`placement.trainer_group`: a pipeline's stages of tensor-parallel groups). It publishes each version in the
     replicas' precision (`policy.precision`; `replicas` False: an algorithm with
     none), and in its own where `full_readers` pull it too (a frozen reference
     copy, a critic's backbone). Its weight slots:
@@ -61,8 +61,12 @@ def spawn_trainer(
         layout=cfg.trainer.layout,
         routing_replay=cfg.trainer.routing_replay,
         rendezvous=True,
-        tensor_parallel=cfg.placement.trainer_tp,
+        tensor_parallel=cfg.placement.trainer_group,
         precision=cfg.trainer.precision,
+        pp=cfg.placement.trainer_pp,
+        pp_schedule=cfg.trainer.pp_schedule,
+        pp_microbatches=cfg.trainer.pp_microbatches,
+        ep=cfg.placement.ep,
         precisions=cfg.trainer.published(cfg.model, cfg.policy if replicas else None, full_readers),
     )
 

@@ -28,7 +28,7 @@ from meshrl.config.policy import PolicyConfig  # noqa: F401
 from meshrl.config.trainer import TrainerConfig  # noqa: F401
 from meshrl.config.vision import VisionConfig
 
-SHARDINGS = ("ddp", "fsdp", "tp", "fsdp_tp")
+SHARDINGS = ("ddp", "fsdp", "tp", "fsdp_tp", "pp", "fsdp_pp", "fsdp_tp_pp")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "gpt2")
 """`model.arch`'s embedded text models (built by `meshrl.model.architectures`)."""
 VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -273,11 +273,23 @@ class PlacementConfig:
     (parameters, gradients and optimizer state sharded with FSDP2); tp (the
     decoder's linear layers split over every proc with tensor parallelism, the
     plan transformers ships for llama, mistral, qwen2, qwen3 and gemma2); or
-    fsdp_tp (groups of `tp` procs tensor-parallel, FSDP2 across the groups).
-    Every layout but ddp checkpoints sharded, through
-    torch.distributed.checkpoint. The critic runs ddp."""
+    fsdp_tp (groups of `tp` procs tensor-parallel, FSDP2 across the groups);
+    pp, fsdp_pp, fsdp_tp_pp (the layers split into `pp` pipeline stages run by
+    `trainer.pp_schedule`, each stage's procs DDP replicas, FSDP2 shards, or `tp`
+    tensor-parallel procs with FSDP2 across them: docs/launch.md). Every layout
+    but ddp checkpoints sharded, through torch.distributed.checkpoint. The critic
+    runs ddp."""
     tp: int = 2
-    """fsdp_tp only: procs per tensor-parallel group; it divides `trainer`."""
+    """fsdp_tp and fsdp_tp_pp only: procs per tensor-parallel group; it divides
+    `trainer`."""
+    pp: int = 2
+    """pp, fsdp_pp and fsdp_tp_pp only: pipeline stages (each a group of procs:
+    `trainer` / pp of them); with `tp`, pp x tp divides `trainer`."""
+    ep: int = 1
+    """Mixture-of-experts models: procs the experts are spread over (expert
+    parallelism; tokens go to their experts' proc and back with all-to-all):
+    1 (every proc holds every expert) or `trainer` (with sharding ddp or fsdp:
+    each proc holds its share of each layer's experts)."""
     policy_tp: int = 1
     """Procs per policy replica: above 1, each replica's model is split over that
     many procs with tensor parallelism (the trainer's plan, `sharding`), for a
@@ -307,11 +319,45 @@ class PlacementConfig:
                 "placement.tp",
                 f"{self.tp} must be >= 2 and divide placement.trainer ({self.trainer})",
             )
+        if self.sharding.endswith("pp"):
+            _check(self.pp >= 2, "placement.pp", f"{self.pp} must be >= 2 ({self.sharding})")
+            _check(
+                self.trainer % (self.pp * self.trainer_tp) == 0,
+                "placement.pp",
+                f"{self.pp} stages x {self.trainer_tp} tensor-parallel procs do not divide "
+                f"placement.trainer ({self.trainer})",
+            )
+        if self.sharding == "fsdp_tp_pp":
+            _check(self.tp >= 2, "placement.tp", f"{self.tp} must be >= 2 (fsdp_tp_pp)")
+        _check(
+            self.ep in (1, self.trainer),
+            "placement.ep",
+            f"{self.ep} is neither 1 nor placement.trainer ({self.trainer}): the experts "
+            "are spread over every trainer proc",
+        )
+        _check(
+            self.ep == 1 or self.sharding in ("ddp", "fsdp"),
+            "placement.ep",
+            f"expert parallelism goes with placement.sharding ddp or fsdp, not {self.sharding}",
+        )
 
     @property
     def trainer_tp(self) -> int:
         """Procs per tensor-parallel group of the trainer (1: none)."""
-        return {"tp": self.trainer, "fsdp_tp": self.tp}.get(self.sharding, 1)
+        return {"tp": self.trainer, "fsdp_tp": self.tp, "fsdp_tp_pp": self.tp}.get(
+            self.sharding, 1
+        )
+
+    @property
+    def trainer_pp(self) -> int:
+        """Pipeline stages of the trainer (1: none)."""
+        return self.pp if self.sharding.endswith("pp") else 1
+
+    @property
+    def trainer_group(self) -> int:
+        """Trainer procs that take the same rows of a batch: a pipeline of
+        tensor-parallel groups (1: each proc its own rows)."""
+        return self.trainer_tp * self.trainer_pp
 
 
 @dataclass
@@ -501,11 +547,16 @@ class RunConfig:
 def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
     """The trainer's layout against the model's training: LoRA trains with ddp.
     (Whether tensor parallelism can split the model's layers is checked when the
-    run starts: `meshrl.model.models.check_tensor_parallel`.)"""
+    run starts: `meshrl.model.models.check_layout`.)"""
     _check(
         not model.lora.rank or placement.sharding == "ddp",
         "model.lora.rank",
         f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
+    )
+    _check(
+        model.arch == "qwen3_moe" or model.path is not None or placement.ep == 1,
+        "placement.ep",
+        f"{placement.ep}: model.arch {model.arch} has no experts to spread",
     )
 
 

@@ -10,6 +10,8 @@ LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.model.packing)."""
 PRECISIONS = ("fp32", "bf16-mixed")
 """`trainer.precision`'s values (`meshrl.weights.precision`)."""
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+"""`trainer.pp_schedule`'s values (`meshrl.procs.pipeline`)."""
 CORRECTIONS = ("none", "tis", "mis-token", "mis-sequence", "icepop", "geo-mask")
 """`trainer.correction`'s train-inference mismatch corrections (`meshrl.model.losses`)."""
 CORRECTION_HIGH = {
@@ -74,8 +76,26 @@ class TrainerConfig:
     `policy.record_routes`. The `routing/` metrics count the tokens whose
     routing differs either way."""
 
+    pp_schedule: str = "1f1b"
+    """Pipelined layouts (`placement.sharding` pp, fsdp_pp, fsdp_tp_pp): the
+    schedule of torch's pipelining that runs each pass: gpipe (every
+    micro-batch's forward, then every backward), 1f1b (one forward, one backward
+    in turn: fewer activations held) or interleaved (1f1b over 2 stages per
+    proc, loop style: a smaller bubble)."""
+    pp_microbatches: int = 4
+    """Pipelined layouts: micro-batches each pass is split into by the schedule
+    (1f1b and interleaved: at least the stages; a shard with fewer rows runs
+    as many as it has). The bubble of gpipe and 1f1b is (pp - 1) / (m + pp - 1)
+    of the pass for m micro-batches."""
+
     def validate(self) -> None:
         check(self.micro_batches >= 1, "trainer.micro_batches", "must be >= 1")
+        check(
+            self.pp_schedule in PP_SCHEDULES,
+            "trainer.pp_schedule",
+            f"'{self.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}",
+        )
+        check(self.pp_microbatches >= 1, "trainer.pp_microbatches", "must be >= 1")
         self.recompute_old_logprobs = str(self.recompute_old_logprobs).lower()
         check(
             self.recompute_old_logprobs in ("auto", "true", "false"),

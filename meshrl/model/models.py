@@ -59,7 +59,7 @@ from meshrl.model.tree import (
     tree,
     tree_outputs,
 )
-from meshrl.procs import tensor_parallel
+from meshrl.procs import pipeline, tensor_parallel
 from meshrl.procs.mesh import DEVICE_OFFSET_ENV
 
 if TYPE_CHECKING:
@@ -81,12 +81,14 @@ def embedded_config(cfg: ModelConfig, vocab_size: int, **ids) -> PretrainedConfi
     )
 
 
-def check_tensor_parallel(cfg: ModelConfig, placement: PlacementConfig) -> None:
+def check_layout(cfg: ModelConfig, placement: PlacementConfig, trainer: Any = None) -> None:
     """Whether `placement`'s tensor parallelism can split this model's layers
-    (`meshrl.procs.tensor_parallel.check_placement`), from its config.json or the
+    (`meshrl.procs.tensor_parallel.check_placement`) and its pipeline stages
+    (`meshrl.procs.pipeline.check_placement`), from its config.json or the
     embedded model's config at its sizes; another run's directory is checked by
-    the trainer when it loads. Run when a run starts, before any proc is spawned."""
-    if placement.policy_tp == 1 and placement.trainer_tp == 1:
+    the trainer when it loads (`trainer`: its `trainer:` section, for the
+    pipeline's schedule). Run when a run starts, before any proc is spawned."""
+    if placement.policy_tp == 1 and placement.trainer_group == 1:
         return
     if cfg.path is None:
         config = embedded_config(cfg, vocab_size=64)  # (the split needs no vocabulary)
@@ -96,6 +98,7 @@ def check_tensor_parallel(cfg: ModelConfig, placement: PlacementConfig) -> None:
         except (OSError, ValueError):  # a run directory: the trainer checks when it loads
             return
     tensor_parallel.check_placement(placement, config)
+    pipeline.check_placement(placement, config, trainer)
 
 
 def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> list[int]:

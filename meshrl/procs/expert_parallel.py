@@ -233,16 +233,43 @@ def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
 def shard_with_experts(model: torch.nn.Module, mesh, names: list[str]) -> torch.nn.Module:
     """FSDP2 as `meshrl.procs.parallel.data_parallel` applies it (one unit per
     decoder layer, then the root, over `mesh`; None: the whole world), with the
-    parameters `names` passed as `ignored_params`: they stay plain tensors on
-    each rank, and their gradients are not reduced. Returns `model`."""
-    from torch.distributed.fsdp import fully_shard
+    parameters `names` left out (`shard_layers`' `ignored`): they stay plain
+    tensors on each rank, and their gradients are not reduced. Returns `model`."""
+    from meshrl.procs.parallel import shard_layers
 
-    wanted = set(names)
-    ignored = {param for name, param in model.named_parameters() if name in wanted}
-    if len(ignored) != len(wanted):
-        raise ValueError("shard_with_experts: some names are not parameters of the model")
-    for module in model.modules():
-        if type(module).__name__.endswith("DecoderLayer"):
-            fully_shard(module, mesh=mesh, ignored_params=ignored & set(module.parameters()))
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    shard_layers(model, mesh, names)
     return model
+
+
+def expert_blocks(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each rank-local expert parameter of `model` (after `expert_parallel`): where
+    its chunk starts in the whole parameter, and the whole parameter's shape (for
+    publishing and checkpointing the chunk as the block of the whole it is)."""
+    found = {}
+    for prefix, module in model.named_modules():
+        placed = getattr(module, "_meshrl_ep", None)
+        if placed is None:
+            continue
+        _, _, start, _, _ = placed
+        for name, param in module.named_parameters(recurse=False):
+            whole = (module.num_experts, *param.shape[1:])
+            found[f"{prefix}.{name}" if prefix else name] = (
+                (start,) + (0,) * (param.dim() - 1),
+                whole,
+            )
+    return found
+
+
+def gather_blocks(state: dict[str, torch.Tensor], blocks: dict) -> dict[str, torch.Tensor]:
+    """`state` (name -> this rank's tensor) with each parameter of `blocks`
+    (`expert_blocks`) whole: the ranks' chunks gathered and joined on dim 0, on
+    every rank (collective over the world)."""
+    if not blocks:
+        return state
+    chunks: list = [None] * dist.get_world_size()
+    mine = {name: state[name] for name in blocks if name in state}
+    dist.all_gather_object(chunks, mine)
+    whole = dict(state)
+    for name in mine:
+        whole[name] = torch.cat([chunk[name] for chunk in chunks])
+    return whole

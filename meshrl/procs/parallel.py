@@ -151,27 +151,20 @@ class Rendezvous(Actor):
             remove_private_store(address)
 
 
-def data_parallel(
-    model: torch.nn.Module,
+def init_group(
     device: torch.device,
     rank: int,
     world_size: int,
     master: tuple[str, int],
     ranks_per_host: int | None = None,
-    sharding: str = "ddp",
-    tp: int = 1,
     timeout: timedelta | None = None,
-) -> torch.nn.Module:
-    """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
-    place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
-    group); itself when there is one proc. `master` is where the ranks meet, from
-    `Rendezvous`: a FileStore's (``file://`` path, 0) when every rank runs on this
-    host (`private_store`), else rank 0's (address, port), whose store rank 0
-    takes; or any free port of the caller's choosing. `timeout`: how long a
-    collective waits for the other ranks before it fails (default: torch's).
-    Returns the module to call."""
-    if world_size == 1:
-        return model
+) -> None:
+    """Join this mesh's process group (gloo, or NCCL where every rank has a GPU of
+    its own) at `master`, from `Rendezvous`: a FileStore's (``file://`` path, 0)
+    when every rank runs on this host (`private_store`), else rank 0's (address,
+    port), whose store rank 0 takes; or any free port of the caller's choosing.
+    `timeout`: how long a collective waits for the other ranks before it fails
+    (default: torch's)."""
     address, port = master
     if address.startswith(FILE_STORE):  # this host only: each rank opens the file
         store = dist.FileStore(address[len(FILE_STORE) :], world_size)
@@ -195,10 +188,41 @@ def data_parallel(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+
+
+def data_parallel(
+    model: torch.nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    master: tuple[str, int],
+    ranks_per_host: int | None = None,
+    sharding: str = "ddp",
+    tp: int = 1,
+    timeout: timedelta | None = None,
+    ep: int = 1,
+) -> torch.nn.Module:
+    """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
+    place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
+    group); itself when there is one proc. `ep` (every proc, with ddp or fsdp):
+    a mixture of experts' experts spread over the procs first
+    (`meshrl.procs.expert_parallel`), left out of DDP's and FSDP2's reduction.
+    The ranks meet at `master` (`init_group`). Returns the module to call."""
+    if world_size == 1:
+        return model
+    init_group(device, rank, world_size, master, ranks_per_host, timeout)
+    experts: list[str] = []
+    if ep > 1:
+        from meshrl.procs.expert_parallel import ddp_ignore, expert_parallel
+
+        experts = expert_parallel(model)
+        if not experts:
+            raise ValueError(f"placement.ep={ep}: the model has no experts to spread")
+        if sharding == "ddp":
+            ddp_ignore(model, experts)
     if sharding == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from meshrl.procs.reshard import Layout
 
@@ -211,11 +235,84 @@ def data_parallel(
         tensor_parallel(model, mesh["tp"])
         dp = mesh["dp"]
     if layout.fsdp:
-        for module in model.modules():
-            if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module, mesh=dp)
-        fully_shard(model, mesh=dp)
+        shard_layers(model, dp, experts)
     return model
+
+
+def shard_layers(model: torch.nn.Module, mesh: Any = None, ignored: list[str] = ()) -> None:
+    """FSDP2 over `mesh` (None: every rank): one unit per decoder layer of
+    `model`, and `model` itself for the rest; the parameters named `ignored`
+    (rank-local experts) stay plain tensors, their gradients not reduced."""
+    from torch.distributed.fsdp import fully_shard
+
+    left = {param for name, param in model.named_parameters() if name in set(ignored)}
+    if len(left) != len(set(ignored)):
+        raise ValueError("shard_layers: some ignored names are not parameters of the model")
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            fully_shard(module, mesh=mesh, ignored_params=left & set(module.parameters()))
+    fully_shard(model, mesh=mesh, ignored_params=left)
+
+
+def pipeline_parallel(
+    model: torch.nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    master: tuple[str, int],
+    ranks_per_host: int | None = None,
+    sharding: str = "pp",
+    tp: int = 1,
+    pp: int = 2,
+    schedule: str = "1f1b",
+    microbatches: int = 4,
+    timeout: timedelta | None = None,
+) -> Any:
+    """`model` cut, in place, to this rank's pipeline stages (`meshrl.procs.pipeline`)
+    over a device mesh ("pp", "dp", "tp") of the `sharding` pp, fsdp_pp or
+    fsdp_tp_pp: each stage tensor-parallel over `tp` ranks (fsdp_tp_pp), then
+    FSDP2 over the dp ranks (fsdp_*) or DDP over them. Ranks are numbered as
+    `meshrl.procs.reshard.Layout.rank` says (a data-parallel shard's procs
+    adjacent). Returns the `meshrl.procs.pipeline.Pipeline` that runs them
+    (`schedule` over `microbatches` micro-batches; interleaved: 2 stages a rank)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshrl.procs.pipeline import Pipeline, prune
+    from meshrl.procs.reshard import Layout
+
+    layout = Layout.named(sharding, world_size, tp, pp)
+    init_group(device, rank, world_size, master, ranks_per_host, timeout)
+    grid = [
+        [[layout.rank(s, i, j) for j in range(layout.tp)] for i in range(layout.dp)]
+        for s in range(layout.pp)
+    ]
+    mesh = DeviceMesh(device.type, torch.tensor(grid), mesh_dim_names=("pp", "dp", "tp"))
+    s, _, _ = layout.coords(rank)
+    virtual = 2 if schedule == "interleaved" else 1
+    stages, indices = prune(model, layout.pp, s, virtual)
+    if layout.tp > 1:
+        from meshrl.procs.tensor_parallel import tensor_parallel
+
+        tensor_parallel(model, mesh["tp"])
+    modules: list[torch.nn.Module] = []
+    for stage in stages:
+        if layout.fsdp:
+            shard_layers(stage, mesh["dp"])
+        elif layout.dp > 1:
+            stage = torch.nn.parallel.DistributedDataParallel(
+                stage, process_group=mesh["dp"].get_group()
+            )
+        modules.append(stage)
+    return Pipeline(
+        modules,
+        indices,
+        layout.pp * virtual,
+        device,
+        mesh["pp"].get_group(),
+        schedule,
+        microbatches,
+        layout.coords(rank),
+    )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -255,14 +352,65 @@ def full_parameters(model: torch.nn.Module):
         advice.setLevel(level)
 
 
-def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """torch.distributed.checkpoint of model and optimizer into directory `path`,
-    each rank writing its own shards (collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool):
+    """DCP's model and optimizer state dicts; `flat`: the optimizer's settings per
+    parameter, not per group (a pipeline's ranks each hold other parameters, so
+    their groups differ)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def save_sharded(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    blocks: dict | None = None,
+    flat: bool = False,
+) -> None:
+    """torch.distributed.checkpoint of model and optimizer into directory `path`,
+    each rank writing its own shards (collective). `blocks`: plain tensors that
+    are this rank's block of a larger parameter (`expert_blocks`), saved as such;
+    `flat`: the optimizer state flattened per parameter (`_state_dicts`)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_state, optim_state = _state_dicts(model, optimizer, flat)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.save(_as_blocks(state, blocks), checkpoint_id=path)
+
+
+def _as_blocks(state: dict, blocks: dict | None) -> dict:
+    """A copy of `state` (DCP's model and optimizer state dicts) where the tensors
+    of each parameter of `blocks` (name -> (start, whole shape): a rank's chunk of
+    dim 0, split as `torch.chunk` splits it over every rank) are DTensors sharded
+    on dim 0 over the world, aliasing the plain tensors: DCP saves and loads them
+    as the pieces of one parameter."""
+    if not blocks:
+        return state
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    some = next(iter(state["model"].values()))
+    mesh = init_device_mesh(some.device.type, (dist.get_world_size(),))
+
+    def whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        shape = torch.Size(blocks[name][1])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            tensor, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
+
+    model = {k: whole(k, v) if k in blocks else v for k, v in state["model"].items()}
+    optim = dict(state["optim"])
+    optim["state"] = {
+        k: {
+            n: whole(k, v) if k in blocks and torch.is_tensor(v) and v.dim() else v
+            for n, v in per.items()
+        }
+        for k, per in state["optim"]["state"].items()
+    }
+    return {"model": model, "optim": optim}
 
 
 class ShardIndexError(ValueError):
@@ -351,15 +499,25 @@ def load_dcp(state: dict, path: str) -> None:
     dcp.load(state, storage_reader=reader)
 
 
-def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    blocks: dict | None = None,
+    flat: bool = False,
+) -> None:
     """Load what `save_sharded` wrote, resharding if the world size changed (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state_dicts(model, optimizer, flat)
     state = {"model": model_state, "optim": optim_state}
-    load_dcp(state, path)
+    load_dcp(_as_blocks(state, blocks), path)  # (into the plain tensors the blocks alias)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(flatten_optimizer_state_dict=flat),
     )
 
 
@@ -374,26 +532,24 @@ def accumulated_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
+    backward: Callable[[list], tuple[torch.Tensor, dict[str, float]]] | None = None,
+    stages: Any = None,
+    local: Any = (),
 ) -> tuple[float, dict[str, float], float, bool]:
     """One optimizer step over micro-batches `parts` (gradient accumulation):
     backward of each part's loss, whose losses add up to the batch's (see
     `meshrl.model.losses.LossScale`), then clip the gradient norm and step.
+    `backward(parts)`: how the parts' gradients are made (default
+    `backward_each`; a pipeline's schedule); `stages`: the process group of a
+    pipeline's ranks, each holding other parameters, over which the norm is taken;
+    `local`: parameters each rank holds its own part of (`clip`).
 
     Returns the summed loss, the summed metrics, the norm before clipping, and
     whether the step was skipped: a NaN or infinite loss or gradient on any rank
     skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
-    total, metrics = backward_each(parts, loss_of)
-    if is_tensor_parallel(model):  # parameters on several meshes, plain tensors among them
-        from meshrl.procs.tensor_parallel import clip_gradients
-
-        grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), max_grad_norm or float("inf")
-        )
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
-        grad_norm = grad_norm.full_tensor()
+    total, metrics = backward_each(parts, loss_of) if backward is None else backward(parts)
+    grad_norm = clip(model, max_grad_norm, stages, local)
     bad = (~torch.isfinite(total) | ~torch.isfinite(grad_norm.cpu())).float().reshape(1)
     if dist.is_available() and dist.is_initialized():
         # Each rank's own loss may differ; the ranks must still agree to skip.
@@ -407,10 +563,31 @@ def accumulated_step(
     return total.item(), metrics, grad_norm.item(), skipped
 
 
+def clip(
+    model: torch.nn.Module, max_norm: float | None, stages: Any = None, local: Any = ()
+) -> torch.Tensor:
+    """Clip `model`'s gradients to a 2-norm of `max_norm` (None: no clipping);
+    returns the norm before clipping, over every rank's parameters: shards'
+    (FSDP2), tensor-parallel blocks', with `stages` (a pipeline's process group)
+    every stage's, and of the parameters named `local` (each rank its own part:
+    expert parallelism's experts) every rank's."""
+    from meshrl.procs.tensor_parallel import clip_gradients
+
+    named = list(model.named_parameters())
+    parameters = [p for n, p in named if n not in local]
+    mine = [p for n, p in named if n in local]
+    if stages is None and not mine and not is_tensor_parallel(model):
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+    # Parameters on several meshes (plain tensors among them), stages or ranks.
+    return clip_gradients(parameters, max_norm, stages, mine)
+
+
 def accumulated_gradients(
     parts: list,
     loss_of: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
     model: torch.nn.Module,
+    backward: Callable[[list], tuple[torch.Tensor, dict[str, float]]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradient `accumulated_step` would step with (reduced over the ranks,
     before clipping), as CPU copies of the full tensors, without stepping;
@@ -418,7 +595,7 @@ def accumulated_gradients(
     from torch.distributed.tensor import DTensor
 
     model.zero_grad(set_to_none=True)
-    backward_each(parts, loss_of)
+    backward_each(parts, loss_of) if backward is None else backward(parts)
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is not None:

@@ -3,10 +3,11 @@ and which byte ranges each proc of a replica's layout reads from which trainer
 proc. Pure arithmetic (no torch.distributed), so every pair of layouts can be
 checked in a unit test.
 
-A layout is `pp` × `dp` × `tp` procs, pipeline outermost: rank
-r = (s * dp + i) * tp + j at (s, i, j) = (r // (dp * tp), r // tp % dp, r % tp),
-the order torch's device mesh ("pp", "dp", "tp") gives the trainer's procs
-(`meshrl.procs.parallel`):
+A layout is `pp` × `dp` × `tp` procs (the device mesh ("pp", "dp", "tp") of
+`meshrl.procs.parallel`), numbered data-parallel coordinate first: rank
+r = (i * pp + s) * tp + j at pipeline rank s, dp coordinate i, tp coordinate j,
+so the procs that take one data-parallel shard of a batch (a pipeline of
+tensor-parallel groups) are adjacent, as the controller hands shards out:
 
 - pipeline parallelism (`pp` > 1) puts each parameter on one pipeline rank `s`
   (the `stage` argument; `stage_of` finds it from an HF name): the procs of the
@@ -85,12 +86,13 @@ class Layout:
         """(pipeline rank s, dp coordinate i, tp coordinate j) of `rank`."""
         if not 0 <= rank < self.size:
             raise ValueError(f"rank={rank} is not one of the {self.size} procs of {self}")
-        s, rest = divmod(rank, self.dp * self.tp)
-        return (s, *divmod(rest, self.tp))
+        i, rest = divmod(rank, self.pp * self.tp)
+        s, j = divmod(rest, self.tp)
+        return s, i, j
 
     def rank(self, s: int, i: int, j: int) -> int:
         """The rank at pipeline rank `s`, dp coordinate `i`, tp coordinate `j`."""
-        return (s * self.dp + i) * self.tp + j
+        return (i * self.pp + s) * self.tp + j
 
     @staticmethod
     def named(sharding: str, procs: int, tp: int = 1, pp: int = 1, ep: int = 1) -> Layout:

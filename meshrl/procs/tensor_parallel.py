@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def check_placement(placement: PlacementConfig, config) -> None:
     if placement.policy_tp > 1:
         checks.append(("placement.policy_tp", "", "placement.policy_tp", placement.policy_tp))
     if placement.trainer_tp > 1:
-        key = "placement.tp" if placement.sharding == "fsdp_tp" else "placement.trainer"
+        key = "placement.trainer" if placement.sharding == "tp" else "placement.tp"
         checks.append(("placement.sharding", f"{placement.sharding}: ", key, placement.trainer_tp))
     for where, prefix, key, tp in checks:
         why = refusal(config, tp, key)
@@ -153,13 +154,27 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     return torch.zeros(()) if total is None else total.sqrt()
 
 
-def clip_gradients(parameters: list, max_norm: float | None) -> torch.Tensor:
+def clip_gradients(
+    parameters: list, max_norm: float | None, stages: Any = None, local: list = ()
+) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters of several meshes
-    (`grad_norm`); returns the norm before clipping."""
-    norm = grad_norm(parameters)
+    (`grad_norm`), with `stages` (a pipeline's process group: each rank holds
+    other parameters) of every stage, and with `local` (parameters each rank
+    holds a different part of by hand: expert parallelism's experts) of every
+    rank's; returns the norm before clipping."""
+    import torch.distributed as dist
+
+    squared = grad_norm(parameters).detach().double().cpu().reshape(1) ** 2
+    if local:
+        mine = grad_norm(local).detach().double().cpu().reshape(1) ** 2
+        dist.all_reduce(mine)
+        squared = squared + mine
+    if stages is not None:
+        dist.all_reduce(squared, group=stages)
+    norm = squared.sqrt().float().reshape(())
     if max_norm is not None and torch.isfinite(norm):
         coef = float(max_norm) / (float(norm) + 1e-6)
         if coef < 1.0:
-            for grads in _groups(parameters):
+            for grads in _groups([*parameters, *local]):
                 torch._foreach_mul_(grads, coef)
     return norm

@@ -225,7 +225,8 @@ def _local_piece(name: str, param: torch.Tensor) -> tuple[torch.Tensor, tuple[in
     names = mesh.mesh_dim_names or ()
     if root is not mesh and root.mesh_dim_names:
         for dim, other in enumerate(root.mesh_dim_names):
-            if other not in names:
+            # (A pipeline's "pp" dim: each stage's procs hold parameters of their own.)
+            if other not in names and other != "pp":
                 owned = owned and root.get_coordinate()[dim] == 0
     return local, tuple(start), owned
 
@@ -344,6 +345,7 @@ class WeightPublisher:
         split: Callable[[str, tuple[int, ...]], list[Block]] | None = None,
         by_piece: bool = False,
         precision: str = "fp32",
+        placed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ):
         """`parameters` gives the (name, tensor) pairs to publish, called at each
         publish (default: the model's parameters; LoRA: the merged weights).
@@ -356,24 +358,32 @@ class WeightPublisher:
         `by_piece` (implied by `split`): each piece is its own RDMA buffer too, so a
         replica proc that holds some of them reads only those (a tensor-parallel
         relay's blocks). `precision`: what `parameters` gives (its handles say so;
-        `meshrl.weights.precision.source` converts a trainer's)."""
+        `meshrl.weights.precision.source` converts a trainer's).
+        `placed`: plain tensors that are this proc's block of a larger parameter
+        (expert parallelism's experts, `meshrl.procs.expert_parallel.expert_blocks`):
+        name -> (where the block starts, the whole parameter's shape); this proc
+        publishes its block of each."""
         from torch.distributed.tensor import DTensor
 
         source = parameters or model.named_parameters
         self.pieces, offset, published = [], 0, set()
         self._cuts: list[tuple[slice, ...]] = []  # each piece's part of its local block
+        placed = placed or {}
         for name, param in source():
             local, start, owned = _local_piece(name, param)
-            if not (owned if isinstance(param, DTensor) else owns_whole):
+            whole = tuple(param.shape)
+            if name in placed:  # a block of a parameter split over the procs by hand
+                start, whole = placed[name]
+            elif not (owned if isinstance(param, DTensor) else owns_whole):
                 continue
             mine = span(start, tuple(local.shape))
-            theirs = split(name, tuple(param.shape)) if split else [mine]
+            theirs = split(name, whole) if split else [mine]
             # Each part once (replicas that all hold the whole parameter share it).
             parts = list(dict.fromkeys(part for _, part in reads(mine, dict(enumerate(theirs)))))
             for part in parts or [mine]:  # (an empty shard: one empty piece)
                 shape = tuple(b - a for a, b in part)
                 start = tuple(a for a, _ in part)
-                piece = ParamPiece(name, offset, shape, local.dtype, start, tuple(param.shape))
+                piece = ParamPiece(name, offset, shape, local.dtype, start, whole)
                 self.pieces.append(piece)
                 self._cuts.append(relative(part, mine))
                 offset += -(-piece.num_bytes // 64) * 64  # aligned: whole words to sum

@@ -328,13 +328,13 @@ def test_tensor_parallel_steps_end_where_one_proc_does_and_sync_whole_weights(me
             assert torch.equal(param.detach(), whole[key]), (name, key)
 
 
-def tp_share(replicated: bool = True) -> int:
-    """The bytes one proc of a TP2 replica of MODEL holds: half of each split
+def tp_share(replicated: bool = True, model_cfg: ModelConfig = MODEL) -> int:
+    """The bytes one proc of a TP2 replica of `model_cfg` holds: half of each split
     parameter, and with `replicated` the rest whole."""
     from meshrl.model.models import load_model
     from meshrl.procs.tensor_parallel import parameter_styles
 
-    model = load_model(MODEL)
+    model = load_model(model_cfg)
     styles = parameter_styles(model)
     return sum(
         p.numel() * p.element_size() // (1 if styles[name] == "replicate" else 2)

@@ -79,10 +79,10 @@ def test_the_layouts_cover_pipelines_and_experts():
     assert Layout(dp=4, ep=4) in SOURCES and Layout(dp=3, ep=3, fsdp=True) in SOURCES
 
 
-def test_rank_order_is_pp_dp_tp():
-    """Rank r = (s * dp + i) * tp + j: the device mesh ("pp", "dp", "tp")."""
+def test_rank_order_is_dp_pp_tp():
+    """Rank r = (i * pp + s) * tp + j: a data-parallel shard's procs are adjacent."""
     layout = Layout(dp=3, tp=2, pp=2)
-    want = list(itertools.product(range(2), range(3), range(2)))
+    want = [(s, i, j) for i, s, j in itertools.product(range(3), range(2), range(2))]
     assert [layout.coords(r) for r in range(layout.size)] == want
     assert [layout.rank(*c) for c in want] == list(range(12))
 
