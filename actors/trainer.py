@@ -38,6 +38,7 @@ from meshrl.model.models import (
     batch_logprobs,
     device_for_this_proc,
     load_model,
+    sequence_positions,
     token_logprobs,
 )
 from meshrl.model.optim import build_optimizer
@@ -139,7 +140,14 @@ class Trainer(PeerState, Drillable, Actor):
         if pp > 1:
             self.routing = None
             self.pipeline = pipeline_parallel(
-                self.model, *where, sharding, tp, pp, pp_schedule, pp_microbatches
+                self.model,
+                *where,
+                sharding,
+                tp,
+                pp,
+                pp_schedule,
+                pp_microbatches,
+                positions=sequence_positions,
             )
             self.module = None
         else:

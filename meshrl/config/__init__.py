@@ -344,9 +344,7 @@ class PlacementConfig:
     @property
     def trainer_tp(self) -> int:
         """Procs per tensor-parallel group of the trainer (1: none)."""
-        return {"tp": self.trainer, "fsdp_tp": self.tp, "fsdp_tp_pp": self.tp}.get(
-            self.sharding, 1
-        )
+        return {"tp": self.trainer, "fsdp_tp": self.tp, "fsdp_tp_pp": self.tp}.get(self.sharding, 1)
 
     @property
     def trainer_pp(self) -> int:

@@ -29,7 +29,7 @@ default in 5.24) for that module: the owner computes as the eager loop does.
 
 Gradients. The data-parallel wrapper (DDP, FSDP2) averages every other
 parameter's gradient over the ranks; the experts made rank-local must be left
-out of it (`ddp_ignore`, `shard_with_experts`). Their owner receives, through
+out of it (`ddp_ignore`, `meshrl.procs.parallel.shard_layers`). Their owner receives, through
 the all-to-all's backward, the sum over the ranks of each rank's loss
 gradient. The forward scales that by 1/ep on the way to the parameters
 (`_ScaleGrad`, identity forward; the gradient of the hidden states that goes
@@ -43,8 +43,8 @@ groups would also need averaging across them, which is not done here.
 DDP: `ddp_ignore(model, expert_parallel(model))` before wrapping, so DDP
 neither broadcasts nor reduces the rank-local chunks. FSDP2: torch 2.13's
 `fully_shard` takes `ignored_params` (not sharded, not moved, no gradient
-reduction); `shard_with_experts` passes the chunks there for each decoder
-layer and the root.
+reduction); `meshrl.procs.parallel.shard_layers` passes the chunks there for each
+decoder layer and the root.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None = No
     on one gloo group their sequence numbers would pair unlike collectives.
 
     Returns the names of the expert parameters made rank-local, for the
-    data-parallel wrapper to leave out (`ddp_ignore`, `shard_with_experts`).
+    data-parallel wrapper to leave out (`ddp_ignore`, `meshrl.procs.parallel.shard_layers`).
     Every rank must call it on an identical model (same seed or weights). A
     rank that holds no experts (more ranks than `torch.chunk` makes chunks)
     keeps empty parameters, which get no gradient. Each rank's state dict then
@@ -228,17 +228,6 @@ def ddp_ignore(model: torch.nn.Module, names: list[str]) -> None:
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, list(names)
     )
-
-
-def shard_with_experts(model: torch.nn.Module, mesh, names: list[str]) -> torch.nn.Module:
-    """FSDP2 as `meshrl.procs.parallel.data_parallel` applies it (one unit per
-    decoder layer, then the root, over `mesh`; None: the whole world), with the
-    parameters `names` left out (`shard_layers`' `ignored`): they stay plain
-    tensors on each rank, and their gradients are not reduced. Returns `model`."""
-    from meshrl.procs.parallel import shard_layers
-
-    shard_layers(model, mesh, names)
-    return model
 
 
 def expert_blocks(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

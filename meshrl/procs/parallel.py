@@ -267,6 +267,7 @@ def pipeline_parallel(
     schedule: str = "1f1b",
     microbatches: int = 4,
     timeout: timedelta | None = None,
+    positions: Any = None,
 ) -> Any:
     """`model` cut, in place, to this rank's pipeline stages (`meshrl.procs.pipeline`)
     over a device mesh ("pp", "dp", "tp") of the `sharding` pp, fsdp_pp or
@@ -274,7 +275,8 @@ def pipeline_parallel(
     FSDP2 over the dp ranks (fsdp_*) or DDP over them. Ranks are numbered as
     `meshrl.procs.reshard.Layout.rank` says (a data-parallel shard's procs
     adjacent). Returns the `meshrl.procs.pipeline.Pipeline` that runs them
-    (`schedule` over `microbatches` micro-batches; interleaved: 2 stages a rank)."""
+    (`schedule` over `microbatches` micro-batches; interleaved: 2 stages a rank).
+    `positions(mask)`: the model's position ids of left-padded rows (`Stage`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshrl.procs.pipeline import Pipeline, prune
@@ -289,7 +291,7 @@ def pipeline_parallel(
     mesh = DeviceMesh(device.type, torch.tensor(grid), mesh_dim_names=("pp", "dp", "tp"))
     s, _, _ = layout.coords(rank)
     virtual = 2 if schedule == "interleaved" else 1
-    stages, indices = prune(model, layout.pp, s, virtual)
+    stages, indices = prune(model, layout.pp, s, virtual, positions)
     if layout.tp > 1:
         from meshrl.procs.tensor_parallel import tensor_parallel
 

@@ -101,8 +101,11 @@ class Stage(torch.nn.Module):
     [B, L] (first stage) or hidden states [B, L, H]; returns (hidden, mask), or on
     the last stage the logits of the last `keep` positions (all when 0)."""
 
-    def __init__(self, lm: torch.nn.Module, layers: range, first: bool, last: bool):
+    def __init__(self, lm: torch.nn.Module, layers: range, first: bool, last: bool, positions: Any):
+        """`positions(mask)`: the position ids of rows under `mask` (left padding
+        skipped), as the unsplit model's forward is given them."""
         super().__init__()
+        self.positions = positions
         whole = lm.model
         base = copy.copy(whole)  # its own children, sharing every module it keeps
         base._modules = dict(whole._modules)
@@ -122,13 +125,11 @@ class Stage(torch.nn.Module):
         self.keep = 0  # the positions the loss needs (set per batch: `Pipeline.run`)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
-        from meshrl.model.models import sequence_positions
-
         ids = {"input_ids": x} if self.first else {"inputs_embeds": x}
         hidden = self.base(
             **ids,
             attention_mask=mask,
-            position_ids=sequence_positions(mask),
+            position_ids=self.positions(mask),
             use_cache=False,
         ).last_hidden_state
         if not self.last:
@@ -139,15 +140,15 @@ class Stage(torch.nn.Module):
 
 
 def prune(
-    lm: torch.nn.Module, pp: int, rank: int, virtual: int = 1
+    lm: torch.nn.Module, pp: int, rank: int, virtual: int, positions: Any
 ) -> tuple[list[Stage], list[int]]:
     """Cut `lm` (a HF causal LM) down, in place, to what pipeline rank `rank` of
     `pp` holds, and build its stages; returns them and their stage indices (of
-    `pp * virtual`)."""
+    `pp * virtual`). `positions`: as `Stage` takes it."""
     count = pp * virtual
     ranges = stage_layers(lm.config.num_hidden_layers, count)
     mine = [k for k in range(count) if pipeline_rank(k, pp, virtual) == rank]
-    stages = [Stage(lm, ranges[k], k == 0, k == count - 1) for k in mine]
+    stages = [Stage(lm, ranges[k], k == 0, k == count - 1, positions) for k in mine]
     held = {i: lm.model.layers[i] for k in mine for i in ranges[k]}
     lm.model.layers = KeyedLayers(held)
     if 0 not in mine:

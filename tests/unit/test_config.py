@@ -74,7 +74,21 @@ def test_saved_config_loads_back_identically(tmp_path):
         (["model.lora.save=pickle"], "model.lora.save"),
         (["model.lora.rank=4", "placement.sharding=fsdp"], "model.lora.rank"),
         (["model.lora.rank=4", "placement.sharding=tp", "placement.trainer=2"], "model.lora.rank"),
-        (["placement.sharding=pp"], "placement.sharding"),
+        (["placement.sharding=pq"], "placement.sharding"),
+        (["placement.sharding=pp"], "placement.pp"),
+        (["placement.sharding=pp", "placement.trainer=2", "model.arch=gpt2"], "placement.shard"),
+        (["placement.sharding=pp", "placement.trainer=2", "model.arch=qwen3"], "ties its"),
+        (["placement.sharding=pp", "placement.trainer=2", "placement.pp=4"], "placement.pp"),
+        (
+            ["placement.sharding=pp", "placement.trainer=2", "trainer.pp_schedule=interleaved"],
+            "trainer.pp_schedule",
+        ),
+        (
+            ["placement.sharding=pp", "placement.trainer=2", "trainer.routing_replay=true"],
+            "trainer.routing_replay",
+        ),
+        (["placement.ep=2", "placement.trainer=2"], "placement.ep"),
+        (["placement.ep=3", "placement.trainer=2", "model.arch=qwen3_moe"], "placement.ep"),
         (["placement.sharding=tp", "placement.trainer=2", "model.arch=gpt2"], "no tensor-paral"),
         (["placement.sharding=tp", "placement.trainer=2", "model.arch=phi3"], "colwise_gather"),
         (

@@ -82,7 +82,8 @@ def rank_main(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from meshrl.procs.expert_parallel import ddp_ignore, expert_parallel, shard_with_experts
+    from meshrl.procs.expert_parallel import ddp_ignore, expert_parallel
+    from meshrl.procs.parallel import shard_layers
 
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     try:
@@ -90,7 +91,8 @@ def rank_main(rank: int, store: str, out: str) -> None:
             model = build()
             names = expert_parallel(model)
             if case == "fsdp":
-                call = shard_with_experts(model, None, names)
+                shard_layers(model, None, names)
+                call = model
                 sharded = {n for n, p in model.named_parameters() if hasattr(p, "full_tensor")}
                 assert sharded == {n for n, _ in model.named_parameters()} - set(names)
             else:
