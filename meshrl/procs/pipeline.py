@@ -187,6 +187,7 @@ class Pipeline:
         self.last = count - 1 in indices
         self.first = 0 in indices
         self._built: dict[tuple, Any] = {}
+        self.inferring = False
 
     def _schedule(self, shape: tuple, loss_fn: Any, n: int) -> Any:
         from torch.distributed.pipelining import PipelineStage
@@ -208,6 +209,10 @@ class Pipeline:
                 kind = ScheduleGPipe if self.kind == "gpipe" else Schedule1F1B
                 built = kind(stages[0], n, loss_fn=loss_fn, scale_grads=False)
             self._built = {key: built}  # one shape at a time: the last batch's
+            # Its first step infers the stages' shapes, running each stage once on
+            # placeholder inputs and the loss on their outputs: that call is no
+            # micro-batch's (`run` answers it with a loss of 0).
+            self.inferring = loss_fn is not None
         schedule = self._built[key]
         schedule._loss_fn = loss_fn
         return schedule
@@ -230,11 +235,13 @@ class Pipeline:
         the micro-batches' losses (training) or the logits of every row, in order
         (forward only); elsewhere empty lists. A batch of fewer rows than
         micro-batches runs in as many micro-batches as it has rows (never fewer than
-        the stages: then with its rows repeated, their losses times 0)."""
+        the stages); rows that do not split evenly are made up to a multiple of the
+        micro-batches with the last row repeated, left out of every loss (each
+        micro-batch has one shape, which the stages' buffers take)."""
         rows = len(input_ids)
         floor = self.pp if self.kind != "gpipe" else 1
         n = max(min(self.microbatches, rows), floor)
-        index = torch.arange(max(rows, n), device=input_ids.device)
+        index = torch.arange(-(-max(rows, n) // n) * n, device=input_ids.device)
         taken = index.clamp(max=rows - 1)
         ids, mask = input_ids[taken], attention_mask[taken]
         for stage in self._stage_modules():
@@ -244,8 +251,12 @@ class Pipeline:
 
             def loss_fn(logits: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
                 real = chunk < rows
-                loss = loss_of_rows(logits, chunk.clamp(max=rows - 1))
-                return loss if bool(real.all()) else loss * 0
+                if self.inferring or not bool(real.any()):
+                    self.inferring = False
+                    return logits.float().sum() * 0
+                if bool(real.all()):
+                    return loss_of_rows(logits, chunk)
+                return loss_of_rows(logits[real], chunk[real])
 
             schedule = self._schedule(tuple(ids.shape), loss_fn, n)
             args = (ids, mask) if self.first else ()

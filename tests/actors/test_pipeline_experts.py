@@ -97,12 +97,25 @@ def test_three_steps_end_at_the_one_proc_weights_and_publish_each_parameter_once
     for name in ("one", "moe_one", *CELLS):
         call_all(meshes[name], "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
     batch = fixed_batch()
+    figures = {}  # each trainer's first step's metrics (summed over micro-batches)
     for _ in range(3):
         for name in ("one", "moe_one"):
-            call_each(meshes[name], "train_step", [(batch.shard(0, 1),)], "step", TIMEOUT)
+            done = call_each(meshes[name], "train_step", [(batch.shard(0, 1),)], "step", TIMEOUT)
+            figures.setdefault(name, done[0])
         for name, (_, procs, group, _) in CELLS.items():
             shards = [(s,) for s in batch.shards(procs, group)]
-            call_each(meshes[name], "train_step", shards, "step", TIMEOUT)
+            done = call_each(meshes[name], "train_step", shards, "step", TIMEOUT)
+            # (Each data-parallel rank reports its share: the controller averages them.)
+            figures.setdefault(name, {k: sum(d[k] for d in done) / len(done) for k in done[0]})
+    for name in CELLS:
+        want = figures[reference(name)]
+        for key in ("loss/policy", "policy/kl_ref", "policy/clip_fraction", "train/grad_norm"):
+            assert abs(figures[name][key] - want[key]) <= 1e-4 * max(1.0, abs(want[key])), (
+                name,
+                key,
+                figures[name][key],
+                want[key],
+            )
     want = {
         name: call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
         for name in ("one", "moe_one")

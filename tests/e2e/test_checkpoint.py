@@ -103,6 +103,16 @@ def metrics(path):
             ["steps=6", "placement.trainer=2", "placement.sharding=tp", "placement.policy_tp=2"],
             3,
         ),
+        # Pipeline stages in the trainer (each stage's DCP shards, the optimizer's
+        # state flattened per parameter), exported whole.
+        (
+            CountingGRPO,
+            StopAtStep,
+            GRPOConfig,
+            "grpo_default.yaml",
+            ["steps=6", "placement.trainer=2", "placement.sharding=pp"],
+            3,
+        ),
         # Images in every batch (the tiny LLaVA), with a reference: the resumed
         # batches carry their pixels and the final weights are the same bits.
         (
@@ -119,6 +129,7 @@ def metrics(path):
         "ppo_with_critic",
         "grpo_fsdp_sharded",
         "grpo_tp_sharded",
+        "grpo_pp_sharded",
         "grpo_vision",
     ],
 )
