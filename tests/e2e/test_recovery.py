@@ -363,3 +363,35 @@ def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_versio
     rows = (tmp_path / "drill" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in rows]
     assert [r["weights/verified_replicas"] for r in rows] == [1]  # step 0's sync verified
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_lost_pipeline_stage_replaces_the_trainer_whole_and_rewinds(tmp_path, no_stray_procs):
+    """A PP2 trainer loses its last stage's proc at step 3: no rank holds a copy of
+    another's stage, so the role is replaced whole and goes back to the checkpoint of
+    step 2; the run ends with the weights of the same run without the fault, bit for
+    bit."""
+
+    def config(name, *extra):
+        return configure(
+            tmp_path,
+            name,
+            "steps=5",
+            "warm_start.steps=2",
+            "checkpoint.every=2",
+            "placement.trainer=2",
+            "placement.sharding=pp",
+            *extra,
+        )
+
+    GRPO(config("straight")).run()
+    algo = GRPO(config("drill", "faults.kill=[trainer:1@3]"))
+    history = algo.run()
+    assert [r["step"] for r in history] == list(range(5))
+    assert [r.split(":")[0] for r in algo.state.recoveries] == ["trainer"]
+    assert history[2]["samples/dropped_trainer_rewind"] > 0  # step 3's try and step 2 redone
+    straight = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    drill = load_file(str(tmp_path / "drill" / "final" / "model.safetensors"))
+    assert straight.keys() == drill.keys()
+    assert all((straight[k] == drill[k]).all() for k in straight), "parameters differ"
