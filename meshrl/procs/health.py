@@ -348,8 +348,15 @@ class HangWatch:
             return
         role, rank = key
         silent_s = now - beat.answered
-        # Only a proc that answered here before (its pid known, so it can be killed):
-        # one still starting is left to the call deadline.
+        if beat.pid is None and self.meshes.job_cfg.kind in ("local", "process"):
+            # Never answered here: a proc busy since the watch began (a replica's
+            # rollout holds its proc's actors' thread) has its pid from its spawn, on
+            # this machine.
+            with contextlib.suppress(Exception):
+                beat.pid, beat.host = self.meshes.pid_of(role, rank), socket.gethostname()
+        # Only a proc whose pid is known (it answered here before, or at its spawn on
+        # this machine), so it can be killed: one still starting is left to the call
+        # deadline.
         if (
             silent_s > self.hang_s
             and beat.pid is not None

@@ -449,6 +449,15 @@ class RoleMeshes:
         if role not in self.elastic:
             self.pids[role] = [status["pid"] for _, status in answer.items()]
 
+    def pid_of(self, role: str, rank: int) -> int | None:
+        """The pid rank `rank` of `role`'s procs answered with when it was spawned
+        (its Watch's first status), None when unknown."""
+        pids = self.pids.get(self._own(role))
+        if pids is not None:
+            return pids[rank] if rank < len(pids) else None
+        members = getattr(self.by_role.get(role), "members", None) or []
+        return members[rank].pid if rank < len(members) else None
+
     def watched_pids(self) -> dict[str, list[int]]:
         """Each role's procs' pids by rank, a role that shares another's procs
         with theirs, elastic roles left out (`meshrl.procs.pool.Detector`)."""

@@ -352,6 +352,17 @@ def fast_exit(code: object) -> None:
         os._exit(code)
 
 
+def _gone(conn: socket.socket) -> bool:
+    """Whether the client at the other end of `conn` closed it (it sends nothing
+    after its request: readable means its end is gone). Peeks: reads nothing."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def serve(path: str, preload: list[str]) -> None:
     """Import `preload`, then fork a proc for every client that connects to `path`."""
     import gc
@@ -378,8 +389,17 @@ def serve(path: str, preload: list[str]) -> None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     children: dict[int, socket.socket] = {}
+    ended: set[int] = set()  # children whose client went away, killed here
     while os.getppid() == owner:
-        readable, _, _ = select.select([listener], [], [], 0.1)
+        readable, _, _ = select.select([listener, *children.values()], [], [], 0.1)
+        for pid, conn in list(children.items()):
+            # A client that went away (Monarch ended the proc's stand-in): its child goes
+            # too, here, even when it cannot watch for itself (a stopped proc, SIGSTOP:
+            # only SIGKILL ends it, and it would hold its pipes open forever).
+            if conn in readable and pid not in ended and _gone(conn):
+                ended.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         while True:  # reap ended children and tell their clients how they ended
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -388,11 +408,12 @@ def serve(path: str, preload: list[str]) -> None:
             if pid == 0:
                 break
             conn = children.pop(pid, None)
+            ended.discard(pid)
             if conn is not None:
                 with contextlib.suppress(OSError):
                     _send(conn, {"status": status})
                 conn.close()
-        if not readable:
+        if listener not in readable:
             continue
         conn, _ = listener.accept()
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]

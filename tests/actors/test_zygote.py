@@ -84,6 +84,15 @@ def test_forked_procs_are_monarchs_procs_and_end_with_their_stand_ins(no_stray_p
             wait(other.facts.call_one(), "b.facts", 60)
         assert info.value.proc_lost
 
+        # A stopped fork (SIGSTOP) whose stand-in is killed cannot see it go: the
+        # server ends it (else it stays stopped after the run, holding its pipes).
+        os.kill(facts[1]["pid"], signal.SIGSTOP)
+        os.kill(facts[1]["stand_in"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(facts[1]["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(facts[1]["pid"])
+
 
 def test_without_the_fork_server_each_proc_is_a_fresh_python(no_stray_procs):
     with RoleMeshes({"workers": 1}, job=JobConfig(fork_server=False)) as meshes:

@@ -41,17 +41,13 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.skip(
-    reason="BROKEN since d4317a5 (issue 68 stays open): the SIGSTOPped policy proc is not "
-    "found by the heartbeat and the run does not end within 180 s; the cluster test "
-    "(tests/cluster/test_health.py) still covers a stopped proc on SLURM"
-)
 def test_a_stopped_policy_proc_is_found_by_its_heartbeat_its_stacks_logged_and_replaced(
     tmp_path, no_stray_procs
 ):
     run = tmp_path / "hang"
     proc = subprocess.Popen(
-        command(tmp_path, "hang", "steps=5", "health.hang_s=2"),
+        # Steps enough that the stop is found (hang_s and a beat) before the run's end.
+        command(tmp_path, "hang", "steps=8", "health.hang_s=2"),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -86,7 +82,7 @@ def test_a_stopped_policy_proc_is_found_by_its_heartbeat_its_stacks_logged_and_r
     stacks = faults.split("--- stacks of the hung proc ---", 1)[1]
     assert "Thread 0x" in stacks and 'File "' in stacks, faults[-3000:]
     history = records(run / "metrics.jsonl")
-    assert [r["step"] for r in history] == list(range(5))
+    assert [r["step"] for r in history] == list(range(8))
     last = history[-1]
     assert last["faults/recoveries"] == 1
     assert last["samples/generated_total"] == last["samples/trained_total"]
