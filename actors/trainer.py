@@ -58,7 +58,7 @@ from meshrl.procs.parallel import (
     save_sharded,
     shutdown,
 )
-from meshrl.procs.pipeline import broadcast_from_last, gather_over
+from meshrl.procs.pipeline import broadcast_from_last, gather_over, sum_tied
 from meshrl.procs.reshard import replica_parts
 from meshrl.types import TrainBatch
 from meshrl.weights.peer_state import PeerState
@@ -153,6 +153,8 @@ class Trainer(PeerState, Drillable, Actor):
         else:
             self.module = data_parallel(self.model, *where, sharding, tp, ep=ep)
         self._blocks = expert_blocks(self.model)  # (ep > 1: each proc's experts)
+        # A tied embedding's copy on the last stage: not a parameter of the model's own.
+        self._mirrors = [] if self.pipeline is None else self.pipeline.mirrors
         # Ranks that hold different parts: checkpoints are DCP's, no rank heals another.
         self.sharded = is_sharded(self.model) or self.pipeline is not None or bool(self._blocks)
         self.optim_cfg = optim_cfg
@@ -210,7 +212,13 @@ class Trainer(PeerState, Drillable, Actor):
     def served_parameters(self):
         """(HF name, tensor) of what replicas serve: the parameters (a shard of
         each when sharded), with LoRA adapters merged in."""
-        return lora.merged_parameters(self.model)
+        mirrors = self._mirrors
+        return ((n, t) for n, t in lora.merged_parameters(self.model) if n not in mirrors)
+
+    def _own(self, state: dict) -> dict:
+        """`state` (name -> tensor) without this rank's copies of other ranks'
+        parameters (`meshrl.procs.pipeline.MIRRORS`)."""
+        return {k: v for k, v in state.items() if k not in self._mirrors}
 
     def _logprobs(self, module: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         with compute_precision(self.precision, self.device):
@@ -269,6 +277,7 @@ class Trainer(PeerState, Drillable, Actor):
                 for part_metrics in seen:
                     for key, value in part_metrics.items():
                         metrics[key] = metrics.get(key, 0.0) + value
+        sum_tied(pipeline, self.model)
         total, metrics = broadcast_from_last((total, metrics), pipeline.group, pipeline.last)
         return total, metrics
 
@@ -291,6 +300,7 @@ class Trainer(PeerState, Drillable, Actor):
             backward=None if pipeline is None else lambda parts: self._pipelined(parts, loss_fn),
             stages=None if pipeline is None else pipeline.group,
             local=self._blocks,
+            mirrors=self._mirrors,
         )
         metrics["train/grad_norm"] = grad_norm
         metrics["train/loss"] = loss
@@ -348,7 +358,7 @@ class Trainer(PeerState, Drillable, Actor):
             self.model,
             backward=None if pipeline is None else lambda p: self._pipelined(p, self.loss_fn),
         )
-        grads = gather_blocks(grads, self._blocks)
+        grads = gather_blocks(self._own(grads), self._blocks)
         return grads if pipeline is None else gather_over(grads, pipeline.group)
 
     @endpoint
@@ -482,7 +492,7 @@ class Trainer(PeerState, Drillable, Actor):
         if self.sharded:
             state = {name: t.detach().cpu() for name, t in full_parameters(self.model)}
         if self.pipeline is not None:  # every stage's, on rank 0
-            state = gather_over(state, self.pipeline.group)
+            state = gather_over(self._own(state), self.pipeline.group)
         if self._blocks:  # every proc's experts
             state = gather_blocks(state, self._blocks)
         if self.rank == 0:
@@ -495,7 +505,7 @@ class Trainer(PeerState, Drillable, Actor):
         if lora.is_lora(self.model):
             return {name: t.detach().cpu().clone() for name, t in self.served_parameters()}
         state = {name: t.detach().cpu().clone() for name, t in full_parameters(self.model)}
-        state = gather_blocks(state, self._blocks)
+        state = gather_blocks(self._own(state), self._blocks)
         return state if self.pipeline is None else gather_over(state, self.pipeline.group)
 
     def __del__(self):

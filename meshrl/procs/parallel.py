@@ -284,6 +284,14 @@ def pipeline_parallel(
 
     layout = Layout.named(sharding, world_size, tp, pp)
     init_group(device, rank, world_size, master, ranks_per_host, timeout)
+    tie_group = None
+    if getattr(model.config, "tie_word_embeddings", False):  # stage 0's and the last's
+        for i in range(layout.dp):
+            for j in range(layout.tp):
+                pair = [layout.rank(0, i, j), layout.rank(layout.pp - 1, i, j)]
+                group = dist.new_group(pair)  # (every rank makes every group, in order)
+                if rank in pair:
+                    tie_group = group
     grid = [
         [[layout.rank(s, i, j) for j in range(layout.tp)] for i in range(layout.dp)]
         for s in range(layout.pp)
@@ -314,6 +322,7 @@ def pipeline_parallel(
         schedule,
         microbatches,
         layout.coords(rank),
+        tie_group,
     )
 
 
@@ -537,6 +546,7 @@ def accumulated_step(
     backward: Callable[[list], tuple[torch.Tensor, dict[str, float]]] | None = None,
     stages: Any = None,
     local: Any = (),
+    mirrors: Any = (),
 ) -> tuple[float, dict[str, float], float, bool]:
     """One optimizer step over micro-batches `parts` (gradient accumulation):
     backward of each part's loss, whose losses add up to the batch's (see
@@ -544,14 +554,15 @@ def accumulated_step(
     `backward(parts)`: how the parts' gradients are made (default
     `backward_each`; a pipeline's schedule); `stages`: the process group of a
     pipeline's ranks, each holding other parameters, over which the norm is taken;
-    `local`: parameters each rank holds its own part of (`clip`).
+    `local`: parameters each rank holds its own part of, `mirrors` copies of
+    another rank's (`clip`).
 
     Returns the summed loss, the summed metrics, the norm before clipping, and
     whether the step was skipped: a NaN or infinite loss or gradient on any rank
     skips it on every rank, leaving weights and optimizer state as they were."""
     optimizer.zero_grad(set_to_none=True)
     total, metrics = backward_each(parts, loss_of) if backward is None else backward(parts)
-    grad_norm = clip(model, max_grad_norm, stages, local)
+    grad_norm = clip(model, max_grad_norm, stages, local, mirrors)
     bad = (~torch.isfinite(total) | ~torch.isfinite(grad_norm.cpu())).float().reshape(1)
     if dist.is_available() and dist.is_initialized():
         # Each rank's own loss may differ; the ranks must still agree to skip.
@@ -566,23 +577,29 @@ def accumulated_step(
 
 
 def clip(
-    model: torch.nn.Module, max_norm: float | None, stages: Any = None, local: Any = ()
+    model: torch.nn.Module,
+    max_norm: float | None,
+    stages: Any = None,
+    local: Any = (),
+    mirrors: Any = (),
 ) -> torch.Tensor:
     """Clip `model`'s gradients to a 2-norm of `max_norm` (None: no clipping);
     returns the norm before clipping, over every rank's parameters: shards'
     (FSDP2), tensor-parallel blocks', with `stages` (a pipeline's process group)
     every stage's, and of the parameters named `local` (each rank its own part:
-    expert parallelism's experts) every rank's."""
+    expert parallelism's experts) every rank's; those named `mirrors` (copies of
+    another rank's parameter: a tied embedding's head) are clipped, not counted."""
     from meshrl.procs.tensor_parallel import clip_gradients
 
     named = list(model.named_parameters())
-    parameters = [p for n, p in named if n not in local]
+    parameters = [p for n, p in named if n not in local and n not in mirrors]
     mine = [p for n, p in named if n in local]
+    copies = [p for n, p in named if n in mirrors]
     if stages is None and not mine and not is_tensor_parallel(model):
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     # Parameters on several meshes (plain tensors among them), stages or ranks.
-    return clip_gradients(parameters, max_norm, stages, mine)
+    return clip_gradients(parameters, max_norm, stages, mine, copies)
 
 
 def accumulated_gradients(

@@ -25,8 +25,12 @@ again (`scale_grads=False`): the micro-batches' gradients add up to the batch's.
 Architectures: those whose forward is embedding -> decoder layers -> norm ->
 head with nothing else between (`PIPELINED`); a model that scales its
 embeddings or adds learned positions in its forward (Gemma, GPT-2) is refused,
-as are tied input and output embeddings across stages (the head on the last
-stage would be a second copy of stage 0's embedding).
+Tied input and output embeddings (Qwen2/3's small sizes) are held twice, as
+Megatron-LM holds them: stage 0's embedding and, on the last stage, a copy of
+it as the head (`MIRRORS`), their gradients summed over the two procs after
+each backward (`Pipeline.sum_tied`), so both take the same step and stay
+equal; the copy is left out of the gradient norm, of publishing and of
+exports (the one parameter is stage 0's).
 """
 
 from __future__ import annotations
@@ -50,15 +54,14 @@ def check_pipeline(hf_config: Any, pp: int, virtual: int = 1) -> str | None:
     kind = getattr(hf_config, "model_type", "?")
     if kind not in PIPELINED:
         return f"model type '{kind}' is not one of {', '.join(PIPELINED)}"
-    if pp > 1 and getattr(hf_config, "tie_word_embeddings", False):
-        return (
-            f"model type '{kind}' ties its input and output embeddings, which stage 0 "
-            "and the last stage would each hold"
-        )
     layers = hf_config.num_hidden_layers
     if layers < pp * virtual:
         return f"{layers} layers cannot make {pp * virtual} stages"
     return None
+
+
+MIRRORS = ("lm_head.weight",)
+"""The last stage's copy of a tied embedding (`prune`): a parameter of its own there."""
 
 
 def check_placement(placement: Any, config: Any, trainer: Any = None) -> None:
@@ -156,6 +159,9 @@ def prune(
     if count - 1 not in mine:
         del lm.model.norm
         del lm.lm_head
+    elif 0 not in mine and getattr(lm.config, "tie_word_embeddings", False):
+        # The head is stage 0's embedding: a copy of it here (`MIRRORS`).
+        lm.lm_head.weight = torch.nn.Parameter(lm.lm_head.weight.detach().clone())
     return stages, mine
 
 
@@ -175,14 +181,21 @@ class Pipeline:
         schedule: str = "1f1b",
         microbatches: int = 2,
         coords: tuple[int, int, int] = (0, 0, 0),
+        tie_group: Any = None,
     ):
-        """`coords`: this rank's (pipeline rank, dp, tp) coordinates."""
+        """`coords`: this rank's (pipeline rank, dp, tp) coordinates; `tie_group`:
+        the process group of this pipeline's first and last ranks, when the model
+        ties its embeddings and this rank is one of them."""
         if schedule not in SCHEDULES:
             raise ValueError(f"'{schedule}' is not one of {', '.join(SCHEDULES)}")
         self.modules, self.indices, self.count = modules, indices, count
         self.device, self.group, self.kind = device, group, schedule
         self.microbatches = microbatches
         self.coords = coords
+        self.tie_group = tie_group
+        self.mirrors = list(MIRRORS) if tie_group is not None and 0 not in indices else []
+        """This rank's copies of a tied parameter (left out of the norm, publishing
+        and exports)."""
         self.pp = dist.get_world_size(group)
         self.last = count - 1 in indices
         self.first = 0 in indices
@@ -268,6 +281,21 @@ class Pipeline:
         if self.last:
             return [], [out[:rows]]
         return [], []
+
+
+def sum_tied(pipeline: Pipeline, model: torch.nn.Module) -> None:
+    """A tied embedding's gradient: stage 0's and the last stage's copy's, summed
+    on both (each rank its FSDP2 block of it: the two are split alike)."""
+    if pipeline.tie_group is None:
+        return
+    named = dict(model.named_parameters())
+    param = named["model.embed_tokens.weight" if pipeline.first else MIRRORS[0]]
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    dist.all_reduce(
+        grad.to_local() if hasattr(grad, "to_local") else grad, group=pipeline.tie_group
+    )
 
 
 def broadcast_from_last(value: Any, group: Any, last: bool) -> Any:

@@ -155,13 +155,18 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def clip_gradients(
-    parameters: list, max_norm: float | None, stages: Any = None, local: list = ()
+    parameters: list,
+    max_norm: float | None,
+    stages: Any = None,
+    local: list = (),
+    copies: list = (),
 ) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters of several meshes
     (`grad_norm`), with `stages` (a pipeline's process group: each rank holds
     other parameters) of every stage, and with `local` (parameters each rank
     holds a different part of by hand: expert parallelism's experts) of every
-    rank's; returns the norm before clipping."""
+    rank's; `copies` (of other ranks' parameters) are clipped but not counted.
+    Returns the norm before clipping."""
     import torch.distributed as dist
 
     squared = grad_norm(parameters).detach().double().cpu().reshape(1) ** 2
@@ -175,6 +180,6 @@ def clip_gradients(
     if max_norm is not None and torch.isfinite(norm):
         coef = float(max_norm) / (float(norm) + 1e-6)
         if coef < 1.0:
-            for grads in _groups([*parameters, *local]):
+            for grads in _groups([*parameters, *local, *copies]):
                 torch._foreach_mul_(grads, coef)
     return norm

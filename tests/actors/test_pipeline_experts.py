@@ -1,7 +1,8 @@
 """Pipeline and expert parallelism on real trainer meshes (gloo): the gradient of
 one batch with PP2 (1F1B), FSDP2 x PP2 (GPipe) and TP2 x PP2 (interleaved, 2
 stages a proc) equals the 1-proc gradient, and EP2 of Qwen3-MoE (with DDP and
-with FSDP2) the 1-proc MoE's, within 1e-5 relative; three steps end at the
+with FSDP2) the 1-proc MoE's, within 1e-5 relative (and PP2 of Qwen3, whose tied embedding
+the first and last stage each hold); three steps end at the
 1-proc weights within 1e-4; each layout publishes every parameter once, from
 the procs that hold it, into a whole model equal to the trainer's (and a TP2
 replica reads its share from a pipeline's stages); a pipelined and an
@@ -21,9 +22,12 @@ pytestmark = [pytest.mark.actors, pytest.mark.timeout(300)]
 TIMEOUT = 120
 MODEL = ModelConfig(num_layers=4)  # interleaved: 2 stages on each of 2 procs
 MOE = ModelConfig(arch="qwen3_moe")
+QWEN3 = ModelConfig(arch="qwen3")  # tied embeddings: the last stage holds a copy of stage 0's
+ONE = {id(MODEL): "one", id(MOE): "moe_one", id(QWEN3): "qwen3_one"}  # each model's 1-proc
 # name: (model, procs, procs that take the same rows, Trainer's layout arguments)
 CELLS = {
     "pp": (MODEL, 2, 2, dict(sharding="pp", pp=2, pp_schedule="1f1b")),
+    "pp_qwen3": (QWEN3, 2, 2, dict(sharding="pp", pp=2, pp_schedule="1f1b")),
     "fsdp_pp": (MODEL, 4, 2, dict(sharding="fsdp_pp", pp=2, pp_schedule="gpipe")),
     "tp_pp": (MODEL, 4, 4, dict(sharding="fsdp_tp_pp", tp=2, pp=2, pp_schedule="interleaved")),
     "ep": (MOE, 2, 1, dict(sharding="ddp", ep=2)),
@@ -46,6 +50,9 @@ def meshes():
             ),
             "moe_one": meshes["one"].spawn(
                 "moe_one", Trainer, MOE, optim, grpo_loss("token-mean"), 10, layout="padded"
+            ),
+            "qwen3_one": meshes["one"].spawn(
+                "qwen3_one", Trainer, QWEN3, optim, grpo_loss("token-mean"), 10, layout="padded"
             ),
             "replica_one": meshes["one"].spawn("replica_one", Policy, MODEL),
         }
@@ -73,15 +80,15 @@ def meshes():
 
 
 def reference(name: str) -> str:
-    return "moe_one" if CELLS[name][0] is MOE else "one"
+    return ONE[id(CELLS[name][0])]
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_the_gradient_is_the_one_proc_gradient_at_every_layout(meshes, aggregation):
-    for name in ("one", "moe_one", *CELLS):
+    for name in (*ONE.values(), *CELLS):
         call_all(meshes[name], "set_loss", grpo_loss(aggregation), what="loss", timeout_s=TIMEOUT)
     batch = fixed_batch()
-    want = {name: gradient(meshes[name], 1, batch) for name in ("one", "moe_one")}
+    want = {name: gradient(meshes[name], 1, batch) for name in ONE.values()}
     for name, (_, procs, group, _) in CELLS.items():
         got = gradient(meshes[name], procs, batch, tp=group)
         error = relative_error(got, want[reference(name)])
@@ -94,12 +101,12 @@ def test_three_steps_end_at_the_one_proc_weights_and_publish_each_parameter_once
     from meshrl.weights.publisher import WeightHandle
     from meshrl.weights.receiver import WeightReceiver
 
-    for name in ("one", "moe_one", *CELLS):
+    for name in (*ONE.values(), *CELLS):
         call_all(meshes[name], "set_loss", grpo_loss("token-mean"), what="loss", timeout_s=TIMEOUT)
     batch = fixed_batch()
     figures = {}  # each trainer's first step's metrics (summed over micro-batches)
     for _ in range(3):
-        for name in ("one", "moe_one"):
+        for name in ONE.values():
             done = call_each(meshes[name], "train_step", [(batch.shard(0, 1),)], "step", TIMEOUT)
             figures.setdefault(name, done[0])
         for name, (_, procs, group, _) in CELLS.items():
@@ -118,7 +125,7 @@ def test_three_steps_end_at_the_one_proc_weights_and_publish_each_parameter_once
             )
     want = {
         name: call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
-        for name in ("one", "moe_one")
+        for name in ONE.values()
     }
     for name, (model_cfg, _, _, _) in CELLS.items():
         got = call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)
