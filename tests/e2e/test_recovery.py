@@ -367,11 +367,22 @@ def test_a_weight_sync_that_did_not_land_stops_the_run_naming_replica_and_versio
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_a_lost_pipeline_stage_replaces_the_trainer_whole_and_rewinds(tmp_path, no_stray_procs):
-    """A PP2 trainer loses its last stage's proc at step 3: no rank holds a copy of
-    another's stage, so the role is replaced whole and goes back to the checkpoint of
-    step 2; the run ends with the weights of the same run without the fault, bit for
-    bit."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("placement.sharding=pp",),
+        ("model.arch=qwen3_moe", "placement.ep=2", "trainer.routing_replay=true"),
+    ],
+    ids=["pp", "ep_with_routing_replay"],
+)
+def test_a_lost_stage_or_expert_proc_replaces_the_trainer_whole_and_rewinds(
+    layout, tmp_path, no_stray_procs
+):
+    """A PP2 trainer loses its last stage's proc, or an EP2 trainer (Qwen3-MoE,
+    routes replayed) the proc of half the experts, at step 3: no rank holds a copy
+    of another's part, so the role is replaced whole and goes back to the
+    checkpoint of step 2; the run ends with the weights of the same run without the
+    fault, bit for bit."""
 
     def config(name, *extra):
         return configure(
@@ -381,7 +392,7 @@ def test_a_lost_pipeline_stage_replaces_the_trainer_whole_and_rewinds(tmp_path, 
             "warm_start.steps=2",
             "checkpoint.every=2",
             "placement.trainer=2",
-            "placement.sharding=pp",
+            *layout,
             *extra,
         )
 
