@@ -221,6 +221,7 @@ def show(run_dir: str, status: dict) -> None:
         print(f"SLURM {role}: job {where['job_id']} on {','.join(where['nodes']) or '-'}")
     if status.get("quarantined"):
         print(f"SLURM quarantined nodes: {', '.join(status['quarantined'])}")
+    print(preflight_lines(status), end="")
     print(health_lines(status.get("health")), end="")
     procs = status["procs"]
     if status.get("telemetry_url") and pid and run_state(status) == "running":
@@ -229,6 +230,43 @@ def show(run_dir: str, status: dict) -> None:
         except (OSError, ValueError, KeyError) as error:
             print(f"(Monarch's telemetry did not answer: {error})")
     print(table(procs, now))
+
+
+FIGURES = (
+    "matmul_gflops",
+    "gloo_gb_s",
+    "nccl_gb_s",
+    "rdma_gb_s",
+    "disk_mb_s",
+    "free_gb",
+    "check_s",
+)
+"""A host's preflight figures, in the order they are shown."""
+
+
+def brief(figures: dict) -> str:
+    """A host's preflight figures in one line (`FIGURES`)."""
+    return ", ".join(f"{k} {figures[k]:g}" for k in FIGURES if k in figures) or "no figures"
+
+
+def preflight_lines(status: dict) -> str:
+    """The preflight's view (`meshrl.procs.health_checks`): each host checked, with
+    its role and figures, each one quarantined with its finding, and how long the
+    checks took; nothing when there was none."""
+    preflight = status.get("preflight") or {}
+    runs = preflight.get("runs", [])
+    if not preflight.get("hosts") and not runs:
+        return ""
+    took = sum(run["s"] for run in runs)
+    lines = [
+        f"preflight: {len(runs)} check(s) of {sum(r['hosts'] for r in runs)} host(s), {took:.2f}s"
+    ]
+    for host, figures in sorted(preflight.get("hosts", {}).items()):
+        role = f" ({figures['role']})" if figures.get("role") else ""
+        lines.append(f"  {host}{role}: {brief(figures)}")
+    for host, line in sorted((status.get("preflight_quarantined") or {}).items()):
+        lines.append(f"  quarantined {host}: {line}")
+    return "".join(line + "\n" for line in lines)
 
 
 def health_lines(health: dict | None) -> str:

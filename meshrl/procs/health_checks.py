@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from meshrl.config.files import ConfigError
+from meshrl.observe.status import brief
 from meshrl.procs.faultlog import log_fault
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class HostChecks:
                     self.baseline[key] = values[0]
         log_fault(
             f"preflight of {len(by_name)} host(s) ({', '.join(roles)}) in {took:.2f}s: "
-            + "; ".join(f"{h}: {_brief(f)}" for h, f in by_name.items())
+            + "; ".join(f"{h}: {brief(f)}" for h, f in by_name.items())
         )
         return findings
 
@@ -225,7 +226,7 @@ class HostChecks:
             if finding.host not in self.quarantined:
                 self.quarantined[finding.host] = line
                 log_fault(f"{line}; quarantined. Its figures: {figures}")
-                print(f"{line}; quarantined ({_brief(figures)})", flush=True)
+                print(f"{line}; quarantined ({brief(figures)})", flush=True)
             if figures.get("role") and figures["role"] not in roles:
                 roles.append(figures["role"])
         if meshes.job_cfg.kind != "slurm":
@@ -281,19 +282,6 @@ class HostChecks:
                 "preflight": {"hosts": dict(self.figures), "runs": list(self.seconds)},
                 "preflight_quarantined": dict(self.quarantined),
             }
-
-
-def _brief(figures: dict) -> str:
-    keys = (
-        "matmul_gflops",
-        "gloo_gb_s",
-        "nccl_gb_s",
-        "rdma_gb_s",
-        "disk_mb_s",
-        "free_gb",
-        "check_s",
-    )
-    return ", ".join(f"{k} {figures[k]:g}" for k in keys if k in figures) or "no figures"
 
 
 # --- hung procs ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from meshrl.loop.health import busy_share, flat_steps, non_finite, slow_ratios
-from meshrl.observe.status import health_lines
+from meshrl.observe.status import health_lines, preflight_lines
 
 pytestmark = pytest.mark.unit
 
@@ -69,4 +69,24 @@ def test_status_shows_alarms_slow_and_evicted_procs():
         "health at step 7: entropy collapse: ...",
         "slow procs: policy[1]",
         "evicted (slow): policy[1]",
+    ]
+
+
+def test_status_shows_each_hosts_preflight_figures_and_the_quarantined():
+    assert preflight_lines({}) == ""
+    status = {
+        "preflight": {
+            "hosts": {
+                "c2": {"role": "policy", "matmul_gflops": 3.1, "rdma_gb_s": 0.25, "free_gb": 70.5},
+                "c1": {"role": "trainer", "matmul_gflops": 0.3, "check_s": 0.5},
+            },
+            "runs": [{"hosts": 2, "s": 0.5}, {"hosts": 1, "s": 0.25}],
+        },
+        "preflight_quarantined": {"c1": "preflight: host c1 failed the matmul check: ..."},
+    }
+    assert preflight_lines(status).splitlines() == [
+        "preflight: 2 check(s) of 3 host(s), 0.75s",
+        "  c1 (trainer): matmul_gflops 0.3, check_s 0.5",
+        "  c2 (policy): matmul_gflops 3.1, rdma_gb_s 0.25, free_gb 70.5",
+        "  quarantined c1: preflight: host c1 failed the matmul check: ...",
     ]
