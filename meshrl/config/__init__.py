@@ -552,6 +552,12 @@ def check_placement(model: ModelConfig, placement: PlacementConfig) -> None:
         f"LoRA trains with placement.sharding=ddp ({placement.sharding} with LoRA is not supported)",
     )
     _check(
+        not model.lora.rank or placement.ep == 1,
+        "model.lora.rank",
+        f"LoRA trains every expert on every proc (placement.ep={placement.ep} with LoRA is "
+        "not supported)",
+    )
+    _check(
         model.arch == "qwen3_moe" or model.path is not None or placement.ep == 1,
         "placement.ep",
         f"{placement.ep}: model.arch {model.arch} has no experts to spread",

@@ -87,6 +87,10 @@ def test_saved_config_loads_back_identically(tmp_path):
             "trainer.routing_replay",
         ),
         (["placement.ep=2", "placement.trainer=2"], "placement.ep"),
+        (
+            ["placement.ep=2", "placement.trainer=2", "model.arch=qwen3_moe", "model.lora.rank=4"],
+            "model.lora.rank",
+        ),
         (["placement.ep=3", "placement.trainer=2", "model.arch=qwen3_moe"], "placement.ep"),
         (["placement.sharding=tp", "placement.trainer=2", "model.arch=gpt2"], "no tensor-paral"),
         (["placement.sharding=tp", "placement.trainer=2", "model.arch=phi3"], "colwise_gather"),
