@@ -113,8 +113,9 @@ def group_replicas(run: Run, timeout_s: float, role: str = "policy") -> None:
 def heal_trainer(sup: Supervisor, cfg: Any, trainer: Role, sync: WeightSync) -> None:
     """A DDP trainer's ranks are replicas: a lost one is healed from the others
     (`Supervisor.heal_from_peers`), the new procs publishing the version `sync`
-    holds. A sharded (FSDP2) trainer goes back to its checkpoint."""
-    if cfg.placement.sharding == "ddp":
+    holds. A sharded (FSDP2) trainer, or one whose procs hold different experts
+    (`placement.ep`), goes back to its checkpoint."""
+    if cfg.placement.sharding == "ddp" and cfg.placement.ep == 1:
         sup.heal_from_peers(trainer.name, TRAINER_STEPS, lambda: sync.republish(trainer))
 
 
