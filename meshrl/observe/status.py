@@ -233,6 +233,7 @@ def show(run_dir: str, status: dict) -> None:
 
 
 FIGURES = (
+    "cpu_cores",
     "matmul_gflops",
     "gloo_gb_s",
     "nccl_gb_s",

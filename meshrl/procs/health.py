@@ -2,7 +2,8 @@
 there, and a heartbeat that finds a hung proc, writes its stacks and kills it.
 
 Preflight (`health.preflight`): a `Preflight` actor (`meshrl.procs.preflight_actor`)
-on the first proc of each host checks the device (a matmul at the model's dtype; on CUDA also the device
+on the first proc of each host checks the cores its procs may use (affinity and
+CPU quota, `cpu_cores`), the device (a matmul at the model's dtype; on CUDA also the device
 count, free memory, ECC errors where the driver reports them), the collective
 among the role's procs (gloo, or NCCL on GPUs), a Monarch RDMA buffer read from
 another host, the run directory (a file written and fsynced, free space for a
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from meshrl.procs import proc_pool
@@ -61,6 +63,49 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             found[name] = "missing"
     return found
+
+
+def cpu_cores(proc_root: str = "/proc/self", cgroup_root: str = "/sys/fs/cgroup") -> float:
+    """The cores this process may use: its CPU affinity, capped by every CPU quota
+    above it in its cgroup (v1 `cpu.cfs_quota_us / cpu.cfs_period_us`, v2
+    `cpu.max`), as the kernel enforces them. A host held to a tenth of a core
+    reads 0.1 however idle or busy the machine is, where timings under load do
+    not separate it from a healthy host that waits its turn."""
+    cores = float(len(os.sched_getaffinity(0)))
+    try:
+        with open(os.path.join(proc_root, "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return cores
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy, `cpu.max` is "quota period" or "max ..."
+            base, files = cgroup_root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            base = next(
+                (
+                    os.path.join(cgroup_root, name)
+                    for name in (controllers, "cpu", "cpu,cpuacct")
+                    if os.path.isdir(os.path.join(cgroup_root, name))
+                ),
+                None,
+            )
+            if base is None:
+                continue
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        parts = path.strip("/").split("/") if path.strip("/") else []
+        for depth in range(len(parts), -1, -1):  # its own group up to the root
+            here = os.path.join(base, *parts[:depth])
+            try:
+                values = [Path(here, name).read_text().split() for name in files]
+            except OSError:
+                continue
+            quota, period = (values[0] if len(files) == 1 else [values[0][0], values[1][0]])[:2]
+            if quota not in ("max", "-1") and int(period) > 0:
+                cores = min(cores, int(quota) / int(period))
+    return round(cores, 3)
 
 
 def matmul_rate(dtype: str, seconds: float, size: int = 256) -> float:
@@ -178,7 +223,7 @@ class Spec:
 
 # --- preflight: judging the figures ----------------------------------------------
 
-RATED = ("matmul_gflops", "gloo_gb_s", "nccl_gb_s", "rdma_gb_s")
+RATED = ("cpu_cores", "matmul_gflops", "gloo_gb_s", "nccl_gb_s", "rdma_gb_s")
 """Figures judged against the median (higher is better). The run directory's write
 rate is shown, not judged: a shared filesystem's rate moves with every other
 writer, while a directory that cannot be written or lacks the room is a failure."""

@@ -15,7 +15,7 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from meshrl.procs import proc_pool
-from meshrl.procs.health import Spec, cuda_figures, disk_figures, matmul_rate, versions
+from meshrl.procs.health import Spec, cpu_cores, cuda_figures, disk_figures, matmul_rate, versions
 
 
 class Preflight(Actor):
@@ -38,6 +38,7 @@ class Preflight(Actor):
         }
         failures: list[str] = []
         started = time.perf_counter()
+        figures["cpu_cores"] = cpu_cores()
         try:
             figures["matmul_gflops"] = round(matmul_rate(spec.dtype, spec.matmul_s), 3)
         except Exception as error:  # noqa: BLE001 - a broken device is this check's finding

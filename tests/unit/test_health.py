@@ -14,7 +14,7 @@ import pytest
 from meshrl.config.files import ConfigError
 from meshrl.config.health import HealthConfig
 from meshrl.procs import proc_pool
-from meshrl.procs.health import disk_figures, dump_and_kill, judge, medians_of, versions
+from meshrl.procs.health import cpu_cores, disk_figures, dump_and_kill, judge, medians_of, versions
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -41,6 +41,42 @@ def test_one_host_has_no_median_but_a_later_one_is_judged_against_the_first_allo
     baseline = {**medians_of({f"c{i}": {"matmul_gflops": 50.0} for i in range(4)}), "hosts": 4}
     found = judge({"c9": {"matmul_gflops": 5.0}}, {}, 0.5, baseline)
     assert [(f.host, f.check) for f in found] == [("c9", "matmul")]
+
+
+def test_a_process_under_a_cpu_quota_reads_its_cores_from_the_kernel():
+    """A real cgroup v1 quota of a quarter core (where this machine has a writable CPU
+    controller), and the same parse of cgroup v2's `cpu.max` on a written tree."""
+    root = "/sys/fs/cgroup/cpu"
+    if os.access(os.path.join(root, "cgroup.procs"), os.W_OK):
+        group = os.path.join(root, f"meshrl-test-cores-{os.getpid()}")
+        os.makedirs(group, exist_ok=True)
+        try:
+            for name, value in (("cpu.cfs_period_us", "100000"), ("cpu.cfs_quota_us", "25000")):
+                with open(os.path.join(group, name), "w") as f:
+                    f.write(value)
+            code = (  # joins the group, then reads what the kernel holds it to
+                "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+                "from meshrl.procs.health import cpu_cores; print(cpu_cores())"
+            )
+            said = subprocess.run(
+                [sys.executable, "-c", code, f"{group}/cgroup.procs"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout  # fmt: skip
+            assert float(said) == 0.25
+        finally:
+            os.rmdir(group)
+    assert cpu_cores() == min(len(os.sched_getaffinity(0)), cpu_cores())
+
+
+def test_cpu_max_of_cgroup_v2_caps_the_cores_at_the_tightest_level(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cgroup").write_text("0::/job/step\n")
+    (tmp_path / "cg" / "job" / "step").mkdir(parents=True)
+    (tmp_path / "cg" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "cg" / "job" / "cpu.max").write_text("50000 100000\n")
+    (tmp_path / "cg" / "job" / "step" / "cpu.max").write_text("max 100000\n")
+    got = cpu_cores(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert got == min(0.5, len(os.sched_getaffinity(0)))
 
 
 def test_versions_that_differ_from_the_controller_are_a_finding():
