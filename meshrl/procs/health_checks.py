@@ -137,6 +137,46 @@ class HostChecks:
         )
         return findings
 
+    def joined(self, role: str, spawn_proc: Any, host: Any) -> str | None:
+        """The preflight of one host that joins `role` after the start (a pool that
+        grows, a one-node job in place of a lost node; `host`: a
+        `meshrl.procs.pool.Host`), on a proc of its own (`spawn_proc(mesh, slot)`,
+        stopped after): its checks and an RDMA read from a host checked before,
+        judged against the first allocation's medians. The finding's line (the host
+        quarantined, and excluded from SLURM's next allocations), or None."""
+        from meshrl.procs.health import judge
+        from meshrl.procs.mesh import wait
+        from meshrl.procs.preflight_actor import Preflight
+
+        started, key = time.monotonic(), f"{role}/joined"
+        procs = spawn_proc(host.mesh, 0)
+        try:
+            actor = procs.spawn("preflight", Preflight)
+            timeout = max(60.0, 20 * self.spec.matmul_s)
+            answer = wait(actor.check.call_one(self.spec), f"{role}.preflight", timeout)
+            figures, failures = {key: answer["figures"]}, {key: list(answer["failures"])}
+            self._rdma({key: (role, 0, actor)}, figures, failures, timeout)
+        finally:
+            with contextlib.suppress(BaseException):
+                procs.stop().get(timeout=10.0)
+        name = self._name(key, figures[key])
+        by_name = {name: {**figures[key], "role": role}}
+        rated = self.meshes.job_cfg.kind not in ("local", "process")
+        ratio = self.health.min_ratio if rated else 0.0
+        failed = {name: failures[key]} if failures[key] else {}
+        findings = judge(by_name, failed, ratio, self.baseline, self.controller)
+        took = time.monotonic() - started
+        with self.lock:
+            self.figures.update(by_name)
+            self.seconds.append({"hosts": 1, "s": round(took, 3)})
+        log_fault(
+            f"preflight of a host joining {role} in {took:.2f}s: {name}: {brief(by_name[name])}"
+        )
+        if not findings:
+            return None
+        self._quarantine(findings)
+        return findings[0].line()
+
     def _name(self, key: str, figures: dict) -> str:
         return figures.get("node") or (
             figures.get("host", "?")
@@ -221,14 +261,10 @@ class HostChecks:
         meshes = self.meshes
         roles = []
         for finding in findings:
-            figures = self.figures.get(finding.host, {})
-            line = f"preflight: {finding.line()}"
-            if finding.host not in self.quarantined:
-                self.quarantined[finding.host] = line
-                log_fault(f"{line}; quarantined. Its figures: {figures}")
-                print(f"{line}; quarantined ({brief(figures)})", flush=True)
-            if figures.get("role") and figures["role"] not in roles:
-                roles.append(figures["role"])
+            role = self.figures.get(finding.host, {}).get("role")
+            if role and role not in roles:
+                roles.append(role)
+        self._quarantine(findings)
         if meshes.job_cfg.kind != "slurm":
             # One machine (or a scheduler meshrl cannot ask to exclude a host): nothing to
             # replace it with.
@@ -236,13 +272,8 @@ class HostChecks:
                 f"config key 'health.preflight': {findings[0].line()}; no other host to "
                 "replace it (health.preflight=false skips the checks)"
             )
-        from meshrl.procs import slurm_faults
         from meshrl.procs.slurm_queue import SlurmError
 
-        for finding in findings:
-            node = self.figures.get(finding.host, {}).get("node")
-            if node:
-                slurm_faults.quarantined.add(node)
         for role in roles:
             try:
                 self.reallocate(role)
@@ -252,6 +283,22 @@ class HostChecks:
                     f"without it could be had ({error})"
                 ) from None
         return roles
+
+    def _quarantine(self, findings: list) -> None:
+        """Each finding's host quarantined: one console line with its figures, the
+        same with every figure in faults.log, and its SLURM node excluded from the
+        run's allocations from now on."""
+        from meshrl.procs import slurm_faults
+
+        for finding in findings:
+            figures = self.figures.get(finding.host, {})
+            line = f"preflight: {finding.line()}"
+            if finding.host not in self.quarantined:
+                self.quarantined[finding.host] = line
+                log_fault(f"{line}; quarantined. Its figures: {figures}")
+                print(f"{line}; quarantined ({brief(figures)})", flush=True)
+            if figures.get("node"):
+                slurm_faults.quarantined.add(figures["node"])
 
     def reallocate(self, role: str) -> None:
         """`role`'s procs (and those of the roles beside it) stopped, its SLURM job

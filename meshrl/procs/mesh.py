@@ -511,11 +511,22 @@ class RoleMeshes:
             pool_key,
             wait,
             self.log_dir,
+            self.vet(role, spawn_proc),
         )
         if kind == "slurm":
             group.renew = functools.partial(renew_slurm_hosts, self, role)
         group.grow(count * self.hosts[role])
         return group
+
+    def vet(self, role: str, spawn_proc: Any = None) -> Any:
+        """The preflight of one host that joins `role` (`HostChecks.joined`, with a
+        proc of its own spawned by `spawn_proc`: the role's by default), or None
+        without one."""
+        if self.checks is None:
+            return None
+        if spawn_proc is None:
+            spawn_proc = self.by_role[role].spawn_proc
+        return functools.partial(self.checks.joined, role, spawn_proc)
 
     def scale(self, role: str, size: int) -> list[int]:
         """Grow or shrink an elastic role to `size` procs (the newest leave first;

@@ -400,7 +400,12 @@ def renew_slurm_hosts(meshes: Any, role: str, hosts: list[Host]) -> None:
                 continue
             note_lost(host.job.allocations.dead_nodes(joined))
         stop_host(host, role)
-        hosts[index] = join_host(meshes.job_cfg, role, f"{index}r{next(_renewals)}", meshes.log_dir)
+        name = f"{index}r{next(_renewals)}"
+        hosts[index] = join_checked(
+            lambda name=name: join_host(meshes.job_cfg, role, name, meshes.log_dir),
+            meshes.vet(role),
+            role,
+        )
 
 
 def make_group(
@@ -412,17 +417,52 @@ def make_group(
     pool_key: Callable[[int], tuple | None],
     wait: Callable[[Any, str, float], Any],
     log_dir: str | None = None,
+    vet: Callable[[Host], str | None] | None = None,
 ) -> ProcGroup:
     """An empty `ProcGroup` for `role` on its job's hosts (`job`: a JobConfig; the
-    SLURM output of hosts that join it in `log_dir`)."""
+    SLURM output of hosts that join it in `log_dir`; `vet`: the preflight each
+    joining host passes first, `join_checked`)."""
     limit, reason = limit_of(job, role, per_host)
     if job.kind == "local":  # one host: a slot per proc it may have, and spares
         hosts, slots = [Host(host_mesh)], limit + 64
     else:
         hosts = [Host(host_mesh.slice(hosts=h)) for h in range(job.hosts_for(role))]
         slots = per_host
-    add = (lambda index: join_host(job, role, f"{index}", log_dir)) if job.kind != "local" else None
+    add = None
+    if job.kind != "local":
+
+        def add(index: int) -> Host:
+            return join_checked(lambda: join_host(job, role, f"{index}", log_dir), vet, role)
+
     return ProcGroup(role, hosts, slots, spawn_proc, pool_key, limit, reason, wait, add)
+
+
+JOIN_TRIES = 3
+"""Hosts that may fail the preflight in a row before a join gives up."""
+
+
+def join_checked(
+    make: Callable[[], Host], vet: Callable[[Host], str | None] | None, role: str
+) -> Host:
+    """A host that joins (`make()`: a pool that grows, a one-node job in place of a
+    lost node), checked by `vet` (the preflight of that one host, judged against the
+    run's first allocation: the finding's line, the host quarantined, or None)
+    before any member is spawned there. A host that fails is stopped and another
+    joins in its place (on SLURM the quarantined node is excluded), `JOIN_TRIES`
+    times; then the join fails in one line naming the last host and its check."""
+    for _ in range(JOIN_TRIES):
+        host = make()
+        try:
+            finding = vet(host) if vet is not None else None
+        except BaseException:
+            stop_host(host, role)
+            raise
+        if finding is None:
+            return host
+        stop_host(host, role)
+    raise ScaleError(
+        f"scale: {role}: {JOIN_TRIES} hosts in a row failed the preflight; the last: {finding}"
+    )
 
 
 def join_host(job_cfg: Any, role: str, index: str, log_dir: str | None = None) -> Host:

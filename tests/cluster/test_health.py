@@ -1,5 +1,7 @@
 """Health on the private SLURM cluster: a node whose slurmd runs under a CPU quota of
-a tenth of a core is found by the preflight and replaced before step 1; a policy
+a tenth of a core is found by the preflight and replaced before step 1, and a
+throttled node that a growing policy pool is given is found before any replica
+runs there and another joins in its place; a policy
 proc stopped with SIGSTOP mid-run is found by its heartbeat, its stacks taken on
 its node (a job step) into faults.log, killed and replaced with no sample lost;
 and the run's jobs leave the queue within seconds of its end."""
@@ -27,7 +29,7 @@ CPU_CGROUP = "/sys/fs/cgroup/cpu"
 def cpu_quota(pid: int, share: float):
     """Process `pid` (a slurmd: every process it starts after) held to `share` of a
     core by a cgroup v1 CPU quota; moved back and the cgroup removed after."""
-    group = os.path.join(CPU_CGROUP, f"meshrl-test-slow-{os.getpid()}")
+    group = os.path.join(CPU_CGROUP, f"meshrl-test-slow-{os.getpid()}-{pid}")
     os.makedirs(group, exist_ok=True)
     try:
         with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
@@ -50,23 +52,29 @@ def cpu_quota(pid: int, share: float):
             time.sleep(0.1)
 
 
-def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_hang_s(
+def test_throttled_nodes_are_passed_over_at_the_start_and_when_the_pool_grows_and_a_stopped_proc_is_found(
     slurm_cluster, tmp_path, no_stray_procs
 ):
     cluster = slurm_cluster
     if not os.access(os.path.join(CPU_CGROUP, "cgroup.procs"), os.W_OK):
         pytest.skip("no writable cgroup v1 CPU controller here")
-    # Five nodes to choose from, four asked for: SLURM takes the lowest, c1 among them,
-    # and the replacement has one left.
-    others = f"c[6-{len(cluster.nodes)}]"
+    # Seven nodes to choose from, four asked for: SLURM takes the lowest, c1 among them,
+    # and its replacement c5; the policy pool's third replica is then given c6, and
+    # after it c7.
+    others = f"c[8-{len(cluster.nodes)}]"
     cluster.run("scontrol", "update", f"nodename={others}", "state=drain", "reason=test")
-    with open(os.path.join(cluster.root, "slurmd-c1.pid")) as f:
-        slurmd = int(f.read().strip())
+    slurmd = {}
+    for node in ("c1", "c6"):
+        with open(os.path.join(cluster.root, f"slurmd-{node}.pid")) as f:
+            slurmd[node] = int(f.read().strip())
     stopped = None
     try:
-        with cpu_quota(slurmd, 0.1):
+        # c6 at 0.3 of a core (0.15 of the others' 2): found as surely, and a proc of
+        # its boots in a third of c1's time.
+        with cpu_quota(slurmd["c1"], 0.1), cpu_quota(slurmd["c6"], 0.3):
             proc = start(
                 cluster, tmp_path, "health", "steps=10", "job.hosts.policy=2",
+                "job.max_procs.policy=3", "pool.schedule=[policy=3@2]",
                 "health.hang_s=3", "warm_start.steps=2", "health.min_ratio=0.5",
                 # A slower environment (the same math): the run still steps when the
                 # proc is stopped.
@@ -74,7 +82,9 @@ def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_ha
             )  # fmt: skip
             try:
                 deadline = time.monotonic() + 300
-                while len(history(tmp_path, "health")) < 2:
+                while history(tmp_path, "health")[-1:] == [] or (
+                    history(tmp_path, "health")[-1].get("pool/policy_size") != 3
+                ):
                     assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[-3000:]
                     time.sleep(0.2)
                 while (stopped := alive_pid(tmp_path / "health", "policy")) is None:
@@ -100,9 +110,15 @@ def test_a_throttled_node_is_replaced_before_step_1_and_a_stopped_proc_within_ha
         assert "quarantined (cpu_cores 0.1, matmul_gflops" in said[0]
         faults = (tmp_path / "health" / "faults.log").read_text()
         assert f"preflight: host c1 failed the {check.group(1)} check" in faults
+        # The joined host: c6 named the same way when the pool grew, and the replica
+        # joined on c7.
+        said = [line for line in out.splitlines() if line.startswith("preflight: host c6")]
+        assert len(said) == 1 and "failed the cpu check: cpu_cores 0.3 is" in said[0], out[-3000:]
+        assert "preflight of a host joining policy" in faults
         seen = status(tmp_path, "health")
-        assert "c1" in seen["quarantined"]
-        assert not any("c1" in where["nodes"] for where in seen["slurm"].values()), seen
+        assert {"c1", "c6"} <= set(seen["quarantined"])
+        assert seen["preflight"]["hosts"]["c7"]["role"] == "policy"
+        assert not any({"c1", "c6"} & set(where["nodes"]) for where in seen["slurm"].values()), seen
         assert seen["preflight"]["hosts"]["c1"]["matmul_gflops"] > 0
         assert seen["preflight"]["hosts"]["c1"]["cpu_cores"] == 0.1
         # The hang: found within hang_s (and a heartbeat), stacks taken on its node.

@@ -152,8 +152,9 @@ def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
 @pytest.mark.timeout(400)
 def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stray_procs):
     """A `process` job's policy host is full: the replica asked for joins on a
-    host of its own (a Monarch ProcessJob), pulls the version over RDMA, serves,
-    and its host is stopped when it leaves."""
+    host of its own (a Monarch ProcessJob), checked by the preflight before its
+    actors run there, pulls the version over RDMA, serves, and its host is stopped
+    when it leaves."""
     cfg = configure(
         tmp_path,
         "joined",
@@ -171,6 +172,14 @@ def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stra
         assert len(group) == 2 and len(group.hosts) == 2 and group.hosts[1].job is not None
         policy = [p for p in algo.mesh_status(show=False) if p["role"] == "policy"]
         assert [p["rank"] for p in policy] == [0, 1] and policy[0]["pid"] != policy[1]["pid"]
+        # The joined host's preflight: its own figures (an RDMA read from a host of the
+        # first allocation among them) beside the first allocation's.
+        preflight = algo.runtime.meshes.checks.status()["preflight"]
+        joined = [f for h, f in preflight["hosts"].items() if h.endswith("policy/joined")]
+        assert len(joined) == 1 and joined[0]["rdma_gb_s"] > 0 and joined[0]["cpu_cores"] > 0
+        assert preflight["runs"][-1]["hosts"] == 1
+        faults = (tmp_path / "joined" / "faults.log").read_text()
+        assert "preflight of a host joining policy" in faults
         history = algo.run()
     finally:
         algo.close()
