@@ -4,11 +4,17 @@ trainer's side before the bytes travel (`meshrl.weights.publisher`).
 - `fp32`: the trainer's parameters as they are.
 - `bf16`: each floating parameter rounded to bfloat16 (round to nearest even,
   torch's cast): half the bytes.
-- `fp8`: each decoder linear layer's weight as `torch.float8_e4m3fn` with one
+- `fp8`: each decoder linear layer's weight, and the input embedding table
+  when it is not the output head's too, as `torch.float8_e4m3fn` with one
   float32 scale per 128 x 128 block (`BLOCK`), published as two pieces, `<name>`
-  and `<name>_scale`; everything else (embeddings, norms, biases, the output
-  head, MoE expert tensors, a vision tower) in bfloat16. A quarter of a
-  matrix's bytes plus 4 bytes per 16,384 weights. The 128 x 128 weight blocks
+  and `<name>_scale`; everything else (norms, biases, the output head and an
+  embedding table tied to it, MoE expert tensors, a vision tower) in bfloat16. A
+  quarter of a matrix's bytes plus 4 bytes per 16,384 weights. The table is a
+  lookup (each token reads one row, dequantized; no matmul sums its rounding),
+  while the head makes the logits the sampler draws from, so the head keeps
+  bfloat16; with both in bfloat16 a model's bytes stay above 0.27 of fp32's
+  until its embeddings are under a tenth of its weights (a 70B model's; an 8B's
+  are 13 %: 0.283). The 128 x 128 weight blocks
   are DeepSeek-V3's fine-grained FP8 scheme (arXiv 2412.19437, section 3.3:
   "128x128 weight blocks", activations per 1 x 128 tile), also the
   `weight_block_size: [128, 128]` of the FP8 checkpoints vLLM and SGLang serve.
@@ -60,8 +66,10 @@ def precision_of(model: torch.nn.Module) -> str:
 def fp8_weight_names(model: torch.nn.Module) -> set[str]:
     """The HF names of the weights an fp8 replica holds in FP8: every
     `nn.Linear`'s weight but the output head's (and those tied to the
-    embeddings), outside a vision tower. Call on the model before any wrapper
-    (LoRA, DDP) renames its parameters."""
+    embeddings), outside a vision tower, and the input embedding table when it
+    is a plain `nn.Embedding` not tied to the head (a subclass, e.g. Gemma's
+    scaled one, keeps its own forward in bfloat16). Call on the model before any
+    wrapper (LoRA, DDP) renames its parameters."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = {id(head.weight)} if head is not None else set()
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -69,6 +77,10 @@ def fp8_weight_names(model: torch.nn.Module) -> set[str]:
         tied.add(id(embeddings.weight))
     names = set()
     for module_name, module in model.named_modules():
+        if module is embeddings and type(module) is torch.nn.Embedding:
+            if head is None or head.weight is not module.weight:
+                names.add(f"{module_name}.weight")
+            continue
         if not isinstance(module, torch.nn.Linear) or module is head:
             continue
         if "vision" in module_name or id(module.weight) in tied:
@@ -233,7 +245,21 @@ def _fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows % 16 == 0 and cols % 16 == 0 and (cols % BLOCK == 0 or cols < BLOCK)
 
 
-class Fp8Linear(torch.nn.Module):
+class _Fp8Weights(torch.nn.Module):
+    """A layer holding `weight` (float8_e4m3fn) and `weight_scale` (float32)."""
+
+    def _apply(self, fn, recurse=True):
+        # A model-wide `.to(dtype)` leaves the FP8 bytes and their scales as they are;
+        # a move to another device takes them along.
+        weight, scale = self.weight.data, self.weight_scale.data
+        super()._apply(fn, recurse)
+        if self.weight.dtype != FP8:
+            self.weight.data = weight.to(self.weight.device)
+            self.weight_scale.data = scale.to(self.weight.device)
+        return self
+
+
+class Fp8Linear(_Fp8Weights):
     """A linear layer whose weight is float8_e4m3fn with 128 x 128 block scales
     (`weight`, `weight_scale`: parameters, so weight sync fills them by name); the
     bias, if any, in bfloat16. FP8 matmul where the device has it, else the
@@ -266,13 +292,7 @@ class Fp8Linear(torch.nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        # A model-wide `.to(dtype)` leaves the FP8 bytes and their scales as they are;
-        # a move to another device takes them along (and looks at its FP8 matmul again).
-        weight, scale = self.weight.data, self.weight_scale.data
         super()._apply(fn, recurse)
-        if self.weight.dtype != FP8:
-            self.weight.data = weight.to(self.weight.device)
-            self.weight_scale.data = scale.to(self.weight.device)
         self.fp8_matmul = fp8_matmul_available(self.weight.device)
         return self
 
@@ -280,17 +300,43 @@ class Fp8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
 
 
+class Fp8Embedding(_Fp8Weights):
+    """An embedding table in float8_e4m3fn with 128 x 128 block scales (`weight`,
+    `weight_scale`, as `Fp8Linear`'s): each looked-up row dequantized to bfloat16."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.padding_idx = embedding.padding_idx
+        weight, scale = quantize_blocks(embedding.weight.detach())
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # (Indexing float8 is not implemented on every device: the bytes are.)
+        rows = self.weight.view(torch.uint8)[ids].view(FP8).float()
+        cols = torch.arange(self.embedding_dim, device=ids.device) // BLOCK
+        scale = self.weight_scale[ids // BLOCK][..., cols]
+        return (rows * scale).to(torch.bfloat16)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fp8"
+
+
 def to_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """`model` (float32, as built) made a `precision` replica in place: fp32 as
-    it is; bf16 cast; fp8 cast to bfloat16 with its `fp8_weight_names` linear
-    layers replaced by `Fp8Linear`s holding their weights quantized. Returns it."""
+    it is; bf16 cast; fp8 cast to bfloat16 with its `fp8_weight_names` layers
+    replaced by `Fp8Linear`s (and an `Fp8Embedding`) holding their weights
+    quantized. Returns it."""
     if precision != "fp8":
         return model.to(DTYPES[precision])
     names = fp8_weight_names(model)
     for name in names:  # quantized from the float32 weights, then the rest cast
         owner_name, _, attr = name[: -len(".weight")].rpartition(".")
         owner = model.get_submodule(owner_name)
-        setattr(owner, attr, Fp8Linear(getattr(owner, attr)))
+        layer = getattr(owner, attr)
+        kind = Fp8Embedding if isinstance(layer, torch.nn.Embedding) else Fp8Linear
+        setattr(owner, attr, kind(layer))
     return model.to(torch.bfloat16)
 
 
