@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -85,8 +86,9 @@ class Policy(Drillable, Actor):
             raise ValueError(
                 f"config key 'policy.record_routes': {moe_problem(self.model.config.model_type)}"
             )
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         self.engine = make_engine(
-            policy_cfg, self.model, model_cfg, self.pad_id, self.stop_ids, seed, context
+            policy_cfg, self.model, model_cfg, self.pad_id, self.stop_ids, seed, context, decode
         )
         # Each replica samples its own stream, reproducibly. (On the CPU: vLLM
         # takes its requests' seeds from it.)
@@ -116,6 +118,7 @@ class Policy(Drillable, Actor):
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         record_batch: bool = True,
+        stops: list[str] | None = None,
     ) -> Completions:
         """Sample one completion per prompt (repeat a prompt to get a group).
         `seeds`: each row's sampling seed (the controller's, so a sample does not
@@ -124,8 +127,10 @@ class Policy(Drillable, Actor):
         (`meshrl.model.vision`), returned with the completions for the trainer.
         `record_batch`: record this call's entropy and lengths (`policy/*`); work by
         pull computes them from each step's trained groups instead (the calls that
-        run during a step are timing there), from the completions' `entropy`."""
-        return self._generate(prompt_ids, generation, seeds, images, record_batch)[0]
+        run during a step are timing there), from the completions' `entropy`.
+        `stops`: strings that end a row at the token completing one (the endpoint's
+        `stop`; a tensor-parallel group's procs all get them)."""
+        return self._generate(prompt_ids, generation, seeds, images, record_batch, 0, stops)[0]
 
     @endpoint
     @observed
@@ -135,12 +140,16 @@ class Policy(Drillable, Actor):
         generation: GenerationConfig,
         seeds: list[int] | None = None,
         top_logprobs: int = 0,
+        stops: list[str] | None = None,
     ) -> tuple[Completions, tuple[torch.Tensor, torch.Tensor] | None]:
         """`generate` for the OpenAI-compatible endpoint (`meshrl.envs.endpoint`):
         with `top_logprobs` > 0 also each step's that many most likely tokens, as
         (log-probs, ids) [B, T, k] under the distribution each token was drawn
-        from; None with 0. `generation.temperature` 0 is greedy decoding."""
-        completions, stats = self._generate(prompt_ids, generation, seeds, None, True, top_logprobs)
+        from; None with 0. `generation.temperature` 0 is greedy decoding. `stops`:
+        the request's stop strings: a row ends at the token that completes one."""
+        completions, stats = self._generate(
+            prompt_ids, generation, seeds, None, True, top_logprobs, stops
+        )
         top = stats.get("top_logprobs")
         return completions, None if top is None else tuple(t.cpu() for t in top)
 
@@ -152,6 +161,7 @@ class Policy(Drillable, Actor):
         images: tuple[torch.Tensor, torch.Tensor] | None,
         record_batch: bool,
         top_logprobs: int = 0,
+        stops: list[str] | None = None,
     ) -> tuple[Completions, dict]:
         """`generate`'s work; returns the engine's `stats` beside the completions."""
         self.drill("generate")
@@ -162,7 +172,8 @@ class Policy(Drillable, Actor):
         # The drill draws lengths from seeds; a tensor-parallel group samples by them alike.
         if seeds is None and (self.lengths is not None or self.followers is not None):
             seeds = self.draw_seeds(len(prompt_ids))
-        following = self._lead("generate", prompt_ids, generation, seeds, images, False)
+        # (Stop strings end rows, which changes the decode batch: the followers too.)
+        following = self._lead("generate", prompt_ids, generation, seeds, images, False, stops)
         # (A call beside the running batch, e.g. evaluation's: it runs between its steps.)
         paused = self.continuous.paused() if self.continuous else contextlib.nullcontext()
         with self._group_call(following, "generate"), paused:
@@ -177,6 +188,7 @@ class Policy(Drillable, Actor):
                 None if images is None else tuple(t.to(self.device) for t in images),
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
                 **({"top_logprobs": top_logprobs} if top_logprobs else {}),
+                **({"stops": stops} if stops else {}),
             )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:
@@ -426,6 +438,7 @@ class PolicyStream(Actor):
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         record_batch: bool = True,
+        stops: list[str] | None = None,
     ) -> Completions:
         """As `Policy.generate`; the completions carry each token's version."""
         for _ in range(600):  # the replica's __init__ may still run (spawned just before)

@@ -106,10 +106,13 @@ class Sampling:
     """The request's seed: its samples are a function of it (with the prompt, the
     settings and the weights), whatever the batch around them."""
     top_logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    """The request's stop strings: the replica ends a sample at the token that
+    completes one (decoding no further), and the answer is cut before it."""
 
     def batch_key(self) -> tuple:
         """Requests that one `policy.generate` call can sample together."""
-        return (self.temperature, self.top_p, self.seed is not None)
+        return (self.temperature, self.top_p, self.seed is not None, self.stop)
 
 
 @dataclass
@@ -222,7 +225,9 @@ class Router:
             future = (
                 self.actors()
                 .slice(procs=rank)
-                .generate_top.call_one([r.ids for r in batch], generation, seeds, top)
+                .generate_top.call_one(
+                    [r.ids for r in batch], generation, seeds, top, list(sampling.stop)
+                )
             )
             sent = time.perf_counter()
             result, tops = wait(future, "policy.generate", self.timeout_s)
@@ -742,8 +747,11 @@ class PolicyServer:
         the run's ("run": the trainer scores those), which of the request's it
         overrode."""
         generation = self.router.generation
+        stop = tuple(asked.stop or ())
         if self.sampling == "run":
-            sampling = Sampling(generation.temperature, generation.top_p, None, asked.top_logprobs)
+            sampling = Sampling(
+                generation.temperature, generation.top_p, None, asked.top_logprobs, stop
+            )
             overridden = [
                 name
                 for name, value, used in (
@@ -759,6 +767,7 @@ class PolicyServer:
                 generation.top_p if asked.top_p is None else asked.top_p,
                 asked.seed,
                 asked.top_logprobs,
+                stop,
             )
             overridden = []
         said = {"temperature": sampling.temperature, "top_p": sampling.top_p}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -45,9 +46,15 @@ class HFEngine:
     `policy.drop_finished`), each row's randomness its own seed's."""
 
     def __init__(
-        self, model: torch.nn.Module, pad_id: int, stop_ids: list[int], policy_cfg: PolicyConfig
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        stop_ids: list[int],
+        policy_cfg: PolicyConfig,
+        decode: Callable[[list[int]], str] | None = None,
     ):
         self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
+        self.decode = decode  # token ids -> text, for stop strings
         self.share_prefix, self.drop_finished = policy_cfg.share_prefix, policy_cfg.drop_finished
         self.record_routes = policy_cfg.record_routes
 
@@ -63,12 +70,23 @@ class HFEngine:
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: list[int] | None = None,
         top_logprobs: int = 0,
+        stops: list[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None.
         `lengths`: each row's exact length (`faults.completion_lengths`), or None.
         `top_logprobs` > 0: `stats["top_logprobs"]` gets each step's k most likely
-        tokens and their log-probs ([B, T, k] each). Temperature 0 is greedy."""
+        tokens and their log-probs ([B, T, k] each). Temperature 0 is greedy.
+        `stops`: strings that end a row at the token completing one in its text
+        (decoded without special tokens), kept."""
         pixels, counts = images if images is not None else (None, None)
+        ends_at = None
+        if stops:
+            decode = self.decode
+
+            def ends_at(tokens: list[int]) -> bool:
+                text = decode(tokens)
+                return any(stop in text for stop in stops)
+
         return sample(
             self.model,
             ids,
@@ -89,6 +107,7 @@ class HFEngine:
             image_counts=counts,
             lengths=None if lengths is None else torch.tensor(lengths),
             top_k_logprobs=top_logprobs,
+            ends_at=ends_at,
         )
 
     def weights_changed(self) -> None:
@@ -147,6 +166,7 @@ class VLLMEngine:
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: list[int] | None = None,
         top_logprobs: int = 0,
+        stops: list[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import vllm
 
@@ -167,6 +187,9 @@ class VLLMEngine:
                 stop_token_ids=list(self.stop_ids),
                 min_tokens=generation.min_new_tokens if length is None else length,
                 seed=seed,
+                # Ends at the token that completes one, which stays in token_ids.
+                stop=list(stops or []),
+                include_stop_str_in_output=True,
             )
             for seed, length in zip(seeds, lengths or [None] * len(seeds), strict=True)
         ]
@@ -222,6 +245,7 @@ def make_engine(
     stop_ids: list[int],
     seed: int,
     max_model_len: int = 2048,
+    decode: Callable[[list[int]], str] | None = None,
 ):
     if policy_cfg.engine == "vllm":
         return VLLMEngine(
@@ -233,4 +257,4 @@ def make_engine(
             policy_cfg.gpu_memory_utilization,
             max_model_len,
         )
-    return HFEngine(model, pad_id, stop_ids, policy_cfg)
+    return HFEngine(model, pad_id, stop_ids, policy_cfg, decode)

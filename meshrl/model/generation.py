@@ -9,6 +9,8 @@ compared token for token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshrl.model import vision
@@ -274,6 +276,7 @@ def sample(
     image_counts: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     top_k_logprobs: int = 0,
+    ends_at: Callable[[list[int]], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts (and their `images`: `meshrl.model.vision`).
 
@@ -301,7 +304,10 @@ def sample(
     `top_k_logprobs` > 0 (the endpoint's `top_logprobs`): `stats["top_logprobs"]` gets
     (log-probs, ids), each [B, T, k], the k most likely tokens at each step under
     the distribution each token was drawn from (`top_logprobs`).
-    `temperature` 0 is greedy decoding (`_next_tokens`)."""
+    `temperature` 0 is greedy decoding (`_next_tokens`).
+    `ends_at(tokens)`: whether a row's tokens so far end it (the endpoint's stop
+    strings, found in their text): it ends at that token, which it keeps, and
+    decodes no further."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
         on = generator.device if generator else "cpu"
@@ -347,6 +353,10 @@ def sample(
             logprobs[live, step] = torch.where(running, behaviour, 0.0)
             masks[live, step] = running.float()
             finished[live] |= torch.isin(token, stop)
+            if ends_at is not None:
+                for row in live[running].tolist():
+                    if not finished[row] and ends_at(tokens[row, : step + 1].tolist()):
+                        finished[row] = True
             if lengths is not None:
                 finished[live] |= lengths[live] <= step + 1
             if step == max_new_tokens - 1 or bool(finished.all()):

@@ -100,6 +100,16 @@ def test_stop_max_tokens_seed_and_n(served):
         choice.model_extra["token_ids"]
         == served["server"].format.tokenizer("abc1", add_special_tokens=False).input_ids
     )
+    # The replica itself stopped there: it decoded no token past the "1" (without the
+    # stop string the greedy answer runs on, "abc1def" and its end).
+    policy, prompt = served["server"].router.actors(), stopped.model_extra["meshrl"]
+    greedy = GenerationConfig(max_new_tokens=96, temperature=0)
+    kept = choice.model_extra["token_ids"]
+    done, _ = policy.generate_top.call_one(
+        [prompt["prompt_token_ids"]], greedy, None, 0, ["zz", "1"]
+    ).get()
+    assert done.completion_ids[0].tolist() == kept
+    assert len(whole_ids(policy, prompt)) > len(kept) + 2
     short = chat(client, COUNT_Q, temperature=0, max_completion_tokens=2)
     assert short.choices[0].message.content == "ab" and short.choices[0].finish_reason == "length"
     # A seed fixes the samples; n samples of one prompt, each its own (at a temperature
@@ -116,6 +126,13 @@ def test_stop_max_tokens_seed_and_n(served):
     logprobs = legacy.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
+
+
+def whole_ids(policy, prompt) -> list[int]:
+    """The greedy answer's tokens, as the replica samples them with no stop string."""
+    greedy = GenerationConfig(max_new_tokens=96, temperature=0)
+    done, _ = policy.generate_top.call_one([prompt["prompt_token_ids"]], greedy).get()
+    return done.completion_ids[0][done.completion_mask[0].bool()].tolist()
 
 
 def test_streaming_sends_what_the_answer_holds(served):
