@@ -85,6 +85,7 @@ from meshrl.envs.tool_calls import (
     ToolError,
     check_tools,
     chosen,
+    forced_prefix,
     new_id,
     parse,
     parser_for_template,
@@ -122,6 +123,22 @@ class Sampled:
     version: int
     top: list[list[tuple[int, float]]] | None = None
     """Each token's most likely alternatives (id, log-prob), when asked for."""
+    forced: int = 0
+    """How many of the first tokens the endpoint put there to meet `tool_choice`
+    (`forced_prefix`): not sampled, so log-prob 0 and masked in an episode's row."""
+
+    def after(self, forced: list[int]) -> Sampled:
+        """This sample after the tokens `forced` before it."""
+        top = None if self.top is None else [[(t, 0.0)] for t in forced] + self.top
+        logprobs = [0.0] * len(forced) + self.logprobs
+        return Sampled(forced + self.tokens, logprobs, self.version, top, len(forced))
+
+    def cut(self, kept: int) -> Sampled:
+        """Its first `kept` tokens."""
+        top = None if self.top is None else self.top[:kept]
+        return Sampled(
+            self.tokens[:kept], self.logprobs[:kept], self.version, top, min(self.forced, kept)
+        )
 
 
 def row_seed(seed: int, i: int) -> int:
@@ -375,10 +392,11 @@ class Transcript:
             self.loss_mask += [0] * len(added)
             self.logprobs += [0.0] * len(added)
             self.versions += [-1] * len(added)
+        forced, drawn = sampled.forced, len(sampled.tokens) - sampled.forced
         self.tokens += sampled.tokens
-        self.loss_mask += [1] * len(sampled.tokens)
+        self.loss_mask += [0] * forced + [1] * drawn
         self.logprobs += sampled.logprobs
-        self.versions += [sampled.version] * len(sampled.tokens)
+        self.versions += [-1] * forced + [sampled.version] * drawn
         self.kind, self.calls, self.last_turn = kind, self.calls + 1, sampled.tokens
         if kind == "completions":
             self.text = body["prompt"] + answered["text"]
@@ -552,9 +570,12 @@ class PolicyServer:
         and a request with `tools` and a tool choice other than none is refused)."""
         self.tool_call_errors = 0
         """Answers whose tool-call text did not parse (returned as content)."""
+        self.forced: dict[tuple[str, str], list[int]] = {}
+        """(parser, tool_choice) -> the tokens an answer starts with to meet it."""
         self.tool_choice_unmet = 0
         """Answers without the tool call that `tool_choice` asked for (returned as
-        they are: the sampler is not constrained)."""
+        they are: a format whose call opening is not forced, or a forced call the
+        model did not finish)."""
         self._special_texts: list[str] | None = None
         self.model_name, self.sampling = model_name, sampling
         self.record_path = record_path
@@ -682,6 +703,9 @@ class PolicyServer:
             raise RequestError(_too_long(chars, self.context))
         tools = self._tools(kind, body)
         sampling, said = self._sampling(asked)
+        forced = self._forced(tools)
+        if forced:
+            said["forced"] = self.format.tokenizer.decode(forced)
         if transcript is not None and asked.n != 1:
             raise RequestError("n must be 1 in an episode: its calls are one sequence of tokens")
         limit = self.router.generation.max_new_tokens
@@ -692,7 +716,7 @@ class PolicyServer:
         if transcript is None:  # stateless: nothing trains on it
             context = Transcript(max_calls=1).continuation(self.format, kind, body)
             max_tokens = self._room(context, limit)
-            samples = self.router.generate(context, max_tokens, sampling, asked.n)
+            samples = self._generate(context, forced, max_tokens, sampling, asked.n)
             answers = [self._finish(kind, s, asked, max_tokens, tools) for s in samples]
         else:
             with transcript.lock:  # an episode's calls come one after another
@@ -706,13 +730,38 @@ class PolicyServer:
                 added = transcript.continuation(self.format, kind, body)
                 context = transcript.context() + added if transcript.calls else added
                 max_tokens = self._room(context, limit)
-                (sample,) = self.router.generate(context, max_tokens, sampling)
+                (sample,) = self._generate(context, forced, max_tokens, sampling)
                 answers = [self._finish(kind, sample, asked, max_tokens, tools)]
                 transcript.add(kind, body, added, answers[0].sampled, answers[0].answered(kind))
         if self.record_path is not None:
             for answer in answers:
                 self._record(key, context, answer.sampled)
         return self._reply(kind, asked, number, context, answers, said)
+
+    def _forced(self, tools: tuple | None) -> list[int]:
+        """The tokens an answer starts with to meet the request's `tool_choice`
+        (`required`, a named function: `forced_prefix`), none for `auto` or
+        where the model's template does not show how a call starts."""
+        if tools is None:
+            return []
+        parser, choice = tools
+        with self.lock:
+            if (parser, choice) not in self.forced:
+                tokenizer = self.format.tokenizer
+                text = forced_prefix(tokenizer, parser, choice)
+                ids = [] if text is None else tokenizer(text, add_special_tokens=False).input_ids
+                self.forced[parser, choice] = ids
+            return self.forced[parser, choice]
+
+    def _generate(
+        self, context: list[int], forced: list[int], max_tokens: int, sampling: Sampling, n: int = 1
+    ) -> list[Sampled]:
+        """`n` samples after `context`, each starting with the `forced` tokens
+        (sampled after them; none forced where they would fill `max_tokens`)."""
+        if len(forced) >= max_tokens:
+            forced = []
+        samples = self.router.generate(context + forced, max_tokens - len(forced), sampling, n)
+        return [s.after(forced) for s in samples] if forced else samples
 
     def _room(self, context: list[int], limit: int) -> int:
         room = self.context - len(context)
@@ -790,10 +839,7 @@ class PolicyServer:
             )
             if cut is not None:
                 kept, text, matched = cut
-                top = None if sampled.top is None else sampled.top[:kept]
-                sampled = Sampled(
-                    sampled.tokens[:kept], sampled.logprobs[:kept], sampled.version, top
-                )
+                sampled = sampled.cut(kept)
                 finish = "stop"
         answer = Answer(sampled, text, finish)
         if tools is None:

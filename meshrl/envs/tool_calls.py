@@ -252,6 +252,45 @@ def parse(name: str, text: str) -> Parsed:
     return PARSERS[parser_name(name)](text)
 
 
+_CALL_STARTS = {"hermes": "<tool_call>", "llama3_json": '{"name"', "mistral": "[TOOL_CALLS]"}
+"""Where a call starts in each format's text (Harmony's calls are not forced)."""
+_NAME = "meshrl_forced_fn"
+_ARGUMENT = "meshrl_forced_arg"
+
+
+def forced_prefix(tokenizer: Any, parser: str, choice: str | None) -> str | None:
+    """The text an answer must start with to meet `tool_choice` (`required`: a
+    call's opening up to its name; a named function: up to its arguments, the
+    name written), as this model's chat template writes a call, so that the
+    endpoint can put it before what the replica samples; None when there is
+    nothing to force or the template does not show it (the choice is then
+    checked, not forced)."""
+    start = _CALL_STARTS.get(parser)
+    if start is None or choice in (None, "auto"):
+        return None
+    call = {"name": _NAME, "arguments": {_ARGUMENT: 1}}
+    messages = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+        },
+    ]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that renders no calls: check only
+        return None
+    at = rendered.find(start)
+    name = rendered.find(_NAME, at)
+    arguments = rendered.find("{", name)
+    if at < 0 or name < 0 or _ARGUMENT not in rendered[arguments:]:
+        return None
+    if choice == "required":
+        return rendered[at:name]
+    return rendered[at:name] + choice + rendered[name + len(_NAME) : arguments]
+
+
 def new_id(parser: str) -> str:
     """An id for a call the model gave none: OpenAI's shape (`call_` and 24
     characters), or 9 letters and digits for Mistral, whose templates check it."""
@@ -301,8 +340,9 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[str], str | None]:
 
 def chosen(parsed: Parsed, choice: str | None) -> str:
     """'' when `parsed` meets `tool_choice` (None, "auto", "required", a function
-    name), else what it misses. The model is not constrained as it samples: an
-    answer that misses `required` or a named function comes back as it is."""
+    name), else what it misses: an answer that misses it (a format whose calls
+    `forced_prefix` cannot start, or a forced call the model did not finish)
+    comes back as it is."""
     if choice == "required" and not parsed.calls:
         return "tool_choice 'required': the model called no tool"
     if choice not in (None, "auto", "required"):

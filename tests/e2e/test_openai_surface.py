@@ -179,10 +179,10 @@ def test_streaming_sends_what_the_answer_holds(served):
 def test_tool_calls_are_parsed_from_the_models_text(served):
     """With tools, the model's `<tool_call>` JSON comes back as message.tool_calls
     (an id, the name, the arguments as a JSON string) and finish_reason
-    tool_calls, streamed or not; tool_choice none leaves it as text; a call
-    that `tool_choice: required` did not get, and malformed call text, come back as
-    content (counted, and said in the meshrl field), never a 500. (The model is
-    not constrained as it samples: `required` is met or reported, not forced.)"""
+    tool_calls, streamed or not; tool_choice none leaves it as text; `required`
+    and a named function start the answer with the call's opening (forced, as the
+    template writes it); malformed call text comes back as content (counted, and
+    said in the meshrl field), never a 500."""
     client, server = served["client"], served["server"]
     answer = chat(client, WEATHER_Q, tools=[WEATHER], temperature=0)
     choice = answer.choices[0]
@@ -208,12 +208,21 @@ def test_tool_calls_are_parsed_from_the_models_text(served):
         temperature=0,
     )
     assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
-    unmet = server.tool_choice_unmet
+    # `required` where the model would answer in words: the answer starts with the
+    # call's opening as the template writes it (forced: not sampled), and the model
+    # writes the rest.
+    errors = server.tool_call_errors
     required = chat(client, COUNT_Q, tools=[WEATHER], tool_choice="required", temperature=0)
-    assert required.choices[0].message.content == "abc1def"
-    assert required.choices[0].finish_reason == "stop"
-    assert "called no tool" in required.model_extra["meshrl"]["tool_call_errors"][0]["error"]
-    assert server.tool_choice_unmet == unmet + 1
+    opening = '<tool_call>{"name": "'
+    assert required.model_extra["meshrl"]["sampling"]["forced"] == opening
+    tokenizer = server.format.tokenizer
+    forced = tokenizer(opening, add_special_tokens=False).input_ids
+    assert required.choices[0].model_extra["token_ids"][: len(forced)] == forced
+    # This model, taught one call and one broken call, finishes it broken: the text
+    # comes back as content, counted, never a 500.
+    assert required.choices[0].message.content.startswith(opening)
+    assert server.tool_call_errors == errors + 1
+    assert required.model_extra["meshrl"]["tool_call_errors"][0]["error"].startswith("hermes:")
 
     errors = server.tool_call_errors
     broken = chat(client, BROKEN_Q, tools=[WEATHER], temperature=0)
@@ -311,3 +320,16 @@ def test_an_episode_goes_on_after_a_tool_call_with_the_tokens_as_sampled(served)
         == transcript.prompt_ids + sampled + tool_ids
     )
     assert tokenizer.decode(tool_ids) == "[tool]sunny</s>[assistant]"
+    # A named tool_choice in an episode: the call's opening is in the row, masked (not
+    # sampled), and the model's tokens after it are trained.
+    server.open("tools.e2", 4)
+    client = OpenAI(base_url=server.episode_url("tools.e2"), api_key="x", max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    called = chat(client, WEATHER_Q, tools=[WEATHER], tool_choice=named, max_tokens=80)
+    transcript = server.close_episode("tools.e2")
+    opening = called.model_extra["meshrl"]["sampling"]["forced"]
+    assert opening == '<tool_call>{"name": "get_weather", "arguments": '
+    f = len(tokenizer(opening, add_special_tokens=False).input_ids)
+    ids = called.choices[0].model_extra["token_ids"]
+    assert called.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert transcript.tokens == ids and transcript.loss_mask == [0] * f + [1] * (len(ids) - f)

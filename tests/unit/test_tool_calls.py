@@ -2,7 +2,9 @@
 format as its models write it, content around the calls, malformed text kept
 as content with its reason, the parser a chat template implies, and the checks
 of a request's tools and tool_choice. Also the endpoint's stop-string cut and
-the sampler's greedy step and top log-probs (pure functions)."""
+the sampler's greedy step and top log-probs (pure functions), and the opening
+a forced tool_choice puts before an answer, read from each family's way of
+writing a call in a chat template."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from meshrl.envs.tool_calls import (
     ToolError,
     check_tools,
     chosen,
+    forced_prefix,
     new_id,
     parse,
     parser_for_template,
@@ -267,3 +270,49 @@ def test_greedy_takes_the_argmax_under_temperature_one_and_top_logprobs_are_sort
     values, ids = top_logprobs(logp, probs, 2, 1.0, 0.6)
     # (row 0's most likely token holds 0.66 of the mass: the nucleus is that one)
     assert ids[0, 0] == 1 and values[0, 0] == 0.0 and values[0, 1] == -float("inf")
+
+
+# Each family's way of writing an assistant's call, in templates written for this test
+# (Qwen2.5's newline after <tool_call>; Llama 3's bare JSON with "parameters";
+# Mistral's [TOOL_CALLS] list).
+FAMILY_TEMPLATES = {
+    "hermes": (
+        "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{%- for c in m.tool_calls or [] -%}\n<tool_call>\n"
+        '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+        "\n</tool_call>{%- endfor -%}<|im_end|>\n{%- endfor -%}"
+    ),
+    "llama3_json": (
+        "{%- for m in messages -%}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+        "{%- for c in m.tool_calls or [] -%}"
+        '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+        "{%- else -%}{{ m.content }}{%- endfor -%}<|eot_id|>{%- endfor -%}"
+    ),
+    "mistral": (
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}[INST]{{ m.content }}[/INST]"
+        "{%- elif m.tool_calls -%}[TOOL_CALLS][{%- for c in m.tool_calls -%}"
+        '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+        "{%- endfor -%}]</s>{%- endif -%}{%- endfor -%}"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "parser, required, named",
+    [
+        ("hermes", '<tool_call>\n{"name": "', '<tool_call>\n{"name": "f", "arguments": '),
+        ("llama3_json", '{"name": "', '{"name": "f", "parameters": '),
+        ("mistral", '[TOOL_CALLS][{"name": "', '[TOOL_CALLS][{"name": "f", "arguments": '),
+    ],
+)
+def test_a_forced_tool_choice_opens_the_call_as_the_template_writes_one(parser, required, named):
+    from meshrl.model.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = FAMILY_TEMPLATES[parser]
+    assert forced_prefix(tokenizer, parser, "required") == required
+    assert forced_prefix(tokenizer, parser, "f") == named
+    assert forced_prefix(tokenizer, parser, "auto") is None
+    assert forced_prefix(tokenizer, "harmony", "required") is None  # checked, not forced
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert forced_prefix(tokenizer, parser, "required") is None  # no calls in its template
