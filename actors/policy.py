@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -141,15 +142,38 @@ class Policy(Drillable, Actor):
         seeds: list[int] | None = None,
         top_logprobs: int = 0,
         stops: list[str] | None = None,
+        progress: Any = None,
     ) -> tuple[Completions, tuple[torch.Tensor, torch.Tensor] | None]:
         """`generate` for the OpenAI-compatible endpoint (`meshrl.envs.endpoint`):
         with `top_logprobs` > 0 also each step's that many most likely tokens, as
         (log-probs, ids) [B, T, k] under the distribution each token was drawn
         from; None with 0. `generation.temperature` 0 is greedy decoding. `stops`:
-        the request's stop strings: a row ends at the token that completes one."""
-        completions, stats = self._generate(
-            prompt_ids, generation, seeds, None, True, top_logprobs, stops
-        )
+        the request's stop strings: a row ends at the token that completes one.
+        `progress`: a Monarch `Port` that gets each step's drawn tokens as they
+        come, `[(row, token, logprob, top), ...]` (`top`: [(id, log-prob)] with
+        `top_logprobs`, else None), then None once the call has sampled (the
+        endpoint's streams)."""
+        each_step = None
+        if progress is not None:
+
+            def each_step(rows, tokens, logprobs, top) -> None:
+                tops = [None] * len(rows)
+                if top is not None:
+                    tops = [
+                        list(zip(i, v, strict=True))
+                        for v, i in zip(*map(torch.Tensor.tolist, top), strict=True)
+                    ]
+                progress.send(
+                    list(zip(rows.tolist(), tokens.tolist(), logprobs.tolist(), tops, strict=True))
+                )
+
+        try:
+            completions, stats = self._generate(
+                prompt_ids, generation, seeds, None, True, top_logprobs, stops, each_step
+            )
+        finally:
+            if progress is not None:
+                progress.send(None)
         top = stats.get("top_logprobs")
         return completions, None if top is None else tuple(t.cpu() for t in top)
 
@@ -162,6 +186,7 @@ class Policy(Drillable, Actor):
         record_batch: bool,
         top_logprobs: int = 0,
         stops: list[str] | None = None,
+        each_step: Any = None,
     ) -> tuple[Completions, dict]:
         """`generate`'s work; returns the engine's `stats` beside the completions."""
         self.drill("generate")
@@ -189,6 +214,7 @@ class Policy(Drillable, Actor):
                 lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
                 **({"top_logprobs": top_logprobs} if top_logprobs else {}),
                 **({"stops": stops} if stops else {}),
+                **({"each_step": each_step} if each_step is not None else {}),
             )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:

@@ -14,7 +14,8 @@ a free replica (`policy.generate_top`), as the rollout does with episodes. Every
 answer carries the sampled `token_ids`, the weight version and the sampling
 settings used (`meshrl` field) beside the usual OpenAI fields. A request may
 ask for greedy decoding (temperature 0), top_p, a seed, `n` samples, stop
-strings, top log-probs and a stream (`endpoint_http.read_request` checks them;
+strings, top log-probs and a stream, sent token by token as the replica samples
+(`endpoint_http.read_request` checks them;
 whatever the sampler cannot honour is refused in one line). With `tools`, the
 model's tool-call text is parsed per model family (`meshrl.envs.tool_calls`)
 into `tool_calls`; text that does not parse comes back as content, counted.
@@ -60,6 +61,7 @@ import contextlib
 import hmac
 import json
 import math
+import queue
 import secrets
 import threading
 import time
@@ -153,6 +155,9 @@ class _Request:
     sampling: Sampling
     seed: int | None = None
     future: Future = field(default_factory=Future)
+    progress: queue.SimpleQueue | None = None
+    """Where its tokens go as they are drawn (`Router.submit`)."""
+    index: int = 0
 
 
 class Router:
@@ -189,12 +194,28 @@ class Router:
     ) -> list[Sampled]:
         """`n` samples of the prompt `ids`, queued together so that they share a
         batch (and its prefill: `policy.share_prefix`) where a replica is free."""
+        return [request.future.result() for request in self.submit(ids, max_tokens, sampling, n)]
+
+    def submit(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        n: int = 1,
+        progress: queue.SimpleQueue | None = None,
+    ) -> list[_Request]:
+        """`generate`'s requests, queued; each one's `future` gets its sample. With
+        `progress`, each token drawn is put there as it comes, `(i, (token,
+        logprob, top))` for sample `i`, and `(i, None)` once sample `i` is done
+        (its future set)."""
         requests = [
             _Request(
                 ids,
                 max_tokens,
                 sampling,
                 None if sampling.seed is None else row_seed(sampling.seed, i),
+                progress=progress,
+                index=i,
             )
             for i in range(n)
         ]
@@ -203,7 +224,7 @@ class Router:
                 raise RuntimeError("the policy endpoint is closed")
             self.waiting += requests
             self.cond.notify_all()
-        return [request.future.result() for request in requests]
+        return requests
 
     def close(self) -> None:
         with self.cond:
@@ -238,15 +259,23 @@ class Router:
         )
         seeds = None if sampling.seed is None else [r.seed for r in batch]
         top = max(r.sampling.top_logprobs for r in batch)
+        streamed = [r for r in batch if r.progress is not None]
         try:
+            port = receiver = None
+            if streamed:
+                from monarch.actor import Channel
+
+                port, receiver = Channel.open()
             future = (
                 self.actors()
                 .slice(procs=rank)
                 .generate_top.call_one(
-                    [r.ids for r in batch], generation, seeds, top, list(sampling.stop)
+                    [r.ids for r in batch], generation, seeds, top, list(sampling.stop), port
                 )
             )
             sent = time.perf_counter()
+            if receiver is not None:
+                self._relay(receiver, future, batch, sent)
             result, tops = wait(future, "policy.generate", self.timeout_s)
             with self.cond:
                 self.generate_s += time.perf_counter() - sent
@@ -275,9 +304,47 @@ class Router:
                 if not request.future.done():
                     request.future.set_exception(error)
         finally:
+            for request in streamed:  # (after its future is set)
+                request.progress.put((request.index, None))
             with self.cond:
                 self.free.append(rank)
                 self.cond.notify_all()
+
+    def _relay(self, receiver: Any, call: Any, batch: list[_Request], sent: float) -> None:
+        """Each step's tokens from the replica (`policy.generate_top`'s `progress`)
+        to the requests that stream, each up to its own `max_tokens`, until the
+        replica's end mark; or until the call failed or ran out of time (its error
+        is the requests'), or returned without the mark coming (replies and port
+        messages are not ordered with each other: it is waited for a little)."""
+        counts = [0] * len(batch)
+        pending, returned = receiver.recv(), None
+        while True:
+            try:
+                steps = pending.get(timeout=0.2)
+            except TimeoutError:
+                now = time.perf_counter()
+                if now - sent > self.timeout_s:
+                    return
+                try:
+                    call.get(timeout=0)
+                except TimeoutError:
+                    continue  # still sampling
+                except Exception:  # noqa: BLE001 - the call's error reaches its requests
+                    return
+                returned = returned or now
+                if now - returned > 5.0:
+                    return
+                continue
+            if steps is None:
+                return
+            pending = receiver.recv()
+            for row, token, logprob, top in steps:
+                request = batch[row]
+                if request.progress is None or counts[row] >= request.max_tokens:
+                    continue
+                counts[row] += 1
+                k = request.sampling.top_logprobs
+                request.progress.put((request.index, (token, logprob, top[:k] if k else None)))
 
 
 @dataclass
@@ -322,7 +389,30 @@ class Reply:
 
     payload: dict
     stream: bool
-    chunks: Callable[[], Iterator[dict]]
+    chunks: Callable[[], Iterator[dict]] | None = None
+
+
+@dataclass
+class _Call:
+    """One request to the endpoint, as it is answered (`PolicyServer.answer`)."""
+
+    kind: str
+    body: dict
+    asked: Asked
+    number: int
+    sampling: Sampling
+    said: dict
+    """The answer's `meshrl.sampling`."""
+    tools: tuple | None
+    key: str | None
+    transcript: Transcript | None
+    context: list[int] = field(default_factory=list)
+    """The prompt's tokens (an episode's whole sequence so far, and the new messages)."""
+    added: list[int] = field(default_factory=list)
+    """An episode's: the new messages' tokens."""
+    max_tokens: int = 0
+    forced: list[int] = field(default_factory=list)
+    """The tokens the answers start with (`tool_choice`), not sampled."""
 
 
 @dataclass
@@ -691,7 +781,9 @@ class PolicyServer:
     # --- answering --------------------------------------------------------------------------
 
     def answer(self, kind: str, body: dict, key: str | None) -> Reply:
-        """One request's OpenAI-shaped answer; under an episode `key`, recorded."""
+        """One request's OpenAI-shaped answer; under an episode `key`, recorded.
+        Everything a request can be refused for is checked before it is sampled
+        (and before a stream's first chunk)."""
         transcript = self.episode(key) if key is not None else None
         asked = read_request(kind, body)
         if body.get("model", self.model_name) != self.model_name:
@@ -704,39 +796,73 @@ class PolicyServer:
         tools = self._tools(kind, body)
         sampling, said = self._sampling(asked)
         forced = self._forced(tools)
-        if forced:
-            said["forced"] = self.format.tokenizer.decode(forced)
         if transcript is not None and asked.n != 1:
             raise RequestError("n must be 1 in an episode: its calls are one sequence of tokens")
-        limit = self.router.generation.max_new_tokens
-        limit = limit if asked.max_tokens is None else min(asked.max_tokens, limit)
         with self.lock:
             self.requests += 1
             number = self.requests
+        call = _Call(kind, body, asked, number, sampling, said, tools, key, transcript)
         if transcript is None:  # stateless: nothing trains on it
-            context = Transcript(max_calls=1).continuation(self.format, kind, body)
-            max_tokens = self._room(context, limit)
-            samples = self._generate(context, forced, max_tokens, sampling, asked.n)
-            answers = [self._finish(kind, s, asked, max_tokens, tools) for s in samples]
-        else:
-            with transcript.lock:  # an episode's calls come one after another
-                if transcript.calls >= transcript.max_calls:
-                    # Past the turn limit the episode has ended: the call is answered
-                    # with nothing sampled (finish_reason "length"), and the agent
-                    # goes on to its reward.
-                    transcript.truncated = True
-                    ended = Answer(Sampled([], [], -1), "", "length")
-                    return self._reply(kind, asked, number, transcript.context(), [ended], said)
-                added = transcript.continuation(self.format, kind, body)
-                context = transcript.context() + added if transcript.calls else added
-                max_tokens = self._room(context, limit)
-                (sample,) = self._generate(context, forced, max_tokens, sampling)
-                answers = [self._finish(kind, sample, asked, max_tokens, tools)]
-                transcript.add(kind, body, added, answers[0].sampled, answers[0].answered(kind))
+            call.context = Transcript(max_calls=1).continuation(self.format, kind, body)
+            return self._sample(call, forced)
+        with transcript.lock:  # an episode's calls come one after another
+            if transcript.calls >= transcript.max_calls:
+                # Past the turn limit the episode has ended: the call is answered with
+                # nothing sampled (finish_reason "length"), and the agent goes on to
+                # its reward.
+                transcript.truncated = True
+                call.context = transcript.context()
+                ended = Answer(Sampled([], [], -1), "", "length")
+                return self._reply(call, [ended])
+            call.added = transcript.continuation(self.format, kind, body)
+            call.context = transcript.context() + call.added if transcript.calls else call.added
+            # Recorded under this lock; a stream records its answer when it has it.
+            return self._sample(call, forced)
+
+    def _sample(self, call: _Call, forced: list[int]) -> Reply:
+        """Send `call`'s samples to the router; its reply: the answers (when they
+        come), or a stream that sends each token's text as it comes."""
+        call.max_tokens = self._room(call.context, self._limit(call.asked))
+        call.forced = forced if len(forced) < call.max_tokens else []
+        if call.forced:
+            call.said["forced"] = self.format.tokenizer.decode(call.forced)
+            call.said["forced_tokens"] = len(call.forced)
+        progress = queue.SimpleQueue() if call.asked.stream else None
+        requests = self.router.submit(
+            call.context + call.forced,
+            call.max_tokens - len(call.forced),
+            call.sampling,
+            call.asked.n,
+            progress,
+        )
+        if progress is not None:
+            return Reply({}, True, lambda: self._stream(call, requests, progress))
+        return self._reply(call, self._answers(call, requests))
+
+    def _limit(self, asked: Asked) -> int:
+        limit = self.router.generation.max_new_tokens
+        return limit if asked.max_tokens is None else min(asked.max_tokens, limit)
+
+    def _answers(self, call: _Call, requests: list[_Request]) -> list[Answer]:
+        """The call's answers, once sampled: each as the client gets it, recorded
+        in the episode (its lock held by the caller, or taken here for a stream)
+        and in requests.jsonl."""
+        samples = [r.future.result() for r in requests]
+        if call.forced:
+            samples = [s.after(call.forced) for s in samples]
+        answers = [
+            self._finish(call.kind, s, call.asked, call.max_tokens, call.tools) for s in samples
+        ]
+        transcript = call.transcript
+        if transcript is not None:
+            lock = transcript.lock if call.asked.stream else contextlib.nullcontext()
+            with lock:
+                message = answers[0].answered(call.kind)
+                transcript.add(call.kind, call.body, call.added, answers[0].sampled, message)
         if self.record_path is not None:
             for answer in answers:
-                self._record(key, context, answer.sampled)
-        return self._reply(kind, asked, number, context, answers, said)
+                self._record(call.key, call.context, answer.sampled)
+        return answers
 
     def _forced(self, tools: tuple | None) -> list[int]:
         """The tokens an answer starts with to meet the request's `tool_choice`
@@ -752,16 +878,6 @@ class PolicyServer:
                 ids = [] if text is None else tokenizer(text, add_special_tokens=False).input_ids
                 self.forced[parser, choice] = ids
             return self.forced[parser, choice]
-
-    def _generate(
-        self, context: list[int], forced: list[int], max_tokens: int, sampling: Sampling, n: int = 1
-    ) -> list[Sampled]:
-        """`n` samples after `context`, each starting with the `forced` tokens
-        (sampled after them; none forced where they would fill `max_tokens`)."""
-        if len(forced) >= max_tokens:
-            forced = []
-        samples = self.router.generate(context + forced, max_tokens - len(forced), sampling, n)
-        return [s.after(forced) for s in samples] if forced else samples
 
     def _room(self, context: list[int], limit: int) -> int:
         room = self.context - len(context)
@@ -892,21 +1008,14 @@ class PolicyServer:
             text = text.replace(special, "")
         return text
 
-    def _reply(
-        self,
-        kind: str,
-        asked: Asked,
-        number: int,
-        context: list[int],
-        answers: list[Answer],
-        said: dict,
-    ) -> Reply:
-        """The OpenAI-shaped answer of one call (its stream, when asked for)."""
+    def _reply(self, call: _Call, answers: list[Answer]) -> Reply:
+        """The OpenAI-shaped answer of one call (as one stream, when asked for)."""
+        kind, asked = call.kind, call.asked
         choices = []
         for i, answer in enumerate(answers):
             choice: dict[str, Any] = {"index": i, "finish_reason": answer.finish}
             choice["token_ids"] = answer.sampled.tokens
-            choice["logprobs"] = self._logprobs(kind, answer, asked, 0, None)
+            choice["logprobs"] = self._logprobs(kind, answer.sampled, asked, 0, None)
             if kind == "chat":
                 choice["message"] = answer.message()
             else:
@@ -915,8 +1024,8 @@ class PolicyServer:
         completion_tokens = sum(len(a.sampled.tokens) for a in answers)
         meshrl: dict[str, Any] = {
             "weight_version": min(a.sampled.version for a in answers),
-            "prompt_token_ids": context,
-            "sampling": said,
+            "prompt_token_ids": call.context,
+            "sampling": call.said,
         }
         errors = [
             {"index": i, "error": a.tool_error} for i, a in enumerate(answers) if a.tool_error
@@ -924,22 +1033,24 @@ class PolicyServer:
         if errors:
             meshrl["tool_call_errors"] = errors
         payload = {
-            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-meshrl-{number}",
+            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-meshrl-{call.number}",
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
             "usage": {
-                "prompt_tokens": len(context),
+                "prompt_tokens": len(call.context),
                 "completion_tokens": completion_tokens,
-                "total_tokens": len(context) + completion_tokens,
+                "total_tokens": len(call.context) + completion_tokens,
             },
             "meshrl": meshrl,
         }
-        return Reply(payload, asked.stream, lambda: self._chunks(kind, asked, payload, answers))
+        if not asked.stream:
+            return Reply(payload, False)
+        return Reply(payload, True, lambda: self._stream(call, [], None, answers))
 
     def _logprobs(
-        self, kind: str, answer: Answer, asked: Asked, start: int, end: int | None
+        self, kind: str, sampled: Sampled, asked: Asked, start: int, end: int | None
     ) -> dict | None:
         """The `logprobs` of the answer's tokens [start:end], as OpenAI shapes them
         per route; None when not asked for. A token outside top-p's nucleus has
@@ -948,7 +1059,6 @@ class PolicyServer:
             return None
         tokenizer = self.format.tokenizer
         k = asked.top_logprobs
-        sampled = answer.sampled
         tokens, values = sampled.tokens[start:end], sampled.logprobs[start:end]
         alternatives = (sampled.top or [[]] * len(sampled.tokens))[start:end]
 
@@ -983,62 +1093,122 @@ class PolicyServer:
             "text_offset": offsets,
         }
 
-    def _chunks(
-        self, kind: str, asked: Asked, payload: dict, answers: list[Answer]
+    def _stream(
+        self,
+        call: _Call,
+        requests: list[_Request],
+        progress: queue.SimpleQueue | None,
+        answers: list[Answer] | None = None,
     ) -> Iterator[dict]:
-        """The answer as OpenAI streams it: per choice a chunk with the role
-        (chat), one per token's text (token ids and log-probs with it), the tool
-        calls whole, one with the finish reason (and the `meshrl` field); then,
+        """The call's answers as OpenAI streams them, sent as they are sampled: per
+        choice a chunk with the role (chat), then each token's text as the
+        replica draws it (its ids and log-probs with it; text that may be the
+        start of a stop string, or an unfinished character, waits for the next
+        token), tool calls whole once parsed (a call's text is not sent as
+        content), one chunk with the finish reason and the `meshrl` field; then,
         with `stream_options.include_usage`, one with no choices and the usage
-        (every chunk before it has `usage: null`). The answer is sampled whole
-        before its first chunk is sent."""
-        base = {k: payload[k] for k in ("id", "created", "model")}
-        base["object"] = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        (every chunk before it has `usage: null`). The answers are recorded as
+        when not streamed, also when the client leaves mid-stream. `answers`:
+        already made (nothing left to sample)."""
+        kind, asked = call.kind, call.asked
+        chat = kind == "chat"
+        base: dict[str, Any] = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-meshrl-{call.number}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         if asked.include_usage:
             base["usage"] = None
-        chat = kind == "chat"
-        for i, answer in enumerate(answers):
-            if chat:
-                delta = {"role": "assistant", "content": ""}
-                yield {**base, "choices": [_chunk_choice(i, delta=delta)]}
-            for text, start, end in self._pieces(answer):
-                logprobs = self._logprobs(kind, answer, asked, start, end)
-                content = {"delta": {"content": text}} if chat else {"text": text}
-                ids = answer.sampled.tokens[start:end]
-                yield {**base, "choices": [_chunk_choice(i, logprobs, ids, **content)]}
-            if answer.calls:
-                calls = [
-                    {"index": j, **call} for j, call in enumerate(answer.message()["tool_calls"])
-                ]
-                yield {**base, "choices": [_chunk_choice(i, delta={"tool_calls": calls})]}
-            last = _chunk_choice(
-                i, finish_reason=answer.finish, **({"delta": {}} if chat else {"text": ""})
-            )
-            yield {**base, "choices": [last], "meshrl": payload["meshrl"]}
-        if asked.include_usage:
-            yield {**base, "choices": [], "usage": payload["usage"], "meshrl": payload["meshrl"]}
 
-    def _pieces(self, answer: Answer) -> list[tuple[str, int, int]]:
-        """The answer's text in stream pieces (text, first token, end token): the
-        text each token adds (a token that ends inside a character waits for the
-        next), so that they join into the answer's text; tokens past it (a stop
-        string, EOS) come with empty text. An answer with tool calls: its content
-        in one piece, with all its tokens."""
-        tokens, text = answer.sampled.tokens, answer.text
-        if answer.calls:
-            return [(text, 0, len(tokens))]
-        tokenizer = self.format.tokenizer
-        pieces, shown, start = [], "", 0
-        for end in range(1, len(tokens) + 1):
-            now = tokenizer.decode(tokens[:end], skip_special_tokens=True)
-            if end < len(tokens) and (now.endswith("\ufffd") or not now.startswith(shown)):
-                continue
-            piece = now[len(shown) :][: max(0, len(text) - len(shown))]
-            pieces.append((piece, start, end))
-            shown, start = shown + piece, end
-        if shown != text:  # a tokenizer whose pieces do not join into its text
-            return [(text, 0, len(tokens))]
-        return pieces
+        def chunk(i: int, ids: list[int] | None = None, logprobs=None, **fields) -> dict:
+            return {**base, "choices": [_chunk_choice(i, logprobs, ids, **fields)]}
+
+        n = len(answers) if answers is not None else len(requests)
+        # Each choice's tokens so far (a forced opening first), and how much of them
+        # (tokens, text) the client has.
+        top = [] if asked.top_logprobs else None
+        drawn = [
+            Sampled(list(call.forced), [0.0] * len(call.forced), -1, None, len(call.forced))
+            for _ in range(n)
+        ]
+        for sampled in drawn:
+            sampled.top = None if top is None else [[(t, 0.0)] for t in call.forced]
+        sent = [(0, "")] * n
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk(i, delta={"role": "assistant", "content": ""})
+            live = n if answers is None else 0
+            while live:
+                i, step = progress.get(timeout=self.router.timeout_s + 60)
+                if step is None:
+                    live -= 1
+                    continue
+                sampled = drawn[i]
+                sampled.tokens.append(step[0])
+                sampled.logprobs.append(step[1])
+                if sampled.top is not None:
+                    sampled.top.append(step[2] or [])
+                if call.tools is not None:
+                    continue  # sent whole, once parsed
+                text = self._shown(sampled.tokens, asked.stop)
+                got, shown = sent[i]
+                if text is None or not text.startswith(shown) or text == shown:
+                    continue
+                logprobs = self._logprobs(kind, sampled, asked, got, None)
+                piece = text[len(shown) :]
+                content = {"delta": {"content": piece}} if chat else {"text": piece}
+                yield chunk(i, sampled.tokens[got:], logprobs, **content)
+                sent[i] = (len(sampled.tokens), text)
+            if answers is None:
+                answers = self._answers(call, requests)
+            payload = self._reply(call, answers).payload
+            for i, answer in enumerate(answers):
+                got, shown = sent[i]
+                tokens = answer.sampled.tokens
+                rest = answer.text[len(shown) :] if answer.text.startswith(shown) else ""
+                if got < len(tokens) or rest:
+                    logprobs = self._logprobs(kind, answer.sampled, asked, got, None)
+                    content = {"delta": {"content": rest}} if chat else {"text": rest}
+                    yield chunk(i, tokens[got:], logprobs, **content)
+                if answer.calls:
+                    calls = answer.message()["tool_calls"]
+                    tool_calls = [{"index": j, **c} for j, c in enumerate(calls)]
+                    yield chunk(i, delta={"tool_calls": tool_calls})
+                end = {"delta": {}} if chat else {"text": ""}
+                yield {**chunk(i, finish_reason=answer.finish, **end), "meshrl": payload["meshrl"]}
+            if asked.include_usage:
+                yield {
+                    **base,
+                    "choices": [],
+                    "usage": payload["usage"],
+                    "meshrl": payload["meshrl"],
+                }
+        except Exception as error:  # noqa: BLE001 - the headers are sent: the failure
+            # goes as the stream's last event, as OpenAI's streams send one.
+            message = str(error).splitlines()[0][:500] if str(error) else type(error).__name__
+            yield {"error": {"message": message, "type": "server_error", "code": 503}}
+        finally:
+            if answers is None and requests:  # the client left: the samples still count
+                with contextlib.suppress(Exception):
+                    self._answers(call, requests)
+
+    def _shown(self, tokens: list[int], stops: list[str]) -> str | None:
+        """The text of `tokens` a stream may send now: up to a stop string in it,
+        less an end that may be the start of one; None while it ends inside a
+        character."""
+        text = self.format.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return None
+        found = [text.find(stop) for stop in stops if stop in text]
+        if found:
+            return text[: min(found)]
+        held = max(
+            (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
+            default=0,
+        )
+        return text[: len(text) - held]
 
     def _record(self, key: str | None, context: list[int], sampled: Sampled) -> None:
         line = json.dumps(

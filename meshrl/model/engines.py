@@ -71,13 +71,15 @@ class HFEngine:
         lengths: list[int] | None = None,
         top_logprobs: int = 0,
         stops: list[str] | None = None,
+        each_step: Callable[..., None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None.
         `lengths`: each row's exact length (`faults.completion_lengths`), or None.
         `top_logprobs` > 0: `stats["top_logprobs"]` gets each step's k most likely
         tokens and their log-probs ([B, T, k] each). Temperature 0 is greedy.
         `stops`: strings that end a row at the token completing one in its text
-        (decoded without special tokens), kept."""
+        (decoded without special tokens), kept. `each_step`: told each step's
+        tokens as they are drawn (`sample`'s)."""
         pixels, counts = images if images is not None else (None, None)
         ends_at = None
         if stops:
@@ -108,6 +110,7 @@ class HFEngine:
             lengths=None if lengths is None else torch.tensor(lengths),
             top_k_logprobs=top_logprobs,
             ends_at=ends_at,
+            each_step=each_step,
         )
 
     def weights_changed(self) -> None:
@@ -167,7 +170,10 @@ class VLLMEngine:
         lengths: list[int] | None = None,
         top_logprobs: int = 0,
         stops: list[str] | None = None,
+        each_step: Callable[..., None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(`each_step` is not called: vLLM's offline generate returns whole
+        completions, which a stream then sends at once.)"""
         import vllm
 
         if images is not None:

@@ -277,6 +277,7 @@ def sample(
     lengths: torch.Tensor | None = None,
     top_k_logprobs: int = 0,
     ends_at: Callable[[list[int]], bool] | None = None,
+    each_step: Callable[..., None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample completions for left-padded prompts (and their `images`: `meshrl.model.vision`).
 
@@ -307,7 +308,11 @@ def sample(
     `temperature` 0 is greedy decoding (`_next_tokens`).
     `ends_at(tokens)`: whether a row's tokens so far end it (the endpoint's stop
     strings, found in their text): it ends at that token, which it keeps, and
-    decodes no further."""
+    decodes no further.
+    `each_step(rows, tokens, logprobs, top)`: called as each step's tokens are
+    drawn, for the rows still running (original row numbers, their tokens and
+    behaviour log-probs; `top` their (log-probs, ids) [R, k] with
+    `top_k_logprobs`, else None): the endpoint streams them."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     if seeds is None:
         on = generator.device if generator else "cpu"
@@ -349,6 +354,9 @@ def sample(
             if top_k_logprobs:
                 values, ids_k = top_logprobs(logp, probs, k, temperature, top_p)
                 top_values[live, step], top_ids[live, step] = values, ids_k
+            if each_step is not None and bool(running.any()):
+                top = (values[running], ids_k[running]) if top_k_logprobs else None
+                each_step(live[running], token[running], behaviour[running], top)
             tokens[live, step] = torch.where(running, token, pad_token_id)
             logprobs[live, step] = torch.where(running, behaviour, 0.0)
             masks[live, step] = running.float()

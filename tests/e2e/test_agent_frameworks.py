@@ -76,8 +76,9 @@ def play(server, function: str, stream: bool = False):
 def assert_trained_as_received(episode, calls: list[dict], pad_id: int) -> None:
     """The episode's row is the answers as the client received them: each answer's
     context (`meshrl.prompt_token_ids`) then its `token_ids` start the row, the
-    last ends it; exactly the answers' tokens are trained. So is the batch row
-    `to_completions` makes of it."""
+    last ends it; exactly the answers' tokens are trained, but for an opening
+    the endpoint forced to meet `tool_choice` (smolagents sends `required`). So
+    is the batch row `to_completions` makes of it."""
     from meshrl.envs.rollout import to_completions
 
     answered = [c for c in calls if c["status"] == 200]
@@ -88,7 +89,8 @@ def assert_trained_as_received(episode, calls: list[dict], pad_id: int) -> None:
     for call in answered:
         context, ids = call["meshrl"]["prompt_token_ids"], call["token_ids"]
         assert ids and row[: len(context) + len(ids)] == context + ids
-        trained[len(context) : len(context) + len(ids)] = [1] * len(ids)
+        forced = call["meshrl"]["sampling"].get("forced_tokens", 0)
+        trained[len(context) + forced : len(context) + len(ids)] = [1] * (len(ids) - forced)
     assert len(row) == len(context) + len(ids)
     assert [0] * len(episode.prompt_ids) + episode.loss_mask == trained
     completions, _ = to_completions([episode], pad_id)

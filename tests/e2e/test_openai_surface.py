@@ -137,9 +137,30 @@ def whole_ids(policy, prompt) -> list[int]:
 
 def test_streaming_sends_what_the_answer_holds(served):
     """Server-sent events as OpenAI sends them: the role first, the text token by
-    token (joined, the non-streamed answer), the finish reason, then with
-    include_usage a last chunk with no choices and the usage."""
+    token as the replica draws it (joined, the non-streamed answer; a stop string
+    never shows), the finish reason, then with include_usage a last chunk with no
+    choices and the usage."""
+    import time
+
     client = served["client"]
+    # A long answer (a seeded sample at a high temperature), streamed: its pieces
+    # come while the replica samples, not all at once after it, and join into
+    # the answer the same seed gives unstreamed.
+    hot = {"temperature": 3.0, "seed": 5, "max_tokens": 96}
+    whole = chat(client, WEATHER_Q, **hot).choices[0]
+    arrived, pieces = [], []
+    for c in chat(client, WEATHER_Q, stream=True, **hot):
+        if c.choices and c.choices[0].delta.content:
+            arrived.append(time.perf_counter())
+            pieces.append(c.choices[0].delta.content)
+    assert "".join(pieces) == whole.message.content
+    assert len(whole.model_extra["token_ids"]) >= 24 and len(pieces) >= 12
+    assert arrived[-1] - arrived[0] > 0.02, "the pieces came at once"
+    stop = whole.message.content[10:12]
+    cut = list(chat(client, WEATHER_Q, stream=True, stop=[stop], **hot))
+    text = "".join(c.choices[0].delta.content or "" for c in cut if c.choices)
+    assert text == whole.message.content[: whole.message.content.index(stop)]
+    assert cut[-1].choices[0].finish_reason == "stop"
     whole = chat(client, COUNT_Q, temperature=0)
     chunks = list(
         chat(

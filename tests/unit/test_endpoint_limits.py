@@ -16,7 +16,7 @@ import time
 import pytest
 
 from meshrl.config import GenerationConfig
-from meshrl.envs.endpoint import MAX_BODY_BYTES, PolicyServer, Router, Sampled
+from meshrl.envs.endpoint import MAX_BODY_BYTES, PolicyServer, Router, Sampled, _Request
 from meshrl.envs.rollout import ChatFormat
 from meshrl.model.tokenizer import build_char_tokenizer
 from tests.support import other_user
@@ -48,9 +48,16 @@ class RecordingRouter(Router):
         super().__init__(lambda: None, 1, GenerationConfig(max_new_tokens=4), timeout_s=5)
         self.asked: list[list[int]] = []
 
-    def generate(self, ids, max_tokens, sampling, n=1):
+    def submit(self, ids, max_tokens, sampling, n=1, progress=None):
         self.asked.append(list(ids))
-        return [Sampled(SEVEN, [-0.5], version=0) for _ in range(n)]
+        requests = [
+            _Request(ids, max_tokens, sampling, progress=progress, index=i) for i in range(n)
+        ]
+        for request in requests:
+            request.future.set_result(Sampled(SEVEN, [-0.5], version=0))
+            if progress is not None:
+                progress.put((request.index, None))
+        return requests
 
 
 def start(tokenizer=None) -> PolicyServer:
