@@ -43,7 +43,6 @@ with one JSON object whose `step_time_ratio` is keyed 4M_short, 4M_long,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -58,6 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
+from benchmarks.common import arguments  # noqa: E402
 from benchmarks.pins import grpo_config  # noqa: E402
 from meshrl.config import TaskConfig, load_config  # noqa: E402
 from meshrl.envs import make_task  # noqa: E402
@@ -225,12 +225,7 @@ def run_trl(args, run_dir: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser = arguments(__doc__, steps=6, prompts=8, group=8, max_new_tokens=32, lr=1e-4)
     parser.add_argument("--staleness", type=int, default=0, help="meshrl max_staleness")
     parser.add_argument("--threads", type=int, default=0, help="meshrl threads per proc")
     parser.add_argument("--aggregation", choices=sorted(TRL_LOSS), default="seq-mean-token-mean")

@@ -86,7 +86,6 @@ Prints a line per cell to stderr, then one JSON line with `layouts`, `bubble`,
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -106,8 +105,8 @@ sys.path.insert(0, REPO)
 from monarch.actor import Actor, endpoint  # noqa: E402
 
 from actors.trainer import Trainer  # noqa: E402
+from benchmarks.common import arguments, grpo_batch, grpo_loss  # noqa: E402
 from meshrl.config import ModelConfig, OptimConfig  # noqa: E402
-from meshrl.types import TrainBatch  # noqa: E402
 from meshrl.weights.publisher import WeightHandle, WeightPublisher  # noqa: E402
 from meshrl.weights.receiver import WeightReceiver  # noqa: E402
 
@@ -149,29 +148,6 @@ def model_config(args, moe: bool = False) -> ModelConfig:
     return dataclasses.replace(cfg, arch="qwen3_moe") if moe else cfg
 
 
-def grpo_batch(rows: int, prompt: int, completion: int) -> TrainBatch:
-    """Groups of 4 rows sharing a prompt, completions of varied lengths, seed 0."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 98, (rows, prompt + completion), generator=g)
-    ids[:, :prompt] = ids[torch.arange(rows) // 4 * 4, :prompt]
-    lengths = torch.randint(completion // 4, completion + 1, (rows,), generator=g)
-    mask = (torch.arange(completion) < lengths.unsqueeze(1)).float()
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=torch.cat([torch.ones(rows, prompt), mask], 1),
-        completion_mask=mask,
-        old_logprobs=-4.6 + 0.1 * torch.randn(rows, completion, generator=g),
-        advantages=torch.randn(rows, generator=g),
-        ref_logprobs=-4.6 + 0.1 * torch.randn(rows, completion, generator=g),
-    )
-
-
-def loss_fn():
-    from algorithms.grpo import GRPO, GRPOConfig
-
-    return GRPO(GRPOConfig(kl_coef=0.01)).make_loss()
-
-
 def param_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -204,9 +180,9 @@ def _bubble_worker(rank: int, port: int, args, out) -> None:
     base = pipelining_stage._PipelineStageBase
     for what in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         setattr(base, what, timed(getattr(base, what), what))
-    batch = grpo_batch(args.rows, args.prompt, args.completion).shard(0, 1)
+    batch = grpo_batch(args.rows, 4, args.prompt, args.completion, ragged=True).shard(0, 1)
     T = batch.num_completion_tokens
-    loss = loss_fn()
+    loss = grpo_loss()
 
     def loss_of_rows(logits, rows):
         piece = batch.rows(rows)
@@ -362,7 +338,7 @@ def rss_mb(pid: int) -> float:
 def mesh_cells(args) -> tuple[dict, dict]:
     from meshrl.procs.mesh import RoleMeshes, call_all, call_each
 
-    batch = grpo_batch(args.rows, args.prompt, args.completion)
+    batch = grpo_batch(args.rows, 4, args.prompt, args.completion, ragged=True)
     roles = {name: procs for name, (_, procs, _, _) in LAYOUTS.items()}
     roles.update({role: procs for _, role, procs in RESHARD.values()})
     meshes = RoleMeshes(roles, threads_per_proc=1)
@@ -378,7 +354,7 @@ def mesh_cells(args) -> tuple[dict, dict]:
                 Gathering if any(t == name for t, _, _ in RESHARD.values()) else Trainer,
                 model_config(args, moe),
                 OptimConfig(),
-                loss_fn(),
+                grpo_loss(),
                 100,
                 master=meshes.rendezvous(name) if procs > 1 else ("127.0.0.1", 0),
                 pp_microbatches=args.microbatches,
@@ -484,12 +460,7 @@ def mesh_cells(args) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--completion", type=int, default=96)
+    parser = arguments(__doc__, hidden=128, layers=4, rows=16, prompt=32, completion=96)
     parser.add_argument(
         "--microbatches", type=int, default=4, help="trainer cells' pp micro-batches"
     )

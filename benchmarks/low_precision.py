@@ -28,7 +28,6 @@ bytes <= 0.51x for bf16, <= 0.27x for fp8). Everything not measured is pinned
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.common import arguments  # noqa: E402
 from benchmarks.pins import run_grpo  # noqa: E402
 
 CELLS = {
@@ -73,9 +73,7 @@ def cell(history: list[dict]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--correction", default="tis")
+    parser = arguments(__doc__, steps=60, correction="tis")
     parser.add_argument("--only", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = parser.parse_args()
     run_dir = tempfile.mkdtemp(prefix="meshrl-low-precision-")

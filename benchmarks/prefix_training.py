@@ -36,7 +36,6 @@ tokens over padded's) and both layouts' first gradient norms, and the settings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -49,6 +48,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.common import arguments, grpo_batch, grpo_loss  # noqa: E402
 from meshrl.config import ModelConfig  # noqa: E402
 from meshrl.types import TrainBatch  # noqa: E402
 
@@ -59,27 +59,6 @@ CELL_LAYOUTS = ("padded", "tree")
 DENSE = "tree_dense"
 
 
-def grpo_batch(prompts: int, group: int, prompt: int, completion: int) -> TrainBatch:
-    g = torch.Generator().manual_seed(0)
-    B, T = prompts * group, completion
-    ids = torch.randint(3, 98, (B, prompt + T), generator=g)
-    ids[:, :prompt] = ids[torch.arange(B) // group * group, :prompt]  # groups share a prompt
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=torch.ones(B, prompt + T),
-        completion_mask=torch.ones(B, T),
-        old_logprobs=-4.6 + 0.1 * torch.randn(B, T, generator=g),
-        advantages=torch.randn(B, generator=g),
-        ref_logprobs=-4.6 + 0.1 * torch.randn(B, T, generator=g),
-    )
-
-
-def loss_fn():
-    from algorithms.grpo import GRPO, GRPOConfig
-
-    return GRPO(GRPOConfig(kl_coef=0.01)).make_loss()
-
-
 def actor_layouts(args) -> dict:
     """Every layout on a real `Trainer` actor: the step seconds and first grad norms."""
     from actors.trainer import Trainer
@@ -88,7 +67,7 @@ def actor_layouts(args) -> dict:
     from meshrl.procs.mesh import RoleMeshes, wait
 
     model = ModelConfig.sized(args.hidden, args.layers, args.prompt + args.completion)
-    batch = grpo_batch(args.prompts, args.group, args.prompt, args.completion)
+    batch = grpo_batch(args.prompts * args.group, args.group, args.prompt, args.completion)
     figures: dict = {}
     # One layout trains at a time: the proc may use every core.
     with RoleMeshes({"trainer": 1}, threads_per_proc=os.cpu_count()) as meshes:
@@ -100,7 +79,7 @@ def actor_layouts(args) -> dict:
                 Trainer,
                 model,
                 OptimConfig(lr=1e-5),
-                loss_fn(),
+                grpo_loss(),
                 100,
                 layout=layout,
             )
@@ -142,9 +121,11 @@ def cell_steps(settings: dict) -> dict:
     model = load_model(cfg, seed=0).to(on).train()
     optim = OptimConfig(lr=1e-5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas))
-    batch = grpo_batch(settings["prompts"], settings["group"], prompt, completion)
+    batch = grpo_batch(
+        settings["prompts"] * settings["group"], settings["group"], prompt, completion
+    )
     batch = batch.apply(lambda t: t.to(on))
-    loss = loss_fn()
+    loss = grpo_loss()
 
     def loss_of(part: TrainBatch):
         return loss(batch_logprobs(model, part, 1.0, settings["layout"]), part)
@@ -233,14 +214,9 @@ def cells(args) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--completion", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
+    parser = arguments(
+        __doc__, prompts=4, group=8, prompt=512, completion=64, hidden=256, layers=4, steps=4
+    )
     parser.add_argument(
         "--cells",
         type=lambda s: [int(c) for c in s.split(",")],

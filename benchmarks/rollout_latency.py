@@ -18,7 +18,6 @@ ideal_s and ratio_to_ideal (goal: <= 1.5).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,15 +29,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.common import arguments  # noqa: E402
 from benchmarks.pins import grpo_config  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--latency", type=float, default=0.1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = arguments(__doc__, episodes=64, turns=4, latency=0.1, repeats=3)
     parser.add_argument("overrides", nargs="*", help="config key=value")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:

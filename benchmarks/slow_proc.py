@@ -15,7 +15,6 @@ weights equal the unthrottled run's, bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import json
@@ -31,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.common import arguments  # noqa: E402
 from benchmarks.pins import grpo_config  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup/cpu"
@@ -99,8 +99,7 @@ def final_weights(run_dir: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser = arguments(__doc__, steps=30)
     parser.add_argument("--at", type=int, default=5, help="the first throttled step")
     parser.add_argument("--quota", type=float, default=0.1, help="cores the slow replica keeps")
     args = parser.parse_args()

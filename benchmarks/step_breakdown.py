@@ -37,7 +37,6 @@ cores are shared.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -48,6 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from algorithms.grpo import GRPO  # noqa: E402
+from benchmarks.common import arguments  # noqa: E402
 from benchmarks.pins import grpo_config  # noqa: E402
 
 PHASES = ["generate", "score", "reference", "train", "weight_sync"]
@@ -168,8 +168,7 @@ def profiled_roles(steps: int, overrides: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser = arguments(__doc__, steps=100)
     parser.add_argument("--eval", action="store_true", help="what held-out evaluation costs")
     parser.add_argument("--telemetry", action="store_true", help="what Monarch telemetry costs")
     parser.add_argument("--rounds", type=int, default=2, help="with --telemetry")
