@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 # The loading functions live beside the sections' users as `meshrl.config.*` too.
 from meshrl.config.files import (  # noqa: F401
     ConfigError,
+    check_one_of,
     first_paragraph,
     load_config,
     parse_cli,
@@ -71,11 +72,7 @@ class LoraConfig:
         _check(self.alpha > 0, f"{prefix}.alpha", "must be > 0")
         _check(0 <= self.dropout < 1, f"{prefix}.dropout", "must be in [0, 1)")
         _check(bool(self.target_modules), f"{prefix}.target_modules", "must name a module")
-        _check(
-            self.save in ("merged", "adapter", "both"),
-            f"{prefix}.save",
-            f"'{self.save}' is not one of merged, adapter, both",
-        )
+        check_one_of(self.save, ("merged", "adapter", "both"), f"{prefix}.save")
         if self.rank:
             import importlib.util
 
@@ -129,11 +126,7 @@ class ModelConfig:
         )
 
     def validate(self, prefix: str = "model") -> None:
-        _check(
-            self.dtype in ("float32", "bfloat16"),
-            f"{prefix}.dtype",
-            f"'{self.dtype}' is not one of float32, bfloat16",
-        )
+        check_one_of(self.dtype, ("float32", "bfloat16"), f"{prefix}.dtype")
         if self.path is not None:
             _check(os.path.isdir(self.path), f"{prefix}.path", f"no such directory: {self.path}")
             # A saved model's tokenizer is checked against its vocabulary when the run
@@ -151,9 +144,7 @@ class ModelConfig:
         self.lora.validate(f"{prefix}.lora")
         self.vision.validate(f"{prefix}.vision")
         known = ARCHITECTURES + VISION_ARCHITECTURES
-        _check(
-            self.arch in known, f"{prefix}.arch", f"'{self.arch}' is not one of {', '.join(known)}"
-        )
+        check_one_of(self.arch, known, f"{prefix}.arch")
         for name in (
             "hidden_size",
             "num_layers",
@@ -205,11 +196,7 @@ class GenerationConfig:
             "generation.min_new_tokens",
             "must be in [0, generation.max_new_tokens]",
         )
-        _check(
-            self.overlong_prompt in ("skip", "error"),
-            "generation.overlong_prompt",
-            f"'{self.overlong_prompt}' is not one of skip, error",
-        )
+        check_one_of(self.overlong_prompt, ("skip", "error"), "generation.overlong_prompt")
 
 
 @dataclass
@@ -235,11 +222,7 @@ class OptimConfig:
         """`section` is where this config sits (`optim`, PPO's `critic_optim`)."""
         _check(self.lr > 0, f"{section}.lr", "must be > 0")
         _check(len(self.betas) == 2, f"{section}.betas", "must be a list of two floats")
-        _check(
-            self.schedule in ("constant", "linear", "cosine"),
-            f"{section}.schedule",
-            f"'{self.schedule}' is not one of constant, linear, cosine",
-        )
+        check_one_of(self.schedule, ("constant", "linear", "cosine"), f"{section}.schedule")
         _check(self.max_grad_norm >= 0, f"{section}.max_grad_norm", "must be >= 0")
 
 
@@ -302,11 +285,7 @@ class PlacementConfig:
         for role in (*roles, "teacher"):
             _check(getattr(self, role) >= 1, f"placement.{role}", "must be >= 1")
         _check(self.threads_per_proc >= 0, "placement.threads_per_proc", "must be >= 0")
-        _check(
-            self.sharding in SHARDINGS,
-            "placement.sharding",
-            f"'{self.sharding}' is not one of {', '.join(SHARDINGS)}",
-        )
+        check_one_of(self.sharding, SHARDINGS, "placement.sharding")
         _check(self.policy_tp >= 1, "placement.policy_tp", "must be >= 1")
         _check(
             self.policy_tp == 1 or not self.colocate,
@@ -526,7 +505,7 @@ class RunConfig:
 
         modules = {"tensorboard": "tensorboard", "wandb": "wandb"}
         for sink in self.sinks:
-            _check(sink in modules, "run.sinks", f"'{sink}' is not one of {', '.join(modules)}")
+            check_one_of(sink, modules, "run.sinks")
             _check(
                 importlib.util.find_spec(modules[sink]) is not None,
                 "run.sinks",

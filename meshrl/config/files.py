@@ -41,6 +41,12 @@ def check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"config key '{key}': {message}")
 
 
+def check_one_of(value: Any, choices: Any, key: str, note: str = "") -> None:
+    """Raise `ConfigError` naming `key` and listing `choices` (then `note`) unless
+    `value` is one of them."""
+    check(value in choices, key, f"'{value}' is not one of {', '.join(choices)}{note}")
+
+
 def first_paragraph(error: BaseException) -> str:
     """An error's message up to its first blank line, on one line: a library's
     sentence that wraps over lines stays whole (a first line alone may end

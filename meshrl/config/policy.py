@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshrl.config.files import check as _check
+from meshrl.config.files import check_one_of
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 """`policy.precision`'s values (`meshrl.weights.precision`)."""
@@ -90,11 +91,7 @@ class PolicyConfig:
     it. On whenever `trainer.routing_replay` is."""
 
     def validate(self) -> None:
-        _check(
-            self.engine in ("hf", "vllm"),
-            "policy.engine",
-            f"'{self.engine}' is not one of hf, vllm",
-        )
+        check_one_of(self.engine, ("hf", "vllm"), "policy.engine")
         _check(
             0 < self.gpu_memory_utilization <= 1,
             "policy.gpu_memory_utilization",
@@ -115,21 +112,19 @@ class PolicyConfig:
                 "policy.serve_port",
                 f"port {self.serve_port} is in use on 127.0.0.1",
             )
-        _check(
-            self.dtype in (None, "float32", "bfloat16"),
-            "policy.dtype",
-            f"'{self.dtype}' is not one of float32, bfloat16 (or unset: model.dtype)",
-        )
+        if self.dtype is not None:
+            check_one_of(
+                self.dtype, ("float32", "bfloat16"), "policy.dtype", " (or unset: model.dtype)"
+            )
         _check(
             self.dtype is None or self.engine == "hf",
             "policy.dtype",
             "the replicas' own dtype needs policy.engine=hf",
         )
-        _check(
-            self.precision in (None, *PRECISIONS),
-            "policy.precision",
-            f"'{self.precision}' is not one of {', '.join(PRECISIONS)} (or unset: model.dtype's)",
-        )
+        if self.precision is not None:
+            check_one_of(
+                self.precision, PRECISIONS, "policy.precision", " (or unset: model.dtype's)"
+            )
         _check(
             self.precision is None or self.engine == "hf",
             "policy.precision",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrl.config.files import check
+from meshrl.config.files import check, check_one_of
 
 LAYOUTS = ("tree", "packed", "padded")
 """Batch layouts of the training-side forward pass (meshrl.model.packing)."""
@@ -90,33 +90,15 @@ class TrainerConfig:
 
     def validate(self) -> None:
         check(self.micro_batches >= 1, "trainer.micro_batches", "must be >= 1")
-        check(
-            self.pp_schedule in PP_SCHEDULES,
-            "trainer.pp_schedule",
-            f"'{self.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}",
-        )
+        check_one_of(self.pp_schedule, PP_SCHEDULES, "trainer.pp_schedule")
         check(self.pp_microbatches >= 1, "trainer.pp_microbatches", "must be >= 1")
         self.recompute_old_logprobs = str(self.recompute_old_logprobs).lower()
-        check(
-            self.recompute_old_logprobs in ("auto", "true", "false"),
-            "trainer.recompute_old_logprobs",
-            f"'{self.recompute_old_logprobs}' is not one of auto, true, false",
+        check_one_of(
+            self.recompute_old_logprobs, ("auto", "true", "false"), "trainer.recompute_old_logprobs"
         )
-        check(
-            self.correction in CORRECTIONS,
-            "trainer.correction",
-            f"'{self.correction}' is not one of {', '.join(CORRECTIONS)}",
-        )
-        check(
-            self.precision in PRECISIONS,
-            "trainer.precision",
-            f"'{self.precision}' is not one of {', '.join(PRECISIONS)}",
-        )
-        check(
-            self.layout in LAYOUTS,
-            "trainer.layout",
-            f"'{self.layout}' is not one of {', '.join(LAYOUTS)}",
-        )
+        check_one_of(self.correction, CORRECTIONS, "trainer.correction")
+        check_one_of(self.precision, PRECISIONS, "trainer.precision")
+        check_one_of(self.layout, LAYOUTS, "trainer.layout")
         check(self.correction_low >= 0, "trainer.correction_low", "must be >= 0")
         low, high = self.correction_band()
         check(
