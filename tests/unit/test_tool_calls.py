@@ -53,21 +53,6 @@ def test_hermes_takes_an_unclosed_last_block_string_arguments_and_no_arguments()
     assert calls(parse("qwen2.5", '<tool_call>{"name": "now"}</tool_call>')) == [("now", {})]
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        '<tool_call>{"name": get</tool_call>',
-        '<tool_call>{"arguments": {}}</tool_call>',
-        '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',
-        '<tool_call>["f"]</tool_call>',
-    ],
-    ids=["bad-json", "no-name", "list-arguments", "not-an-object"],
-)
-def test_malformed_hermes_text_is_content_with_its_reason(text):
-    parsed = parse("hermes", text)
-    assert parsed.calls == [] and parsed.content == text and parsed.malformed.startswith("hermes:")
-
-
 def test_text_without_calls_is_content():
     for name in ("hermes", "llama3_json", "mistral", "harmony"):
         parsed = parse(name, "  The answer is 4.  ")
@@ -91,22 +76,6 @@ def test_llama3_json_content_that_is_no_call_stays_content():
     assert parse("llama3_json", 'Sure: {"name": "a"}').calls == []
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        '{"name": "a", "parameters": {"x": }',
-        '{"name": "a", "parameters": {}} and then some',
-        "<|python_tag|>brave_search.call(query='x')",
-        '<|python_tag|>{"parameters": {}}',
-    ],
-    ids=["bad-json", "trailing-text", "builtin-tool", "tagged-without-name"],
-)
-def test_malformed_llama3_calls(text):
-    parsed = parse("llama3_json", text)
-    assert parsed.calls == [] and parsed.content == text.strip()
-    assert parsed.malformed.startswith("llama3_json:")
-
-
 # --- Mistral --------------------------------------------------------------------------------
 
 
@@ -122,15 +91,6 @@ def test_mistral_reads_the_name_args_form_of_newer_tokenizers():
     parsed = parse("mistral", text)
     assert calls(parsed) == [("get_weather", {"city": "Paris"}), ("now", {})]
     assert [c.id for c in parsed.calls] == ["", "a1b2c3d4e"]
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["[TOOL_CALLS][{]", "[TOOL_CALLS][]", "[TOOL_CALLS]f{}", '[TOOL_CALLS][{"name": "f"}] more'],
-)
-def test_malformed_mistral_calls(text):
-    parsed = parse("mistral", text)
-    assert parsed.calls == [] and parsed.content == text and parsed.malformed.startswith("mistral:")
 
 
 # --- Harmony (gpt-oss) ----------------------------------------------------------------------
@@ -160,10 +120,41 @@ def test_harmony_reads_a_recipient_in_the_role_header_and_a_final_answer():
     assert parsed.calls == [] and parsed.content == "4" and parsed.reasoning == "easy"
 
 
-def test_malformed_harmony_call():
-    text = "<|channel|>commentary to=functions.f<|message|>{not json<|call|>"
-    parsed = parse("harmony", text)
-    assert parsed.calls == [] and parsed.content == text and parsed.malformed.startswith("harmony:")
+# --- malformed calls, every family ----------------------------------------------------------
+
+
+MALFORMED = {
+    "hermes": {
+        "bad-json": '<tool_call>{"name": get</tool_call>',
+        "no-name": '<tool_call>{"arguments": {}}</tool_call>',
+        "list-arguments": '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',
+        "not-an-object": '<tool_call>["f"]</tool_call>',
+    },
+    "llama3_json": {
+        "bad-json": '{"name": "a", "parameters": {"x": }',
+        "trailing-text": '{"name": "a", "parameters": {}} and then some',
+        "builtin-tool": "<|python_tag|>brave_search.call(query='x')",
+        "tagged-without-name": '<|python_tag|>{"parameters": {}}',
+    },
+    "mistral": {
+        "bad-list": "[TOOL_CALLS][{]",
+        "empty-list": "[TOOL_CALLS][]",
+        "not-a-list": "[TOOL_CALLS]f{}",
+        "trailing-text": '[TOOL_CALLS][{"name": "f"}] more',
+    },
+    "harmony": {"bad-json": "<|channel|>commentary to=functions.f<|message|>{not json<|call|>"},
+}
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [(name, text) for name, cases in MALFORMED.items() for text in cases.values()],
+    ids=[f"{name}-{case}" for name, cases in MALFORMED.items() for case in cases],
+)
+def test_malformed_calls_are_content_with_their_reason(name, text):
+    parsed = parse(name, text)
+    assert parsed.calls == [] and parsed.content == text.strip()
+    assert parsed.malformed.startswith(f"{name}:")
 
 
 # --- choosing a parser, checking a request --------------------------------------------------
