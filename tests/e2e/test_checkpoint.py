@@ -59,6 +59,12 @@ def configure(schema, config, tmp_path, name, *overrides):
     )
 
 
+def grpo_case(*overrides, config="grpo_default.yaml"):
+    """A GRPO case of `test_resumed_run_equals_uninterrupted_run`: 6 steps, the
+    interrupted run stopped after step 3's checkpoint."""
+    return (CountingGRPO, StopAtStep, GRPOConfig, config, ["steps=6", *overrides], 3)
+
+
 def metrics(path):
     with open(path) as f:
         records = [json.loads(line) for line in f]
@@ -75,53 +81,20 @@ def metrics(path):
     [
         # With a reference, and generation one version ahead: the batch under way
         # at the checkpoint is saved and trained on after the resume.
-        (
-            CountingGRPO,
-            StopAtStep,
-            GRPOConfig,
-            "grpo_default.yaml",
-            ["steps=6", "kl_coef=0.01", "max_staleness=1"],
-            3,
-        ),
+        grpo_case("kl_coef=0.01", "max_staleness=1"),
         (CountingPPO, PPOStopAtStep, PPOConfig, "ppo.yaml", ["steps=4", "prompts_per_step=16"], 2),
-        (
-            CountingGRPO,
-            StopAtStep,
-            GRPOConfig,
-            "grpo_default.yaml",
-            ["steps=6", "placement.trainer=2", "placement.sharding=fsdp"],
-            3,
-        ),
+        grpo_case("placement.trainer=2", "placement.sharding=fsdp"),
         # Tensor parallelism in the trainer (DCP shards of column and row blocks,
         # exported whole) and in the policy replica (a leader and a follower, each
         # pulling its parts of the weights).
-        (
-            CountingGRPO,
-            StopAtStep,
-            GRPOConfig,
-            "grpo_default.yaml",
-            ["steps=6", "placement.trainer=2", "placement.sharding=tp", "placement.policy_tp=2"],
-            3,
-        ),
+        grpo_case("placement.trainer=2", "placement.sharding=tp", "placement.policy_tp=2"),
         # Pipeline stages in the trainer (each stage's DCP shards, the optimizer's
         # state flattened per parameter), exported whole.
-        (
-            CountingGRPO,
-            StopAtStep,
-            GRPOConfig,
-            "grpo_default.yaml",
-            ["steps=6", "placement.trainer=2", "placement.sharding=pp"],
-            3,
-        ),
+        grpo_case("placement.trainer=2", "placement.sharding=pp"),
         # Images in every batch (the tiny LLaVA), with a reference: the resumed
         # batches carry their pixels and the final weights are the same bits.
-        (
-            CountingGRPO,
-            StopAtStep,
-            GRPOConfig,
-            "grpo_vision.yaml",
-            ["steps=6", "kl_coef=0.01", "max_staleness=1", "warm_start.steps=2"],
-            3,
+        grpo_case(
+            "kl_coef=0.01", "max_staleness=1", "warm_start.steps=2", config="grpo_vision.yaml"
         ),
     ],
     ids=[
