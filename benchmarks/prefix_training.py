@@ -171,17 +171,7 @@ def cells(args) -> dict:
     for completion in args.cells:
         cell: dict = {}
         for layout in (*CELL_LAYOUTS, DENSE) if args.dense else CELL_LAYOUTS:
-            settings = dict(
-                layout=layout,
-                completion=completion,
-                prompt=args.prompt,
-                prompts=args.prompts,
-                group=args.group,
-                hidden=args.hidden,
-                layers=args.layers,
-                steps=args.steps,
-                threads=args.threads,
-            )
+            settings = {**vars(args), "layout": layout, "completion": completion}
             with spawn.Pool(1) as pool:  # a fresh process: its peak is this layout's alone
                 got = pool.apply(cell_steps, (settings,))
             cell[f"{layout}_step_s"] = round(got["step_s"], 3)
