@@ -16,6 +16,7 @@ from algorithms.grpo import GRPO, GRPOConfig
 from meshrl.config import ConfigError, ModelConfig, load_config
 from tests.conftest import DEFAULT_CONFIG
 from tests.support import agent
+from tests.support.runs import configure
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -57,25 +58,20 @@ def agent_data(tmp_path_factory):
 
 
 def agent_run(root, tmp_path, function, *overrides):
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=2",
-            "prompts_per_step=4",
-            "group_size=2",
-            f"model.path={root / 'model'}",
-            f"task.name=agent:tests.support.agent:{function}",
-            f"task.dataset={root / 'prompts.jsonl'}",
-            "generation.max_new_tokens=24",
-            "warm_start.steps=40",
-            "eval.every=0",
-            *overrides,
-            f"run.dir={tmp_path}",
-            "run.name=run",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    cfg = configure(
+        tmp_path,
+        "run",
+        "steps=2",
+        "prompts_per_step=4",
+        "group_size=2",
+        f"model.path={root / 'model'}",
+        f"task.name=agent:tests.support.agent:{function}",
+        f"task.dataset={root / 'prompts.jsonl'}",
+        "generation.max_new_tokens=24",
+        "warm_start.steps=40",
+        "eval.every=0",
+        *overrides,
+        "run.save_final=false",
     )
     algo = GRPO(cfg)
     return algo, algo.run()
@@ -207,21 +203,16 @@ def test_the_endpoint_answers_clients_and_refuses_what_it_cannot_record(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=2",
-            "prompts_per_step=2",
-            "group_size=2",
-            "warm_start.steps=0",
-            "eval.every=0",
-            f"policy.serve_port={port}",
-            f"run.dir={tmp_path}",
-            "run.name=endpoint",
-            "run.progress=false",
-            "run.save_final=false",
-        ],
+    cfg = configure(
+        tmp_path,
+        "endpoint",
+        "steps=2",
+        "prompts_per_step=2",
+        "group_size=2",
+        "warm_start.steps=0",
+        "eval.every=0",
+        f"policy.serve_port={port}",
+        "run.save_final=false",
     )
     algo = GRPO(cfg)
     try:

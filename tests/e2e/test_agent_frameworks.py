@@ -143,31 +143,25 @@ def test_grpo_trains_a_streaming_langchain_agent_on_what_it_received(served, tmp
     """A GRPO run whose agent task is the LangChain agent, streaming: each trained
     episode (the collector's, `last_episodes`) is what the framework's client
     received, and the endpoint's counts are logged per step and documented."""
-    from algorithms.grpo import GRPO, GRPOConfig
-    from meshrl.config import load_config
-    from tests.conftest import DEFAULT_CONFIG
-    from tests.support.runs import QUIET, undocumented_metrics
+    from algorithms.grpo import GRPO
+    from tests.support.runs import QUIET, configure, undocumented_metrics
 
     _, root = served
-    cfg = load_config(
-        GRPOConfig,
-        DEFAULT_CONFIG,
-        [
-            "steps=2",
-            "prompts_per_step=2",
-            "group_size=2",
-            f"model.path={root / 'model'}",
-            "task.name=agent:tests.support.agent_frameworks:langchain",
-            f"task.dataset={root / 'questions.jsonl'}",
-            f"generation.temperature={TEMPERATURE}",
-            "generation.max_new_tokens=120",
-            "policy.tool_parser=hermes",
-            "warm_start.steps=0",
-            "eval.every=0",
-            f"run.dir={tmp_path}",
-            "run.name=langchain",
-            *QUIET,
-        ],
+    cfg = configure(
+        tmp_path,
+        "langchain",
+        "steps=2",
+        "prompts_per_step=2",
+        "group_size=2",
+        f"model.path={root / 'model'}",
+        "task.name=agent:tests.support.agent_frameworks:langchain",
+        f"task.dataset={root / 'questions.jsonl'}",
+        f"generation.temperature={TEMPERATURE}",
+        "generation.max_new_tokens=120",
+        "policy.tool_parser=hermes",
+        "warm_start.steps=0",
+        "eval.every=0",
+        *QUIET,
     )
     frameworks.STREAM["on"] = True
     try:
