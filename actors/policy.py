@@ -22,7 +22,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from meshrl.config import GenerationConfig, ModelConfig, PolicyConfig
 from meshrl.model.continuous import ContinuousEngine, Settings
-from meshrl.model.engines import make_engine
+from meshrl.model.engines import Request, make_engine
 from meshrl.model.files import read
 from meshrl.model.generation import drilled_lengths, left_padded
 from meshrl.model.models import device_for_this_proc, load_model, stop_token_ids
@@ -203,18 +203,20 @@ class Policy(Drillable, Actor):
         paused = self.continuous.paused() if self.continuous else contextlib.nullcontext()
         with self._group_call(following, "generate"), paused:
             tokens, logprobs, completion_mask = self.engine.generate(
-                ids.to(self.device),
-                mask.to(self.device),
-                prompt_ids,
-                generation,
-                self.generator,
-                stats,
-                seeds,
-                None if images is None else tuple(t.to(self.device) for t in images),
-                lengths=None if self.lengths is None else drilled_lengths(seeds, self.lengths),
-                **({"top_logprobs": top_logprobs} if top_logprobs else {}),
-                **({"stops": stops} if stops else {}),
-                **({"each_step": each_step} if each_step is not None else {}),
+                Request(
+                    ids.to(self.device),
+                    mask.to(self.device),
+                    prompt_ids,
+                    generation,
+                    self.generator,
+                    stats,
+                    seeds,
+                    None if images is None else tuple(t.to(self.device) for t in images),
+                    None if self.lengths is None else drilled_lengths(seeds, self.lengths),
+                    top_logprobs,
+                    stops,
+                    each_step,
+                )
             )
         self.drag(started)  # a `faults.slow` drill: a slower replica, whose records come later
         if "occupancy" in stats:
@@ -464,9 +466,9 @@ class PolicyStream(Actor):
         seeds: list[int] | None = None,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         record_batch: bool = True,
-        stops: list[str] | None = None,
     ) -> Completions:
-        """As `Policy.generate`; the completions carry each token's version."""
+        """As `Policy.generate` (no stop strings: the endpoint's calls go to
+        `Policy.generate_top`); the completions carry each token's version."""
         for _ in range(600):  # the replica's __init__ may still run (spawned just before)
             policy = _streams.get(self.role_name)
             if policy is not None:

@@ -425,7 +425,7 @@ def check_vllm(quick: bool) -> dict:
     if importlib.util.find_spec("vllm") is None:
         raise Skipped("vllm is not installed (the `vllm` extra)")
     from meshrl.config import GenerationConfig, PolicyConfig
-    from meshrl.model.engines import make_engine
+    from meshrl.model.engines import Request, make_engine
 
     model = load_model(ModelConfig(), seed=0).to(device()).eval()
     engine = make_engine(PolicyConfig(engine="vllm"), model, ModelConfig(), 0, [2], 0)
@@ -433,7 +433,7 @@ def check_vllm(quick: bool) -> dict:
     rows = [row[row != 0].tolist() for row in ids.cpu()]
     started = time.perf_counter()
     tokens, logprobs, completion_mask = engine.generate(
-        ids, mask, rows, GenerationConfig(max_new_tokens=16), torch.Generator(), {}
+        Request(ids, mask, rows, GenerationConfig(max_new_tokens=16), torch.Generator())
     )
     figures = {"sample_s": time.perf_counter() - started}
     on = device()

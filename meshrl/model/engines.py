@@ -18,6 +18,7 @@ import importlib.util
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,34 @@ def vllm_missing() -> str | None:
     return None
 
 
+@dataclass
+class Request:
+    """One `generate` call of an engine: the rows' prompts, left-padded (`ids`,
+    `mask` [B, P]) and as lists (`prompts`), and how to sample them."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    prompts: list[list[int]]
+    generation: GenerationConfig
+    generator: torch.Generator
+    """Each row's seed where `seeds` is None (the replica's stream)."""
+    stats: dict = field(default_factory=dict)
+    """Filled by the engine: `entropy_rows`, `occupancy`, `routes`, `top_logprobs`."""
+    seeds: list[int] | None = None
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The rows' (pixels [B, I, C, H, W], counts [B]), or None."""
+    lengths: list[int] | None = None
+    """Each row's exact length (`faults.completion_lengths`), or None."""
+    top_logprobs: int = 0
+    """> 0: `stats["top_logprobs"]` gets each step's k most likely tokens and
+    their log-probs ([B, T, k] each)."""
+    stops: list[str] | None = None
+    """Strings that end a row at the token completing one in its text (decoded
+    without special tokens), kept."""
+    each_step: Callable[..., None] | None = None
+    """Told each step's tokens as they are drawn (`sample`'s; the endpoint's streams)."""
+
+
 class HFEngine:
     """Batched KV-cache sampling with the replica's HF model: each distinct
     prompt prefilled once, finished rows dropped (`policy.share_prefix`,
@@ -58,59 +87,42 @@ class HFEngine:
         self.share_prefix, self.drop_finished = policy_cfg.share_prefix, policy_cfg.drop_finished
         self.record_routes = policy_cfg.record_routes
 
-    def generate(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        prompts: list[list[int]],
-        generation: GenerationConfig,
-        generator: torch.Generator,
-        stats: dict,
-        seeds: list[int] | None = None,
-        images: tuple[torch.Tensor, torch.Tensor] | None = None,
-        lengths: list[int] | None = None,
-        top_logprobs: int = 0,
-        stops: list[str] | None = None,
-        each_step: Callable[..., None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`images`: the rows' (pixels [B, I, C, H, W], counts [B]), or None.
-        `lengths`: each row's exact length (`faults.completion_lengths`), or None.
-        `top_logprobs` > 0: `stats["top_logprobs"]` gets each step's k most likely
-        tokens and their log-probs ([B, T, k] each). Temperature 0 is greedy.
-        `stops`: strings that end a row at the token completing one in its text
-        (decoded without special tokens), kept. `each_step`: told each step's
-        tokens as they are drawn (`sample`'s)."""
-        pixels, counts = images if images is not None else (None, None)
+    def generate(self, request: Request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(completion ids, behaviour log-probs, completion mask), each [B, T].
+        Temperature 0 is greedy."""
+        r = request
+        pixels, counts = r.images if r.images is not None else (None, None)
         ends_at = None
-        if stops:
-            decode = self.decode
+        if r.stops:
+            decode, stops = self.decode, r.stops
 
             def ends_at(tokens: list[int]) -> bool:
                 text = decode(tokens)
                 return any(stop in text for stop in stops)
 
+        generation = r.generation
         return sample(
             self.model,
-            ids,
-            mask,
+            r.ids,
+            r.mask,
             max_new_tokens=generation.max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             temperature=generation.temperature,
             top_p=generation.top_p,
-            generator=generator,
-            seeds=None if seeds is None else torch.tensor(seeds, dtype=torch.long),
-            stats=stats,
+            generator=r.generator,
+            seeds=None if r.seeds is None else torch.tensor(r.seeds, dtype=torch.long),
+            stats=r.stats,
             min_new_tokens=generation.min_new_tokens,
             share_prefix=self.share_prefix,
             drop_finished=self.drop_finished,
             record_routes=self.record_routes,
             images=pixels,
             image_counts=counts,
-            lengths=None if lengths is None else torch.tensor(lengths),
-            top_k_logprobs=top_logprobs,
+            lengths=None if r.lengths is None else torch.tensor(r.lengths),
+            top_k_logprobs=r.top_logprobs,
             ends_at=ends_at,
-            each_step=each_step,
+            each_step=r.each_step,
         )
 
     def weights_changed(self) -> None:
@@ -157,30 +169,19 @@ class VLLMEngine:
         )
         self.weights_changed()
 
-    def generate(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        prompts: list[list[int]],
-        generation: GenerationConfig,
-        generator: torch.Generator,
-        stats: dict,
-        seeds: list[int] | None = None,
-        images: tuple[torch.Tensor, torch.Tensor] | None = None,
-        lengths: list[int] | None = None,
-        top_logprobs: int = 0,
-        stops: list[str] | None = None,
-        each_step: Callable[..., None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(`each_step` is not called: vLLM's offline generate returns whole
-        completions, which a stream then sends at once.)"""
+    def generate(self, request: Request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `HFEngine.generate` (`each_step` is not called: vLLM's offline
+        generate returns whole completions, which a stream then sends at once)."""
         import vllm
 
-        if images is not None:
+        if request.images is not None:
             raise EngineUnavailable("config key 'policy.engine': vllm takes no images yet; use hf")
-
+        generation, prompts, seeds = request.generation, request.prompts, request.seeds
+        lengths, top_logprobs = request.lengths, request.top_logprobs
         if seeds is None:  # one per request from the replica's generator: reproducible
-            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+            seeds = torch.randint(
+                0, 2**31 - 1, (len(prompts),), generator=request.generator
+            ).tolist()
         seeds = [seed % (2**31 - 1) for seed in seeds]  # the controller's: vLLM takes 31 bits
         params = [
             vllm.SamplingParams(
@@ -194,7 +195,7 @@ class VLLMEngine:
                 min_tokens=generation.min_new_tokens if length is None else length,
                 seed=seed,
                 # Ends at the token that completes one, which stays in token_ids.
-                stop=list(stops or []),
+                stop=list(request.stops or []),
                 include_stop_str_in_output=True,
             )
             for seed, length in zip(seeds, lengths or [None] * len(seeds), strict=True)
@@ -215,7 +216,7 @@ class VLLMEngine:
             )
             completion_mask[row, : len(ids_out)] = 1
         if top_logprobs:
-            stats["top_logprobs"] = self._top(outputs, width, top_logprobs)
+            request.stats["top_logprobs"] = self._top(outputs, width, top_logprobs)
         # No `entropy_rows`: vLLM does not return the full distribution.
         return tokens, logprobs, completion_mask
 
