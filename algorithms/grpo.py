@@ -47,7 +47,7 @@ from meshrl.config import ConfigError
 from meshrl.envs import make_task
 from meshrl.loop.checkpoint import Checkpointer
 from meshrl.loop.collector import Batch, Collector, decode
-from meshrl.loop.dispatch import Dispatcher
+from meshrl.loop.dispatch import Dispatcher, token_lags
 from meshrl.loop.elastic import Scaler
 from meshrl.loop.evaluation import Evaluator
 from meshrl.loop.run import Role, Run
@@ -562,8 +562,17 @@ class GRPO(Algorithm):
             cfg.trainer.correction,
             *cfg.trainer.correction_band(),
         )
+        # Partial rollouts: each token's version is known, so the mismatch is also
+        # given by lag (how far the trainer has moved since the token's version).
+        lags = None
+        if batch.token_versions is not None:
+            lags = token_lags(batch.token_versions, self.sync.published, self.sync.published_at)
         return mismatch_metrics(
-            batch.old_logprobs, batch.sampler_logprobs, batch.completion_mask, batch.weights
+            batch.old_logprobs,
+            batch.sampler_logprobs,
+            batch.completion_mask,
+            batch.weights,
+            lags,
         )
 
     def minibatches(self, batch_size: int) -> list[torch.Tensor | slice]:

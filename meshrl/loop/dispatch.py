@@ -107,6 +107,17 @@ class Group:
     errors: int = 0  # errors raised by the calls that carried it (`faults.retry_errors`)
 
 
+def token_lags(
+    versions: torch.Tensor, published: int, published_at: dict[int, int]
+) -> torch.Tensor:
+    """[B, T] weight versions (-1 off the tokens) -> how many publishes behind
+    `published` each token's version is (-1 off the tokens; a version no longer
+    known counts as the newest)."""
+    return versions.clone().apply_(
+        lambda v: published - published_at.get(v, published) if v >= 0 else -1
+    )
+
+
 def ks_distance(a: list[float], b: list[float]) -> float:
     """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two
     empirical distribution functions (0: the same; 1: disjoint)."""
@@ -237,8 +248,7 @@ class Dispatcher:
         """Partial rollouts: rows sampled by more than one version, and the trained
         tokens by how many publishes behind the trainer their version is."""
         versions, mask = completions.versions(), completions.completion_mask > 0
-        now, at = self.sync.published, self.sync.published_at
-        lag = versions.clone().apply_(lambda v: now - at.get(v, now) if v >= 0 else -1)
+        lag = token_lags(versions, self.sync.published, self.sync.published_at)
         spans = [len(set(row[m].tolist())) for row, m in zip(versions, mask, strict=True)]
         lags = lag[mask]
         return {

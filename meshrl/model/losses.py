@@ -474,6 +474,7 @@ def mismatch_metrics(
     sampler_logprobs: torch.Tensor,
     mask: torch.Tensor,
     weights: torch.Tensor | None = None,
+    lags: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """How far the sampler is from the trainer, over the masked tokens, with
     rho = trainer / sampler probability of each sampled token:
@@ -487,7 +488,13 @@ def mismatch_metrics(
     - `sampling/ratio_off_band`: the share of tokens whose rho leaves [0.9, 1.1]
       (`OFF_BAND`; the figure TRL's issue #7269 reports for low-precision samplers);
     - with `weights`: `sampling/masked_fraction` (tokens of weight 0) and
-      `sampling/truncated_fraction` (tokens whose weight is below a rho > 1).
+      `sampling/truncated_fraction` (tokens whose weight is below a rho > 1);
+    - with `lags` [B, T] (each token's version, in publishes behind the trainer's;
+      partial rollouts): `sampling/k3_kl_lag0`, `_lag1`, `_lag2plus` and
+      `sampling/ratio_off_band_lag0`, ... over the tokens of each lag that has any.
+      Lag 0 is the trainer's own version: numerics only, ~0 in float32; the
+      others add the policy's drift since, so a figure out of line with its
+      lag points at a token's log-prob or version, not at the staleness.
     """
     log_ratio = (old_logprobs - sampler_logprobs).float()
     rho = torch.exp(log_ratio)
@@ -509,4 +516,12 @@ def mismatch_metrics(
         ).item()
         truncated = (weights > 0) & (weights < rho - 1e-6) & (rho > 1)
         metrics["sampling/truncated_fraction"] = masked_mean(truncated.float(), mask).item()
+    if lags is not None:
+        k3 = torch.expm1(log_ratio) - log_ratio
+        off = ((rho < OFF_BAND[0]) | (rho > OFF_BAND[1])).float()
+        for name, at in (("lag0", lags == 0), ("lag1", lags == 1), ("lag2plus", lags >= 2)):
+            tokens = mask * at
+            if tokens.sum() > 0:
+                metrics[f"sampling/k3_kl_{name}"] = masked_mean(k3, tokens).item()
+                metrics[f"sampling/ratio_off_band_{name}"] = masked_mean(off, tokens).item()
     return metrics

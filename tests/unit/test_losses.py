@@ -465,6 +465,33 @@ def test_mismatch_metrics_by_hand():
         mismatch_weights(old, sampler, mask, "bogus")
 
 
+def test_mismatch_metrics_by_lag_by_hand():
+    """Partial rollouts: each token's lag (publishes behind the trainer) splits the
+    mismatch, so the trainer's own version (lag 0, numerics only) is told apart
+    from the drift of older ones; a lag with no token logs nothing."""
+    from meshrl.loop.dispatch import token_lags
+
+    sampler = torch.zeros(2, 3)
+    old = torch.tensor([[0.0, math.log(2.0), 9.0], [math.log(0.5), math.log(1.05), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # Versions 7, 8, 9 were publishes 3, 4, 5; the trainer is at publish 5.
+    versions = torch.tensor([[9, 8, -1], [7, 9, 8]])
+    lags = token_lags(versions, 5, {7: 3, 8: 4, 9: 5})
+    assert lags.tolist() == [[0, 1, -1], [2, 0, 1]]
+    m = mismatch_metrics(old, sampler, mask, lags=lags)
+    k3 = [r - 1 - math.log(r) for r in (1.0, 1.05)]  # lag 0: rho 1 and 1.05
+    assert m["sampling/k3_kl_lag0"] == pytest.approx(sum(k3) / 2)
+    assert m["sampling/ratio_off_band_lag0"] == 0.0
+    assert m["sampling/k3_kl_lag1"] == pytest.approx((2 - 1 - math.log(2)) / 2)  # rho 2, 1
+    assert m["sampling/ratio_off_band_lag1"] == 0.5
+    assert m["sampling/k3_kl_lag2plus"] == pytest.approx(0.5 - 1 - math.log(0.5))
+    assert m["sampling/ratio_off_band_lag2plus"] == 1.0
+    assert not any("lag" in k for k in mismatch_metrics(old, sampler, mask))
+    assert "sampling/k3_kl_lag2plus" not in mismatch_metrics(
+        old, sampler, mask, lags=lags.clamp(max=1)
+    )
+
+
 @pytest.mark.parametrize("kind", ["tis", "mis-token", "mis-sequence", "icepop", "geo-mask"])
 def test_corrections_bring_a_perturbed_samplers_gradient_back_on_policy(kind):
     """A one-token policy over 6 actions, softmax(theta), whose on-policy
