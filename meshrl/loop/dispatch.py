@@ -9,6 +9,11 @@ sets the step time.
 
 - `rollout.overprovision: 0.25` keeps 25% more groups under way than a step
   trains; the step trains on the first `prompts_per_step` complete ones.
+  Extra groups that complete with the rest wait a step and are trained one
+  version later: with nothing straggling, a fixed overprovision adds a version
+  of staleness to every group. `rollout.overprovision_stragglers` draws the
+  extra groups only for the groups still under way when the last step had its
+  groups.
 - Groups that complete late are not cancelled or discarded: they stay in the
   queue, are trained first at the next step (oldest first) if their weights
   are within `max_staleness` versions, and are counted
@@ -62,6 +67,15 @@ class RolloutConfig:
     overprovision: float = 0.0
     """pull: groups under way beyond a step's `prompts_per_step`, as a fraction
     (0.25: 25% more); the step trains on the first complete ones."""
+    overprovision_stragglers: bool = False
+    """pull with `overprovision`: draw the extra groups only for the stragglers: at
+    most as many as were still under way when the last step had its groups (all
+    of `overprovision` before the first step). Extra groups that complete with
+    the rest wait a whole step and are trained a version later (late groups go
+    first), so where nothing straggles a fixed overprovision only adds a version
+    of staleness to every trained group (2 instead of 1 when generation runs
+    ahead); this keeps it where rows straggle (a long tail) and drops it where
+    none do. false: always `overprovision`."""
     groups_per_call: int = 1
     """pull: groups a replica takes per generate call."""
     calls_per_replica: int = 1
@@ -172,6 +186,9 @@ class Dispatcher:
         self.k = collector.cfg.group_size
         self.max_staleness = collector.cfg.max_staleness
         self.next_id = 0
+        # Groups still under way when the last step had its groups (None: no step yet):
+        # the extra groups `overprovision_stragglers` draws.
+        self.stragglers: int | None = None
         self.pending: deque[Group] = deque()  # drawn, not taken by a replica yet
         self.generating, self.scoring = _Calls(), _Calls()
         self.to_score: deque[Group] = deque()
@@ -209,6 +226,7 @@ class Dispatcher:
                 )
             self._drop_stale()
             self._top_up(need)
+        self.stragglers = self._under_way()
         late = sorted((g for g in self.complete if g.late), key=lambda g: g.id)
         fresh = [g for g in self.complete if not g.late]
         if not self.cfg.overprovision:  # the same groups in the same order at any pool size
@@ -347,8 +365,12 @@ class Dispatcher:
         )
 
     def _top_up(self, need: int) -> None:
-        """Draw groups until `need x (1 + overprovision)` are queued or complete."""
-        want = math.ceil(need * (1 + self.cfg.overprovision))
+        """Draw groups until `need x (1 + overprovision)` are queued or complete
+        (with `overprovision_stragglers`, `need` plus at most the last stragglers)."""
+        extra = math.ceil(need * self.cfg.overprovision)
+        if self.cfg.overprovision_stragglers and self.stragglers is not None:
+            extra = min(extra, self.stragglers)
+        want = need + extra
         missing = want - len(self.complete) - self._under_way()
         if missing <= 0:
             return
@@ -534,6 +556,7 @@ class Dispatcher:
         behind = self.sync.published
         return {
             "next_id": self.next_id,
+            "stragglers": self.stragglers,
             "pending": [(g.id, g.prompt, g.ids, g.seeds, g.pixels) for g in self.pending],
             "complete": [
                 (g.id, g.prompt, g.ids, g.seeds, g.completions, g.rewards)
@@ -546,6 +569,7 @@ class Dispatcher:
         """The queue as `save` left it (None: empty), e.g. after a resume."""
         saved = saved or {"next_id": 0, "pending": [], "complete": []}
         self.next_id = saved["next_id"]
+        self.stragglers = saved.get("stragglers")  # (absent from older checkpoints)
         self.pending = deque(
             Group(*entry[:4], pixels=entry[4] if len(entry) > 4 else None)
             for entry in saved["pending"]

@@ -288,6 +288,36 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
+def test_overprovision_for_stragglers_only_keeps_generation_one_version_behind(
+    tmp_path, no_stray_procs
+):
+    """`rollout.overprovision_stragglers`: where no group straggles (the default
+    task's rows end in a few tokens, long before a step trains), the extra groups
+    are not drawn, so none waits complete for a step and every step, once the
+    first pool has drained, trains groups one version behind (a fixed
+    overprovision=1.0 trains every group two behind, the long tail benchmark's
+    learning gap: docs/speed.md); no sample is dropped."""
+    history = GRPO(
+        configure(
+            tmp_path,
+            "stragglers",
+            *PULL,
+            "max_staleness=4",
+            "rollout.overprovision=1.0",
+            "rollout.overprovision_stragglers=true",
+            "steps=8",
+            "warm_start.steps=0",
+            "run.save_final=false",
+        )
+    ).run()
+    assert [r["weights/staleness"] for r in history[-4:]] == [1, 1, 1, 1], history
+    assert all(r["rollout/late_groups"] == 0 for r in history[-4:])
+    last = history[-1]
+    assert last["samples/generated_total"] == last["samples/trained_total"] == 8 * 16 * 8
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
 def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs):
     """Over-provisioned: the groups that completed after a step had its batch are
     late; the checkpoint holds them, and the resumed run trains them first. The run
