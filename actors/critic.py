@@ -20,7 +20,13 @@ from meshrl.model.models import completion_values, device_for_this_proc, load_va
 from meshrl.model.optim import build_optimizer
 from meshrl.observe.telemetry import observed
 from meshrl.procs.faults import Drillable
-from meshrl.procs.parallel import accumulated_gradients, accumulated_step, data_parallel, shutdown
+from meshrl.procs.parallel import (
+    Ranks,
+    accumulated_gradients,
+    accumulated_step,
+    data_parallel,
+    shutdown,
+)
 from meshrl.types import TrainBatch
 from meshrl.weights.peer_state import PeerState
 from meshrl.weights.publisher import WeightHandle
@@ -48,9 +54,8 @@ class Critic(PeerState, Drillable, Actor):
         self.device = device_for_this_proc()
         self.model = load_value_model(model_cfg, seed).to(self.device).train()
         self.weights = WeightReceiver(self.model.backbone, prefix=self.model.backbone_prefix)
-        self.module = data_parallel(
-            self.model, self.device, self.rank, self.world_size, master, sizes.get("procs")
-        )
+        ranks = Ranks(self.device, self.rank, self.world_size, master, sizes.get("procs"))
+        self.module = data_parallel(self.model, ranks)
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
         self.value_clip = value_clip

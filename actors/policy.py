@@ -246,14 +246,16 @@ class Policy(Drillable, Actor):
         """Form this proc's tensor-parallel group (`tp` > 1) at `masters[i]`, replica
         i's store (`RoleMeshes.rendezvous_each`), and split the model over it; every
         proc of the group must be called at once."""
-        from meshrl.procs.parallel import data_parallel
+        from meshrl.procs.parallel import Ranks, data_parallel
 
         rank, tp = proc_rank(), self.tp
         group, tp_rank = (rank, 0) if self.leader else (rank // (tp - 1), 1 + rank % (tp - 1))
         # A call that fails on one proc of the group leaves the others waiting in a
         # collective: they fail too after this long, instead of torch's half hour.
         wait_s = timedelta(seconds=300)
-        data_parallel(self.model, self.device, tp_rank, tp, masters[group], None, "tp", tp, wait_s)
+        data_parallel(
+            self.model, Ranks(self.device, tp_rank, tp, masters[group], None, wait_s), "tp", tp
+        )
         owner = self.weights.owner  # the split parameters are new ones: a receiver of them
         self.weights = WeightReceiver(self.model, zero_copy=self.zero_copy)
         self.weights.owner = owner

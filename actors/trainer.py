@@ -48,6 +48,7 @@ from meshrl.observe.telemetry import observed
 from meshrl.procs.expert_parallel import expert_blocks, gather_blocks
 from meshrl.procs.faults import Drillable
 from meshrl.procs.parallel import (
+    Ranks,
     accumulated_gradients,
     accumulated_step,
     data_parallel,
@@ -135,13 +136,13 @@ class Trainer(PeerState, Drillable, Actor):
         # MoE routers: measured against a batch's recorded routes, replayed if asked
         # (not across pipeline stages: the config refuses replay there).
         self.routing = Replay(self.model, routing_replay) if routers(self.model) else None
-        where = (self.device, self.rank, self.world_size, master, sizes.get("procs"))
+        ranks = Ranks(self.device, self.rank, self.world_size, master, sizes.get("procs"))
         self.pipeline = None
         if pp > 1:
             self.routing = None
             self.pipeline = pipeline_parallel(
                 self.model,
-                *where,
+                ranks,
                 sharding,
                 tp,
                 pp,
@@ -151,7 +152,7 @@ class Trainer(PeerState, Drillable, Actor):
             )
             self.module = None
         else:
-            self.module = data_parallel(self.model, *where, sharding, tp, ep=ep)
+            self.module = data_parallel(self.model, ranks, sharding, tp, ep=ep)
         self._blocks = expert_blocks(self.model)  # (ep > 1: each proc's experts)
         # A tied embedding's copy on the last stage: not a parameter of the model's own.
         self._mirrors = [] if self.pipeline is None else self.pipeline.mirrors

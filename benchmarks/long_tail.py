@@ -83,22 +83,17 @@ VARIANTS = {
 }
 
 
-def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
-    """One GRPO run of the benchmark's config with `overrides`; its history."""
-    return run_grpo(
-        run_dir,
-        name,
-        f"steps={steps}",
-        "prompts_per_step=16",
-        "group_size=8",
-        "placement.policy=2",
-        "placement.trainer=1",
-        "placement.environment=1",
-        "placement.colocate=false",
-        "trainer.layout=packed",
-        "warm_start.steps=20",
-        *overrides,
-    )
+PINNED = (
+    "prompts_per_step=16",
+    "group_size=8",
+    "placement.policy=2",
+    "placement.trainer=1",
+    "placement.environment=1",
+    "placement.colocate=false",
+    "trainer.layout=packed",
+    "warm_start.steps=20",
+)
+"""Every run's settings, before its variant's."""
 
 
 def mean(values: list[float]) -> float:
@@ -116,7 +111,8 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="meshrl-long-tail-")
     step_s, tokens_per_s, occupancy = {}, {}, {}
     for name in args.only if args.steps else []:  # (--steps 0: the learning check only)
-        history = run(run_dir, name, args.steps, *TAIL, *VARIANTS[name])[args.skip :]
+        overrides = (f"steps={args.steps}", *PINNED, *TAIL, *VARIANTS[name])
+        history = run_grpo(run_dir, name, *overrides)[args.skip :]
         seconds = sum(r["time/step_s"] for r in history)
         step_s[name] = round(seconds / len(history), 4)
         tokens = sum(r["policy/completion_tokens"] for r in history)
@@ -134,7 +130,8 @@ def main() -> int:
     if args.learn_steps:
         reward, staleness = {}, {}
         for name in ("split", "partial"):
-            history = run(run_dir, f"learn_{name}", args.learn_steps, *VARIANTS[name])
+            overrides = (f"steps={args.learn_steps}", *PINNED, *VARIANTS[name])
+            history = run_grpo(run_dir, f"learn_{name}", *overrides)
             reward[name] = round(mean([r["reward/mean"] for r in history[-20:]]), 4)
             staleness[name] = round(mean([r.get("weights/staleness", 0) for r in history]), 2)
         figures["reward_last20"] = reward

@@ -42,26 +42,21 @@ SLOW = "faults.slow=[policy:3x4@0]"
 LATENCY = "faults.episode_latency=0.02,0.05x20"
 
 
-def run(run_dir: str, name: str, steps: int, *overrides: str) -> list[dict]:
-    """One GRPO run of the benchmark's config with `overrides`; its history."""
-    return run_grpo(
-        run_dir,
-        name,
-        f"steps={steps}",
-        "placement.policy=4",
-        "placement.environment=2",
-        "placement.threads_per_proc=1",
-        "rollout.groups_per_call=2",
-        # Generation that costs more with more rows (the default model's calls
-        # are mostly overhead on a CPU), as in tests/e2e/test_elastic.py.
-        "model.hidden_size=256",
-        "model.intermediate_size=1024",
-        "generation.max_new_tokens=16",
-        "generation.min_new_tokens=16",
-        "warm_start.steps=0",
-        LATENCY,
-        *overrides,
-    )
+PINNED = (
+    "placement.policy=4",
+    "placement.environment=2",
+    "placement.threads_per_proc=1",
+    "rollout.groups_per_call=2",
+    # Generation that costs more with more rows (the default model's calls are
+    # mostly overhead on a CPU), as in tests/e2e/test_elastic.py.
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "generation.max_new_tokens=16",
+    "generation.min_new_tokens=16",
+    "warm_start.steps=0",
+    LATENCY,
+)
+"""Every run's settings, before its own."""
 
 
 def mean(history: list[dict], key: str, skip: int) -> float:
@@ -85,9 +80,10 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="meshrl-stragglers-")
     pull = ("rollout.dispatch=pull", f"rollout.overprovision={args.overprovision}")
     staleness = f"max_staleness={args.staleness}"
-    static = run(run_dir, "static", args.steps, SLOW, staleness)
-    pulled = run(run_dir, "pull", args.steps, SLOW, staleness, *pull)
-    even = run(run_dir, "no_straggler", args.steps, staleness, *pull)
+    steps = (f"steps={args.steps}", *PINNED, staleness)
+    static = run_grpo(run_dir, "static", *steps, SLOW)
+    pulled = run_grpo(run_dir, "pull", *steps, SLOW, *pull)
+    even = run_grpo(run_dir, "no_straggler", *steps, *pull)
     step_s = {
         name: mean(h, "time/step_s", args.skip)
         for name, h in (("static", static), ("pull", pulled), ("no_straggler", even))

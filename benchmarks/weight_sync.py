@@ -335,12 +335,12 @@ class ReshardReplica(Actor):
         from monarch.actor import current_rank
 
         from meshrl.model.models import load_model
-        from meshrl.procs.parallel import data_parallel
+        from meshrl.procs.parallel import Ranks, data_parallel
 
         self.model = load_model(reshard_model(width), seed=1)  # other weights than the trainer's
         if tp > 1:
             rank = current_rank().rank
-            data_parallel(self.model, torch.device("cpu"), rank, tp, master, None, "tp", tp)
+            data_parallel(self.model, Ranks(torch.device("cpu"), rank, tp, master), "tp", tp)
         self.receivers = {}
 
     @endpoint

@@ -218,11 +218,9 @@ class Dispatcher:
             if self._dispatch() + self._poll():
                 last = time.monotonic()
             elif time.monotonic() - last > self.sup.timeout_s:
-                raise RemoteCallError(
-                    f"rollout: no generation or scoring answered within {self.sup.timeout_s:g}s "
-                    f"({self._under_way()} groups under way)",
-                    "policy",
-                    timed_out=True,
+                raise self._timed_out(
+                    f"no generation or scoring answered within {self.sup.timeout_s:g}s "
+                    f"({self._under_way()} groups under way)"
                 )
             self._drop_stale()
             self._top_up(need)
@@ -323,14 +321,17 @@ class Dispatcher:
                 if not self.pending and not self.generating.groups():
                     break
             if time.monotonic() - started > self.sup.timeout_s:
-                raise RemoteCallError(
-                    f"rollout: {len(self.pending)} groups not taken by a replica within "
-                    f"{self.sup.timeout_s:g}s",
-                    "policy",
-                    timed_out=True,
+                raise self._timed_out(
+                    f"{len(self.pending)} groups not taken by a replica within "
+                    f"{self.sup.timeout_s:g}s"
                 )
             time.sleep(POLL_S / 5)
         self.hand_out_s += time.monotonic() - started
+
+    @staticmethod
+    def _timed_out(what: str) -> RemoteCallError:
+        """The rollout's replicas timed out (a lost policy replica, to the Supervisor)."""
+        return RemoteCallError(f"rollout: {what}", "policy", timed_out=True)
 
     def bias(self) -> dict[str, float]:
         """KS distances between trained and completed groups, by latency and length."""

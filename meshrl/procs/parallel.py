@@ -25,6 +25,7 @@ import socket
 import tempfile
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -151,21 +152,30 @@ class Rendezvous(Actor):
             remove_private_store(address)
 
 
-def init_group(
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    master: tuple[str, int],
-    ranks_per_host: int | None = None,
-    timeout: timedelta | None = None,
-) -> None:
+@dataclass(frozen=True)
+class Ranks:
+    """This proc's place in a role's process group: its device, its rank of
+    `world_size`, where the ranks meet (`master`, from `Rendezvous`), how many
+    ranks a host holds (None: all on one) and how long a collective waits for
+    the others (None: torch's default)."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    master: tuple[str, int]
+    per_host: int | None = None
+    timeout: timedelta | None = None
+
+
+def init_group(ranks: Ranks) -> None:
     """Join this mesh's process group (gloo, or NCCL where every rank has a GPU of
     its own) at `master`, from `Rendezvous`: a FileStore's (``file://`` path, 0)
     when every rank runs on this host (`private_store`), else rank 0's (address,
     port), whose store rank 0 takes; or any free port of the caller's choosing.
     `timeout`: how long a collective waits for the other ranks before it fails
     (default: torch's)."""
-    address, port = master
+    device, rank, world_size, timeout = ranks.device, ranks.rank, ranks.world_size, ranks.timeout
+    address, port = ranks.master
     if address.startswith(FILE_STORE):  # this host only: each rank opens the file
         store = dist.FileStore(address[len(FILE_STORE) :], world_size)
     else:
@@ -179,7 +189,7 @@ def init_group(
     if loopback and "lo" in {name for _, name in socket.if_nameindex()}:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # NCCL needs a GPU of its own per rank; with fewer GPUs than ranks, gloo.
-    own_gpus = device.type == "cuda" and (ranks_per_host or world_size) <= torch.cuda.device_count()
+    own_gpus = device.type == "cuda" and (ranks.per_host or world_size) <= torch.cuda.device_count()
     backend = "nccl" if own_gpus else "gloo"
     if store is None:  # rank 0 of a master the caller chose: it opens the store itself
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
@@ -191,26 +201,18 @@ def init_group(
 
 
 def data_parallel(
-    model: torch.nn.Module,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    master: tuple[str, int],
-    ranks_per_host: int | None = None,
-    sharding: str = "ddp",
-    tp: int = 1,
-    timeout: timedelta | None = None,
-    ep: int = 1,
+    model: torch.nn.Module, ranks: Ranks, sharding: str = "ddp", tp: int = 1, ep: int = 1
 ) -> torch.nn.Module:
     """`model` made parallel over this mesh's procs: wrapped in DDP, or split in
     place (`sharding` fsdp, tp, or fsdp_tp with `tp` ranks per tensor-parallel
     group); itself when there is one proc. `ep` (every proc, with ddp or fsdp):
     a mixture of experts' experts spread over the procs first
     (`meshrl.procs.expert_parallel`), left out of DDP's and FSDP2's reduction.
-    The ranks meet at `master` (`init_group`). Returns the module to call."""
+    The ranks meet at `ranks.master` (`init_group`). Returns the module to call."""
+    device, world_size = ranks.device, ranks.world_size
     if world_size == 1:
         return model
-    init_group(device, rank, world_size, master, ranks_per_host, timeout)
+    init_group(ranks)
     experts: list[str] = []
     if ep > 1:
         from meshrl.procs.expert_parallel import ddp_ignore, expert_parallel
@@ -256,17 +258,12 @@ def shard_layers(model: torch.nn.Module, mesh: Any = None, ignored: list[str] = 
 
 def pipeline_parallel(
     model: torch.nn.Module,
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    master: tuple[str, int],
-    ranks_per_host: int | None = None,
+    ranks: Ranks,
     sharding: str = "pp",
     tp: int = 1,
     pp: int = 2,
     schedule: str = "1f1b",
     microbatches: int = 4,
-    timeout: timedelta | None = None,
     positions: Any = None,
 ) -> Any:
     """`model` cut, in place, to this rank's pipeline stages (`meshrl.procs.pipeline`)
@@ -282,8 +279,9 @@ def pipeline_parallel(
     from meshrl.procs.pipeline import Pipeline, prune
     from meshrl.procs.reshard import Layout
 
-    layout = Layout.named(sharding, world_size, tp, pp)
-    init_group(device, rank, world_size, master, ranks_per_host, timeout)
+    device, rank = ranks.device, ranks.rank
+    layout = Layout.named(sharding, ranks.world_size, tp, pp)
+    init_group(ranks)
     tie_group = None
     if getattr(model.config, "tie_word_embeddings", False):  # stage 0's and the last's
         for i in range(layout.dp):
