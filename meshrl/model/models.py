@@ -48,6 +48,7 @@ from meshrl.model.packing import (
     model_dtype,
     pack,
     packed_logits,
+    take_rows,
     takes_logits_to_keep,
 )
 from meshrl.model.tree import (
@@ -433,7 +434,7 @@ def completion_values(
     packed = pack(input_ids, attention_mask, T, share=layout == "tree")
     mask = packed.attention_mask(model_dtype(model), hf_config(model))
     values = model(packed.input_ids, mask, packed.position_ids)
-    return packed.scatter(values.flatten()[packed.at])
+    return packed.scatter(take_rows(values.flatten(), packed.at))
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

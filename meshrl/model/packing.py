@@ -248,7 +248,22 @@ def packed_logits(model: torch.nn.Module, packed: Packed, dtype: torch.dtype) ->
         index = (packed.at // width) * keep.numel() + torch.searchsorted(keep, packed.at % width)
     else:
         index = packed.at
-    return logits.reshape(-1, logits.size(-1))[index]
+    return take_rows(logits.reshape(-1, logits.size(-1)), index)
+
+
+def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`values[index]` along dim 0 for an `index` that repeats rows (a prompt's last
+    position predicts the first token of each completion of its group), whose
+    backward sums each row's copies in the same order every time. On the CPU,
+    indexing's backward (index_put_ with accumulate) adds them from every thread
+    at once past torch's grain of 32,768 elements, in whatever order they come:
+    the same batch gave float-rounding-different weights now and then
+    (benchmarks/elastic.py's run against a fixed pool). index_select's backward
+    (index_add_) adds them in index order there. On CUDA it is the other way
+    round (indexing's backward sorts; index_add_ adds atomically), so indexing stays."""
+    if values.device.type == "cpu":
+        return values.index_select(0, index)
+    return values[index]
 
 
 def distinct_prompts(

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from meshrl.model.packing import _spans, distinct_prompts, hf_config
+from meshrl.model.packing import _spans, distinct_prompts, hf_config, take_rows
 
 DENSE_TREE_TOKENS = 2048
 """The most tokens one tree of the dense layout holds (its mask is the square of it:
@@ -215,7 +215,7 @@ def tree_outputs(
         prompt_routes, completion_routes = laid.gather(routes)
     with routed(prompt_routes):
         first = run(laid.prompt_ids, laid.prompt_mask, laid.prompt_positions, cache, True)
-    first = first[:, -1][laid.inverse]
+    first = take_rows(first[:, -1], laid.inverse)  # a prompt's output, once per row
     if not laid.completion_ids.size(1):
         return first, first.new_zeros(len(first), 0, *first.shape[1:])
     cache.reorder_cache(laid.inverse)

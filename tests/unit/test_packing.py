@@ -192,3 +192,39 @@ def test_shared_prefixes_and_dropped_rows_sample_the_plain_paths_tokens():
     alone = sample(model, prompt_ids[5:6], prompt_mask[5:6], **{**kw, "seeds": seeds[5:6]})
     width = alone[0].size(1)
     assert torch.equal(alone[0][0], plain[0][5, :width])
+
+
+def test_the_tree_layouts_gradient_sums_in_one_order_every_time():
+    """The tree layout gathers the logits of a prompt's last position once for
+    each completion of its prompt (it predicts their first tokens), and the
+    backward sums those copies' gradients. Summed by two threads at once in
+    whatever order they came (indexing's backward on the CPU: index_put_ with
+    accumulate, parallel past torch's grain of 32,768 elements), the same batch
+    now and then gave weights apart by float rounding: benchmarks/elastic.py's
+    60 steps ended 1.2e-7 from a fixed pool's (its 16 x 8 rows gather about
+    40,000 logits). Here one prompt's 128 completions (44,100 gathered) put its
+    row's copies on both threads all along. Each gradient must be the one summed
+    in index order (torch's deterministic algorithms): before, most were not,
+    whether they differed from each other or not."""
+    ids, mask, T = grouped_batch(groups=(5,), group_size=128, T=6)
+    weights = torch.randn(ids.shape[0], T, generator=torch.Generator().manual_seed(1))
+    model = load_model(MODEL, seed=2)
+    logits = []  # the head's output: the gradient to it is the gather's sum, taken alone
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: logits.append(out))
+    loss = (completion_logprobs(model, ids, mask, T, 1.0, "tree") * weights).sum()
+
+    def gradient():
+        return torch.autograd.grad(loss, logits[0], retain_graph=True)[0]
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(2)  # the race needs two (a trainer proc on 2 cores has them)
+    try:
+        torch.use_deterministic_algorithms(True)
+        in_order = gradient()
+        torch.use_deterministic_algorithms(False)
+        differ = sum(not torch.equal(gradient(), in_order) for _ in range(20))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    assert differ == 0, f"{differ} of 20 gradients differ from the one summed in index order"
