@@ -15,13 +15,16 @@ untouched): the test compares the trained rows with what the client received, an
 A tiny model is taught the answers these agents need (`teach`), so that sampling
 at a low temperature gives them: the calculator call in Hermes `<tool_call>` JSON
 (the format the template, `TEMPLATE`, teaches), then the final answer once the
-tool's result is in the conversation.
+tool's result is in the conversation. `teach_some_calls` teaches instead a model
+that calls the calculator in only some episodes, for RL to lift
+(tests/learning/test_agent_learning.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import tempfile
 import threading
@@ -447,6 +450,31 @@ def teach(root: Path, steps: int = 400) -> Path:
     gives each of `lessons()`' answers (then EOS) after its conversation. Returns
     the model's directory."""
     import torch
+
+    tok, model = _tiny_model()
+    inputs, labels = _batch(tok, lessons())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    taught = labels[:, 1:] != -100
+    for _ in range(steps):
+        out = model(input_ids=inputs, labels=labels)
+        # Done when every taught token has probability > 0.9 at temperature 1: then a
+        # low sampling temperature (0.05) gives the taught answers, never a near miss.
+        with torch.no_grad():
+            probs = out.logits[:, :-1].float().softmax(-1)
+            picked = probs.gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            if picked[taught].min() > 0.9:
+                break
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    else:
+        raise RuntimeError(f"the model did not learn its lessons in {steps} steps")
+    return _save(tok, model, root)
+
+
+def _tiny_model() -> tuple[Any, Any]:
+    """The char tokenizer with TEMPLATE and a fresh tiny Llama (seeded)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from meshrl.config import ModelConfig
@@ -459,9 +487,16 @@ def teach(root: Path, steps: int = 400) -> Path:
     cfg = ModelConfig(
         hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, max_positions=2048
     )
-    model = AutoModelForCausalLM.from_config(embedded_config(cfg, len(tok)))
+    return tok, AutoModelForCausalLM.from_config(embedded_config(cfg, len(tok)))
+
+
+def _batch(tok: Any, taught_lessons: list) -> tuple[Any, Any]:
+    """Lessons (as `lessons()` gives them) as one padded batch: the input ids, and
+    labels that are the answers' ids (each with EOS) and -100 elsewhere."""
+    import torch
+
     rows = []  # per lesson: its ids, and which of them are taught (the answers, each with EOS)
-    for turns, names, answers in lessons():
+    for turns, names, answers in taught_lessons:
         tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in names]
         messages: list[dict] = []
         ids: list[int] = []
@@ -484,25 +519,81 @@ def teach(root: Path, steps: int = 400) -> Path:
     for i, (ids, taught) in enumerate(rows):
         inputs[i, : len(ids)] = torch.tensor(ids)
         labels[i, : len(ids)] = torch.where(torch.tensor(taught), torch.tensor(ids), -100)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    taught = labels[:, 1:] != -100
-    for _ in range(steps):
-        out = model(input_ids=inputs, labels=labels)
-        # Done when every taught token has probability > 0.9 at temperature 1: then a
-        # low sampling temperature (0.05) gives the taught answers, never a near miss.
-        with torch.no_grad():
-            probs = out.logits[:, :-1].float().softmax(-1)
-            picked = probs.gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            if picked[taught].min() > 0.9:
-                break
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-    else:
-        raise RuntimeError(f"the model did not learn its lessons in {steps} steps")
+    return inputs, labels
+
+
+def _save(tok: Any, model: Any, root: Path) -> Path:
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     return root / "model"
+
+
+# --- a model that calls the calculator only at times, for RL to lift -------------------------
+
+
+def multiplications(count: int, seed: int) -> dict[str, str]:
+    """`count` questions "What is 37*58?" (two 2-digit factors, a 4-digit
+    product: more than a tiny model works out in its head) and their answers,
+    drawn with `seed`."""
+    rng = random.Random(seed)
+    questions: dict[str, str] = {}
+    while len(questions) < count:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if a * b >= 1000:
+            questions[f"What is {a}*{b}?"] = str(a * b)
+    return questions
+
+
+def teach_some_calls(
+    root: Path, questions: dict[str, str], share: float = 0.25, steps: int = 200, seed: int = 0
+) -> Path:
+    """`teach`'s model, taught instead the LangChain agent's episodes on
+    `questions` as a warm start leaves a model for RL (as the built-in
+    calculator's, `meshrl.envs.tools.Calculator.demonstration`): the format
+    known, the calculator called in some episodes, its result then copied; a
+    guess in the rest (a product of two other numbers, drawn afresh each step:
+    never learned, so nearly always wrong). Each step (`steps` of them, the whole
+    batch) teaches every question's whole call and a guess, but the call's opening
+    (its first token) in just enough of them that a `share` of the taught
+    openings are calls: the call itself is learned (with only 16 questions, by
+    heart: a tiny model takes far longer to learn to copy any expression), whether
+    it is made is left to RL. Returns the model's directory."""
+    import torch
+
+    tok, model = _tiny_model()
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    calls = []
+    for question, answer in questions.items():
+        expression = question.removeprefix("What is ").rstrip("?")
+        turns = [("user", question), ("tool", answer)]
+        calls.append((turns, ["calculator"], [call("calculator", expression=expression), answer]))
+    call_inputs, call_labels = _batch(tok, calls)
+    opening = (call_labels[:, 1:] != -100).int().argmax(1) + 1  # each call's first token
+    opened = round(len(calls) * share / (1 - share))  # against len(calls) guesses: `share`
+    for _ in range(steps):
+        guesses = [
+            ([("user", q)], ["calculator"], [str(rng.randint(32, 99) * rng.randint(32, 99))])
+            for q in questions
+        ]
+        guess_inputs, guess_labels = _batch(tok, guesses)
+        labels = call_labels.clone()
+        unopened = torch.tensor(
+            rng.sample(range(len(calls)), len(calls) - opened), dtype=torch.long
+        )
+        labels[unopened, opening[unopened]] = -100
+        loss, count = 0.0, 0
+        for inputs, targets in ((call_inputs, labels), (guess_inputs, guess_labels)):
+            logits = model(input_ids=inputs).logits[:, :-1].float()
+            targets = targets[:, 1:]
+            loss = loss + torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
+            count += int((targets != -100).sum())
+        optimizer.zero_grad()
+        (loss / count).backward()
+        optimizer.step()
+    return _save(tok, model, root)
 
 
 # --- the same episodes, played by meshrl's own rollout ----------------------------------------
