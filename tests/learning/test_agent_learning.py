@@ -19,7 +19,7 @@ def test_grpo_lifts_a_langchain_agent_to_call_its_calculator(tmp_path, no_stray_
     nearly always wrong, in the rest), then 8 GRPO steps of 8 prompts x 8
     episodes, each played by LangChain through the endpoint: the share
     of episodes whose framework ran the calculator and the mean reward both climb,
-    from the first 2 steps to the last 4. Measured on 2026-11-29 (2 loaded cores,
+    from the first 2 steps to the last 4. Measured on 2026-12-05 (2 loaded cores,
     about 60 s a run, teaching included), with the teaching seed and run.seed both
     0, 1, 2 and 3 (the test runs 0): calls 0.32/0.40/0.38/0.41 to 0.90/0.89/0.84/0.91,
     reward 0.32/0.40/0.38/0.41 to 0.83/0.78/0.54/0.82. The reward dips at times
