@@ -163,6 +163,10 @@ def test_grpo_trains_a_streaming_langchain_agent_on_what_it_received(served, tmp
         "eval.every=0",
         *QUIET,
     )
+    # A run's episode keys repeat from run to run in one process (another test file's
+    # run may have come before in this worker): what is recorded starts here.
+    frameworks.RECEIVED.clear()
+    frameworks.TOOL_RUNS.clear()
     frameworks.STREAM["on"] = True
     try:
         algo = GRPO(cfg)

@@ -36,6 +36,7 @@ def test_grpo_lifts_a_langchain_agent_to_call_its_calculator(tmp_path, no_stray_
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     shares: list[float] = []
     frameworks.TOOL_RUNS.clear()  # episode keys repeat between runs in one process
+    frameworks.RECEIVED.clear()
 
     class Counted(GRPO):
         def after_step(self, step, metrics):  # the share of episodes that ran the calculator
