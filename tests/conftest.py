@@ -139,7 +139,6 @@ FIRST = (
     "learning/test_environments.py",
     "notebooks/test_notebooks.py",
     "learning/test_algorithms.py",
-    "cluster/test_health.py",
     "e2e/test_recovery.py",
     "learning/test_agent_learning.py",
     "learning/test_layouts.py",
@@ -157,7 +156,9 @@ at the end. (Measured on 2 cores in `make test` on 2026-11-28, whole files: test
 390 s, test_environments.py 297, test_notebooks.py 160, test_algorithms.py 118,
 test_recovery.py 69, test_e2e.py 53, test_elastic.py 52, test_agent.py 38,
 test_checkpoint.py 36, test_job.py 24 and test_default_run.py 21; on 2026-12-05, alone
-on a loaded machine, cluster/test_health.py 134 s and learning/test_agent_learning.py 61 s.) The SLURM tier then
+on a loaded machine, learning/test_agent_learning.py 61 s. cluster/test_health.py, 80 to
+134 s alone, is left to the end: beside a learning file its throttled nodes' procs boot
+slowest.) The SLURM tier then
 runs beside the rest: alone it took 343 s of CPU in 447 s (about one core)."""
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
