@@ -296,13 +296,16 @@ class Policy(Drillable, Actor):
         except BaseException as error:
             if pending is None:
                 raise
-            print(
-                f"{self.weights.owner}: its tensor-parallel group failed in {what} "
-                f"({type(error).__name__}: {error}); ending this proc so the group is replaced",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)
+            self._end_group(what, error)
+
+    def _end_group(self, what: str, error: BaseException) -> None:
+        print(
+            f"{self.weights.owner}: its tensor-parallel group failed in {what} "
+            f"({type(error).__name__}: {error}); ending this proc so the group is replaced",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
     def check_serving(self) -> None:
         """The weights served are one whole version, still in place."""
@@ -390,7 +393,10 @@ class Policy(Drillable, Actor):
         if self.continuous is None:
             following = self._lead("load_weights", handle, serve, timeout_s)
             pulled = self.weights.pull(handle, serve, self.shm_prefix, timeout_s, skip_copy=skip)
-            answers = self._followed(following, "load_weights")
+            try:
+                answers = self._followed(following, "load_weights")
+            except BaseException as error:  # a follower lost: its half of the weights with it
+                self._end_group("load_weights", error)
             self.engine.weights_changed()
             if answers:  # a tensor-parallel replica: what its group moved, and relays
                 pulled = dataclasses.replace(
