@@ -1127,13 +1127,10 @@ class PolicyServer:
         n = len(answers) if answers is not None else len(requests)
         # Each choice's tokens so far (a forced opening first), and how much of them
         # (tokens, text) the client has.
-        top = [] if asked.top_logprobs else None
         drawn = [
-            Sampled(list(call.forced), [0.0] * len(call.forced), -1, None, len(call.forced))
+            Sampled([], [], -1, [] if asked.top_logprobs else None).after(call.forced)
             for _ in range(n)
         ]
-        for sampled in drawn:
-            sampled.top = None if top is None else [[(t, 0.0)] for t in call.forced]
         sent = [(0, "")] * n
         try:
             if chat:
