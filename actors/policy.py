@@ -70,7 +70,7 @@ class Policy(Drillable, Actor):
         # A sampler in its own precision (`policy.precision`): it reads the trainer's
         # bytes of that precision (`meshrl.weights.precision`).
         precision = policy_cfg.precision_for(model_cfg.dtype)
-        check_precisions("fp32", (precision,), model_cfg.dtype, tp)
+        check_precisions("fp32", (precision,), model_cfg.dtype)
         to_precision(self.model, precision)
         self.followers = None  # a tensor-parallel leader's: `follow`
         self.tp, self.leader = tp, leader
@@ -442,11 +442,16 @@ class Policy(Drillable, Actor):
 
     @endpoint
     def parameters(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of every parameter, whole (for inspection and tests)."""
+        """A CPU copy of every parameter, whole (for inspection and tests); FP8
+        ones as their bytes (uint8: torch does not pickle float8 tensors)."""
         from meshrl.procs.parallel import full_parameters
 
         following = self._lead("parameters")
-        whole = {name: p.detach().cpu().clone() for name, p in full_parameters(self.model)}
+        whole = {}
+        for name, param in full_parameters(self.model):
+            if param.dtype.is_floating_point and param.element_size() == 1:
+                param = param.view(torch.uint8)
+            whole[name] = param.detach().cpu().clone()
         self._followed(following, "parameters")
         return whole
 

@@ -118,7 +118,7 @@ class Trainer(PeerState, Drillable, Actor):
         `pp_microbatches` micro-batches of each pass (`trainer.pp_microbatches`).
         `ep` > 1 (`placement.ep`): a mixture of experts' experts spread over the
         procs (`meshrl.procs.expert_parallel`)."""
-        check_precisions(precision, precisions, model_cfg.dtype, replica_tp)
+        check_precisions(precision, precisions, model_cfg.dtype)
         self.precision = precision
         if model_cfg.dtype == "bfloat16":  # its own bytes are bf16 already: named so
             precisions = tuple(dict.fromkeys("bf16" if p == "fp32" else p for p in precisions))
@@ -172,7 +172,7 @@ class Trainer(PeerState, Drillable, Actor):
             self._whole = self.pipeline.coords[1:] == (0, 0)
         self._owns = self._whole or is_sharded(self.model) or bool(self._blocks)
         self._split, self._fp8_names = split, fp8_names
-        self.shm_prefix, self.replica_tp = shm_prefix, replica_tp
+        self.shm_prefix = shm_prefix
         self.publishers: list[WeightPublisher] = []
         self._publish_in(precisions)
         self.version = 0
@@ -183,7 +183,7 @@ class Trainer(PeerState, Drillable, Actor):
     def _publish_in(self, precisions: tuple[str, ...]) -> None:
         """One publisher per precision (each its own slots), on the ranks that own
         weights; `self.publisher` is the first (the drills write there)."""
-        check_precisions(self.precision, precisions, self.model_cfg.dtype, self.replica_tp)
+        check_precisions(self.precision, precisions, self.model_cfg.dtype)
         for publisher in self.publishers:
             publisher.close()
         self.publishers = [
@@ -205,7 +205,7 @@ class Trainer(PeerState, Drillable, Actor):
         """Compute in `precision` (`trainer.precision`) from the next call on and,
         given `precisions`, publish in those (every rank must be called: a sharded
         trainer's fp8 conversion reduces over its ranks). For tests and notebooks."""
-        check_precisions(precision, precisions or (), self.model_cfg.dtype, self.replica_tp)
+        check_precisions(precision, precisions or (), self.model_cfg.dtype)
         self.precision = precision
         if precisions is not None:
             self._publish_in(precisions)

@@ -356,9 +356,27 @@ def full_parameters(model: torch.nn.Module):
     advice.setLevel(logging.ERROR)
     try:
         for name, param in model.named_parameters():
-            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+            yield name, _gathered(param) if isinstance(param, DTensor) else param
     finally:
         advice.setLevel(level)
+
+
+def _gathered(param) -> torch.Tensor:
+    """A DTensor's full tensor; one-byte floats (FP8) gathered as their bytes
+    (gloo has no FP8 collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    if not (param.dtype.is_floating_point and param.element_size() == 1):
+        return param.full_tensor()
+    raw = DTensor.from_local(
+        param.to_local().view(torch.uint8),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    return raw.full_tensor().view(param.dtype)
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool):

@@ -8,6 +8,10 @@ per-head q/k norms (`replicated_with_grad_allreduce`) run on each rank's heads
 as DTensors, so their weight's gradient is summed over the tp ranks. The
 embeddings, norms and head stay whole on every rank.
 
+A layer that is not an `nn.Linear` but splits itself the same way
+(`split_tensor_parallel(mesh, style)`: an FP8 replica's `Fp8Linear`) is handed
+its style instead.
+
 Architectures whose plan holds anything else (fused or packed projections,
 experts) or that have none are refused, naming the key; so are head counts
 that the tp degree does not divide.
@@ -119,7 +123,16 @@ def tensor_parallel(model: torch.nn.Module, mesh) -> None:
             sequence_dim=2, use_local_output=True
         ),
     }
-    plan = {name: make[style]() for name, style in module_styles(model).items()}
+    plan = {}
+    for name, style in module_styles(model).items():
+        module = model.get_submodule(name)
+        # A layer torch's plans do not take (an FP8 one: meshrl.weights.precision)
+        # splits itself, with the same inputs and outputs as theirs.
+        split = getattr(module, "split_tensor_parallel", None)
+        if split is not None:
+            split(mesh, style)
+        else:
+            plan[name] = make[style]()
     parallelize_module(model, mesh, plan)
 
 

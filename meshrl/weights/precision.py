@@ -30,7 +30,10 @@ On the replica (`Fp8Linear`): on a CUDA device of compute capability >= 8.9
 the matmul runs in FP8 (`torch._scaled_mm`, one call per 128-column block of
 the weight with per-row activation scales over that block, 1 x 128 tiles);
 elsewhere, the CPU included, each layer dequantizes its weight to bfloat16
-before a bfloat16 matmul: the same weights, no speed gain.
+before a bfloat16 matmul: the same weights, no speed gain. A tensor-parallel
+replica's `Fp8Linear`s split themselves (`split_tensor_parallel`): each proc
+holds its block of the FP8 weight, read on the whole matrix's scale grid from
+where it starts.
 """
 
 from __future__ import annotations
@@ -143,10 +146,14 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_blocks(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    start: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """FP8 weights times their block scales, in `dtype`."""
-    return (weight.float() * _expand(scale, (0, 0), tuple(weight.shape))).to(dtype)
+    """FP8 weights (the block of the matrix starting at `start`) times their
+    block scales (the matrix's), in `dtype`."""
+    return (weight.float() * _expand(scale, start, tuple(weight.shape))).to(dtype)
 
 
 def _quantized_dtensor(param) -> tuple:
@@ -216,21 +223,37 @@ def fp8_matmul_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16) @ weight.T in FP8 on the device: per 128-column block k of
-    the weight, x's block quantized per row (1 x 128 tiles) and one
-    `torch._scaled_mm` with row scales on both sides (the weight's rows take
-    their 128 x 128 block's scale), the blocks' products summed in float32."""
+def _column_pieces(cols: int, c0: int) -> list[tuple[int, int, int]]:
+    """(from, to, k): the pieces of a block of `cols` columns that starts at
+    column `c0` of its matrix, each within one 128-column block `k` of it."""
+    pieces, at = [], 0
+    while at < cols:
+        k = (c0 + at) // BLOCK
+        end = min(cols, (k + 1) * BLOCK - c0)
+        pieces.append((at, end, k))
+        at = end
+    return pieces
+
+
+def _fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, start: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """x [M, K] (bf16) @ weight.T in FP8 on the device, in float32: per piece of
+    the weight's columns within one 128-column block, x's columns quantized per
+    row (1 x 128 tiles) and one `torch._scaled_mm` with row scales on both sides
+    (the weight's rows take their 128 x 128 block's scale), the pieces' products
+    summed in float32. `weight` is the block of the matrix starting at `start`
+    (a tensor-parallel proc's), `scale` the whole matrix's."""
     rows, cols = weight.shape
     count = x.size(0)
     x = torch.nn.functional.pad(x, (0, 0, 0, -count % 16))  # _scaled_mm: M a multiple of 16
     out = torch.zeros(x.size(0), rows, dtype=torch.float32, device=x.device)
-    row_block = torch.arange(rows, device=x.device) // BLOCK
-    for k, at in enumerate(range(0, cols, BLOCK)):
-        xs = x[:, at : at + BLOCK].float()
+    row_block = (torch.arange(rows, device=x.device) + start[0]) // BLOCK
+    for at, end, k in _column_pieces(cols, start[1]):
+        xs = x[:, at:end].float()
         x_scale = scales_of(xs.abs().amax(dim=1, keepdim=True))  # [M, 1]
         xq = (xs / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        wq = weight[:, at : at + BLOCK].contiguous()  # [N, k]; its transpose is column-major
+        wq = weight[:, at:end].contiguous()  # [N, k]; its transpose is column-major
         w_scale = scale[row_block, k].float().view(1, rows).contiguous()
         # Row-wise scaling gives bfloat16 out (torch's constraint); summed in float32.
         out += torch._scaled_mm(
@@ -239,10 +262,11 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     return out[:count]
 
 
-def _fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`torch._scaled_mm` wants dims that are multiples of 16 (each block too)."""
+def _fp8_shapes_ok(weight: torch.Tensor, start: tuple[int, int] = (0, 0)) -> bool:
+    """`torch._scaled_mm` wants dims that are multiples of 16 (each piece too)."""
     rows, cols = weight.shape
-    return rows % 16 == 0 and cols % 16 == 0 and (cols % BLOCK == 0 or cols < BLOCK)
+    pieces = _column_pieces(cols, start[1])
+    return rows % 16 == 0 and all((end - at) % 16 == 0 for at, end, _ in pieces)
 
 
 class _Fp8Weights(torch.nn.Module):
@@ -263,7 +287,8 @@ class Fp8Linear(_Fp8Weights):
     """A linear layer whose weight is float8_e4m3fn with 128 x 128 block scales
     (`weight`, `weight_scale`: parameters, so weight sync fills them by name); the
     bias, if any, in bfloat16. FP8 matmul where the device has it, else the
-    weight dequantized to bfloat16 for each call (module docstring)."""
+    weight dequantized to bfloat16 for each call (module docstring). Split over a
+    tensor-parallel group by `split_tensor_parallel`."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -278,18 +303,49 @@ class Fp8Linear(_Fp8Weights):
             else torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         )
         self.fp8_matmul = fp8_matmul_available(weight.device)
+        self.start = (0, 0)
+        """Where this proc's block of the weight starts in the matrix (split: its
+        offset on the scales' grid)."""
+        self.sums_over = None
+        """Split by input features: the process group whose partial outputs add up."""
+
+    def split_tensor_parallel(self, mesh, style: str) -> None:
+        """Split over the 1-D device `mesh` as torch's `ColwiseParallel` and
+        `RowwiseParallel` split an `nn.Linear` (local outputs): `colwise`, this
+        proc's rows of the weight (and of the bias), the input whole and the output
+        this proc's features; `rowwise`, this proc's columns, the input this proc's
+        features and the output summed over the group (in float32), then the bias.
+        The weight becomes a DTensor of the mesh, so a weight pull reads this
+        proc's block and nothing more; the scales stay whole (a few bytes)."""
+        dim = {"colwise": 0, "rowwise": 1}[style]
+        weight, start = _shard(self.weight.data, mesh, dim)
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.start = (start[0], start[1])
+        if dim == 0 and self.bias is not None:
+            self.bias = torch.nn.Parameter(_shard(self.bias.data, mesh, 0)[0], requires_grad=False)
+        self.sums_over = mesh.get_group() if dim == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if self.fp8_matmul and _fp8_shapes_ok(flat, self.weight):
-            out = _fp8_matmul(flat, self.weight, self.weight_scale).to(torch.bfloat16)
+        weight, bias = _local(self.weight), _local(self.bias)
+        if self.sums_over is not None:  # a partial sum: the bias once, after the sum
+            bias = None
+        if self.fp8_matmul and _fp8_shapes_ok(weight, self.start):
+            out = _fp8_matmul(flat, weight, self.weight_scale, self.start)
+            if bias is not None:
+                out = out + bias
+        else:
+            weight = dequantize_blocks(weight, self.weight_scale, torch.bfloat16, self.start)
+            out = torch.nn.functional.linear(flat, weight, bias)
+        if self.sums_over is not None:
+            import torch.distributed as dist
+
+            out = out.float()
+            dist.all_reduce(out, group=self.sums_over)
             if self.bias is not None:
                 out = out + self.bias
-        else:
-            weight = dequantize_blocks(self.weight, self.weight_scale, torch.bfloat16)
-            out = torch.nn.functional.linear(flat, weight, self.bias)
-        return out.view(*shape[:-1], self.out_features)
+        return out.to(torch.bfloat16).view(*shape[:-1], weight.size(0))
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -298,6 +354,30 @@ class Fp8Linear(_Fp8Weights):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local block (a split layer's), else the tensor."""
+    from meshrl.weights.publisher import _is_dtensor
+
+    return tensor.to_local() if tensor is not None and _is_dtensor(tensor) else tensor
+
+
+def _shard(tensor: torch.Tensor, mesh, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """`tensor` (whole on every proc of 1-D `mesh`) as a DTensor split on `dim`
+    (DTensor's own chunks), each proc keeping its block, and where that starts.
+    Cut locally: no collective (FP8 has none on gloo)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = [Shard(dim)]
+    shape, start = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    index = tuple(slice(s, s + n) for s, n in zip(start, shape, strict=True))
+    local = tensor[index].contiguous()
+    split = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+    return split, tuple(start)
 
 
 class Fp8Embedding(_Fp8Weights):
@@ -340,9 +420,7 @@ def to_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
-def check_precisions(
-    precision: str, precisions: Iterable[str], model_dtype: str, replica_tp: int = 1
-) -> None:
+def check_precisions(precision: str, precisions: Iterable[str], model_dtype: str) -> None:
     """One clear error (naming the key) for a trainer precision, or published
     precisions, that cannot be."""
     if precision not in TRAINER_PRECISIONS:
@@ -360,11 +438,6 @@ def check_precisions(
             raise ValueError(
                 f"config key 'policy.precision': '{wire}' is not one of {', '.join(PRECISIONS)}"
             )
-    if "fp8" in precisions and replica_tp > 1:
-        raise ValueError(
-            "config key 'policy.precision': fp8 replicas are not split with tensor "
-            "parallelism (placement.policy_tp must be 1)"
-        )
 
 
 def compute_precision(precision: str, device: torch.device):

@@ -17,7 +17,7 @@ from actors.policy import Policy
 from actors.trainer import Trainer
 from algorithms.dpo import DPOConfig, DPOLoss
 from algorithms.grpo import GRPOConfig, GRPOLoss
-from meshrl.config import ModelConfig, OptimConfig
+from meshrl.config import ModelConfig, OptimConfig, PolicyConfig
 from meshrl.model.losses import AGGREGATIONS
 from meshrl.procs.mesh import RoleMeshes, call_all, call_each, form_groups
 from meshrl.types import TrainBatch
@@ -71,7 +71,8 @@ def meshes():
     TP, tree; 2 x 2 procs FSDP2 x TP, padded, 2 micro-batches; Qwen3 on 1 proc and
     on 2 TP procs (its per-head norms). Critics: 1 proc (beside the 1-proc
     trainer), padded; 2 procs with 2 micro-batches, tree. Two TP2 policy replicas
-    (the second pulls from the first's relay) and a 1-proc one."""
+    (the second pulls from the first's relay) and a 1-proc one; an fp8 TP2
+    replica and an fp8 1-proc one."""
     meshes = RoleMeshes(
         {
             "one": 1,
@@ -85,6 +86,8 @@ def meshes():
             "relayed": 1,
             "relayed_tp": 1,
             "tp_qwen3": 2,
+            "fp8": 1,
+            "fp8_tp": 1,
         }
     )
     optim = OptimConfig(lr=1e-2)
@@ -122,13 +125,15 @@ def meshes():
         }
         # Two policy replicas split over 2 procs each (leader and follower), and one
         # of 1 proc.
-        for name in ("replica", "relayed"):
-            spawned[name] = meshes[name].spawn(name, Policy, MODEL, tp=2)
+        fp8 = PolicyConfig(precision="fp8")
+        for name, policy_cfg in (("replica", None), ("relayed", None), ("fp8", fp8)):
+            spawned[name] = meshes[name].spawn(name, Policy, MODEL, 0, policy_cfg, tp=2)
             follower = meshes[f"{name}_tp"].spawn(
-                f"{name}_follower", Policy, MODEL, tp=2, leader=False
+                f"{name}_follower", Policy, MODEL, 0, policy_cfg, tp=2, leader=False
             )
             form_groups(spawned[name], follower, 1, 2, meshes.rendezvous_each(name), TIMEOUT)
         spawned["replica_one"] = meshes["one"].spawn("replica_one", Policy, MODEL)
+        spawned["fp8_one"] = meshes["one"].spawn("fp8_one", Policy, MODEL, 0, fp8)
         for name, actors in spawned.items():
             call_all(actors, "parameters", what=f"{name}.init", timeout_s=TIMEOUT)
         yield spawned
@@ -410,6 +415,60 @@ def test_a_tensor_parallel_replica_relays_its_blocks_to_the_next(meshes):
             call_all(meshes[name], "load_weights", relay, what="pull", timeout_s=TIMEOUT)
         got = call_all(meshes[name], "parameters", what=name, timeout_s=TIMEOUT)[0]
         assert all(torch.equal(got[k], trained[k]) for k in trained), name
+
+
+def test_an_fp8_tensor_parallel_replica_reads_its_share_relays_and_samples_as_one_proc(meshes):
+    """FP8 replicas split with tensor parallelism. The FSDP2 trainer publishes
+    fp8 in the parts of a TP2 replica: its procs each read their half of every
+    split FP8 matrix and the rest whole, and no more. Its relay gives a 1-proc fp8 replica the bytes
+    a receiver of the trainer's version holds, and the TP2's own, gathered, equal
+    them; with the same seeds both sample the same tokens (the column-split
+    layers' partial outputs are summed in float32: log-probs within bf16's
+    rounding)."""
+    from meshrl.config import GenerationConfig
+    from meshrl.model.models import load_model
+    from meshrl.procs.tensor_parallel import parameter_styles
+    from meshrl.weights.precision import to_precision
+    from meshrl.weights.publisher import WeightHandle
+    from meshrl.weights.receiver import WeightReceiver
+
+    trainer, tp, one = meshes["fsdp"], meshes["fp8"], meshes["fp8_one"]
+    call_all(trainer, "set_precision", "fp32", ("fp32", "fp8"), what="wires", timeout_s=TIMEOUT)
+    try:  # (back to fp32 only once read: that closes the fp8 slots)
+        handle = WeightHandle.merge(call_all(trainer, "publish", what="pub", timeout_s=TIMEOUT))
+        pulled = call_all(tp, "load_weights", handle, True, what="pull", timeout_s=TIMEOUT)[0]
+        held = WeightReceiver(to_precision(load_model(MODEL, 1), "fp8"))
+        assert held.pull(handle).verified
+    finally:
+        call_all(trainer, "set_precision", "fp32", ("fp32",), what="fp32", timeout_s=TIMEOUT)
+    assert pulled.verified and pulled.precision == "fp8"
+    styles = parameter_styles(load_model(MODEL, 1))  # the trainer's plan, by HF name
+    share = {
+        name: p.numel()
+        * p.element_size()
+        // (1 if styles.get(name, "replicate") == "replicate" else 2)
+        for name, p in held.params.items()
+    }
+    assert pulled.version_bytes == 2 * sum(share.values())
+    # The block scales are whole, float32 and on this host: served in place from
+    # the trainer's slot (zero-copy), not copied.
+    scales = sum(n for name, n in share.items() if name.endswith("_scale"))
+    assert pulled.bytes_moved == 2 * (sum(share.values()) - scales)
+    want = {k: p.detach().view(torch.uint8) for k, p in held.params.items()}
+    call_all(one, "load_weights", pulled.relay, what="relayed", timeout_s=TIMEOUT)
+    for name, actors in (("tp2", tp), ("one", one)):
+        got = call_all(actors, "parameters", what=name, timeout_s=TIMEOUT)[0]
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k].view(torch.uint8), want[k]) for k in want), name
+    prompts, seeds = [[5, 6, 7, 8], [9, 10], [11, 12, 13]], [101, 202, 303]
+    generation = GenerationConfig(max_new_tokens=10)
+    got, want = (
+        call_all(actors, "generate", prompts, generation, seeds, what="gen", timeout_s=TIMEOUT)[0]
+        for actors in (tp, one)
+    )
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.completion_mask, want.completion_mask)
+    assert (got.logprobs - want.logprobs).abs().max() < 0.02  # 0.0025 measured
 
 
 def test_a_bf16_mixed_trainer_resumes_bitwise(meshes):

@@ -50,7 +50,8 @@ PYTHON_RUNS = [
         "reinforce_pp",
         ["placement.reference=2", "trainer.precision=bf16-mixed", "policy.precision=bf16"],
     ),
-    # With the held-out set on an eval mesh of its own, every step; fp8 replicas.
+    # With the held-out set on an eval mesh of its own, every step; fp8 replicas split
+    # with tensor parallelism (each a leader and a follower).
     (
         DAPO,
         DAPOConfig,
@@ -58,6 +59,7 @@ PYTHON_RUNS = [
         [
             "placement.environment=2",
             "policy.precision=fp8",
+            "placement.policy_tp=2",
             "eval.every=1",
             "eval.mesh=true",
             "eval.sets.heldout.prompts=4",
