@@ -49,14 +49,13 @@ from meshrl.procs.expert_parallel import expert_blocks, gather_blocks
 from meshrl.procs.faults import Drillable
 from meshrl.procs.parallel import (
     Ranks,
+    ShardedState,
     accumulated_gradients,
     accumulated_step,
     data_parallel,
     full_parameters,
     is_sharded,
-    load_sharded,
     pipeline_parallel,
-    save_sharded,
     shutdown,
 )
 from meshrl.procs.pipeline import broadcast_from_last, gather_over, sum_tied
@@ -160,6 +159,11 @@ class Trainer(PeerState, Drillable, Actor):
         self.sharded = is_sharded(self.model) or self.pipeline is not None or bool(self._blocks)
         self.optim_cfg = optim_cfg
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, total_steps)
+        # What a sharded trainer's checkpoint holds (its pipeline's optimizer state per
+        # parameter: each stage holds other parameters).
+        self._shards = ShardedState(
+            self.model, self.optimizer, self._blocks, flat=self.pipeline is not None
+        )
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.layout = layout
@@ -385,13 +389,7 @@ class Trainer(PeerState, Drillable, Actor):
         schedule and version, and model and optimizer unless sharded) and, when
         sharded, `trainer_shards/` (every rank its shards)."""
         if self.sharded:
-            save_sharded(
-                f"{directory}/trainer_shards",
-                self.model,
-                self.optimizer,
-                self._blocks,
-                flat=self.pipeline is not None,
-            )
+            self._shards.save(f"{directory}/trainer_shards")
             parts = {}
         else:
             parts = {"model": self.model, "optimizer": self.optimizer}
@@ -406,13 +404,7 @@ class Trainer(PeerState, Drillable, Actor):
         """Every rank restores what `save_state` wrote; returns the version."""
         parts = {} if self.sharded else {"model": self.model, "optimizer": self.optimizer}
         if self.sharded:
-            load_sharded(
-                f"{directory}/trainer_shards",
-                self.model,
-                self.optimizer,
-                self._blocks,
-                flat=self.pipeline is not None,
-            )
+            self._shards.load(f"{directory}/trainer_shards")
         extra = load_state(f"{directory}/trainer.pt", scheduler=self.scheduler, **parts)
         self.version = extra["version"]
         return self.version

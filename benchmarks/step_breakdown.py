@@ -85,6 +85,18 @@ def run(steps: int, overrides: list[str]) -> list[dict]:
         return GRPO(cfg).run()[1:]
 
 
+def against_first(means: dict[str, float], **extra) -> dict:
+    """Variant -> mean seconds a step (the baseline first) as one JSON line's
+    figures: `step_s` of each, and `overhead` of each other as a fraction of
+    the baseline's."""
+    base = next(iter(means.values()))
+    return {
+        "step_s": {name: round(mean, 5) for name, mean in means.items()},
+        "overhead": {name: round(mean / base - 1, 4) for name, mean in list(means.items())[1:]},
+        **extra,
+    }
+
+
 def evaluation_cost(steps: int, overrides: list[str]) -> int:
     """Mean wall time a step (`time/step_s` + `time/eval_s`) without evaluation,
     with it on the replicas, and with it on an eval mesh: one JSON line."""
@@ -97,15 +109,7 @@ def evaluation_cost(steps: int, overrides: list[str]) -> int:
         total = sum(r["time/step_s"] + r.get("time/eval_s", 0.0) for r in history)
         means[name] = total / len(history)
         print(f"{name:<10}{means[name] * 1e3:>9.2f} ms a step", flush=True)
-    figures = {
-        "step_s_no_eval": round(means["none"], 5),
-        "step_s_eval_replicas": round(means["replicas"], 5),
-        "step_s_eval_mesh": round(means["mesh"], 5),
-        "eval_overhead_replicas": round(means["replicas"] / means["none"] - 1, 4),
-        "eval_overhead_mesh": round(means["mesh"] / means["none"] - 1, 4),
-        "steps_averaged": steps - 1,
-    }
-    print(json.dumps(figures))
+    print(json.dumps(against_first(means, steps_averaged=steps - 1)))
     return 0
 
 
@@ -140,16 +144,8 @@ def telemetry_cost(steps: int, rounds: int, overrides: list[str]) -> int:
                 steps_s[name] += [rec["time/step_s"] for rec in history]
                 mean = sum(steps_s[name]) / len(steps_s[name])
                 print(f"round {r} {name:<10}{mean * 1e3:>9.2f} ms a step so far", flush=True)
-    means = {name: sum(v) / len(v) for name, v in steps_s.items()}
-    figures = {
-        "step_s_telemetry_off": round(means["off"], 5),
-        "step_s_telemetry_on": round(means["telemetry"], 5),
-        "step_s_dashboard_on": round(means["dashboard"], 5),
-        "telemetry_overhead": round(means["telemetry"] / means["off"] - 1, 4),
-        "dashboard_overhead": round(means["dashboard"] / means["off"] - 1, 4),
-        "steps_averaged_each": len(steps_s["off"]),
-    }
-    print(json.dumps(figures))
+    means = {name: sum(v) / len(v) for name, v in steps_s.items()}  # ("off" first)
+    print(json.dumps(against_first(means, steps_averaged_each=len(steps_s["off"]))))
     return 0
 
 

@@ -88,6 +88,22 @@ def build_processor(arch: str, vision: object, tokenizer: object) -> _ImagesOnly
     return PROCESSORS[arch](image_processor=images, tokenizer=tokenizer)
 
 
+KEPT = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
+"""What the embedded vision-language models' language model keeps of the text
+model's config: its sizes and its special tokens."""
+
+
 def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
     """The embedded Qwen2-VL, Qwen2.5-VL or Qwen3-VL (`cfg.arch`): a language model
     of `text`'s sizes (the embedded Llama's) behind a vision tower of `cfg.vision`'s."""
@@ -105,13 +121,7 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
     time_axis = max(1, half // 4)  # M-RoPE's rotary pairs: time, rows, columns
     rows = (half - time_axis) // 2
     language = Text(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_hidden_layers=text.num_hidden_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads,
-        max_position_embeddings=text.max_position_embeddings,
+        **{key: getattr(text, key) for key in KEPT},
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -119,9 +129,6 @@ def tiny_config(cfg: object, text: object, tokenizer: object) -> object:
             **({"mrope_interleaved": True} if qwen3 else {}),
         },
         **({"head_dim": head_dim} if qwen3 else {}),
-        pad_token_id=text.pad_token_id,
-        bos_token_id=text.bos_token_id,
-        eos_token_id=text.eos_token_id,
     )
     vision = cfg.vision
     sizes = dict(

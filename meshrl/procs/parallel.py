@@ -389,24 +389,6 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat:
     return get_state_dict(model, optimizer, options=options)
 
 
-def save_sharded(
-    path: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    blocks: dict | None = None,
-    flat: bool = False,
-) -> None:
-    """torch.distributed.checkpoint of model and optimizer into directory `path`,
-    each rank writing its own shards (collective). `blocks`: plain tensors that
-    are this rank's block of a larger parameter (`expert_blocks`), saved as such;
-    `flat`: the optimizer state flattened per parameter (`_state_dicts`)."""
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optim_state = _state_dicts(model, optimizer, flat)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.save(_as_blocks(state, blocks), checkpoint_id=path)
-
-
 def _as_blocks(state: dict, blocks: dict | None) -> dict:
     """A copy of `state` (DCP's model and optimizer state dicts) where the tensors
     of each parameter of `blocks` (name -> (start, whole shape): a rank's chunk of
@@ -526,26 +508,40 @@ def load_dcp(state: dict, path: str) -> None:
     dcp.load(state, storage_reader=reader)
 
 
-def load_sharded(
-    path: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    blocks: dict | None = None,
-    flat: bool = False,
-) -> None:
-    """Load what `save_sharded` wrote, resharding if the world size changed (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+@dataclass
+class ShardedState:
+    """A sharded model and its optimizer as torch.distributed.checkpoint saves
+    and loads them into a directory, each rank its own shards (both collective);
+    a load reshards if the world size changed. `blocks`: plain tensors that are
+    this rank's block of a larger parameter (`expert_blocks`), saved as such;
+    `flat`: the optimizer state flattened per parameter (`_state_dicts`)."""
 
-    model_state, optim_state = _state_dicts(model, optimizer, flat)
-    state = {"model": model_state, "optim": optim_state}
-    load_dcp(_as_blocks(state, blocks), path)  # (into the plain tensors the blocks alias)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(flatten_optimizer_state_dict=flat),
-    )
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    blocks: dict | None = None
+    flat: bool = False
+
+    def _state(self) -> dict:
+        model_state, optim_state = _state_dicts(self.model, self.optimizer, self.flat)
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_as_blocks(self._state(), self.blocks), checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = self._state()
+        load_dcp(_as_blocks(state, self.blocks), path)  # (into the plain tensors the blocks alias)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(flatten_optimizer_state_dict=self.flat),
+        )
 
 
 def shutdown() -> None:

@@ -21,6 +21,8 @@ from meshrl.procs.pool import ScaleError
 from tests.conftest import REPO
 from tests.support.runs import StopAt, configure, undocumented_metrics
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
 
 def _meshrl(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "meshrl.commands", *args]
@@ -55,8 +57,6 @@ ELASTIC = (
 )
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_pools_grow_and_shrink_by_schedule_meshrl_scale_and_api(tmp_path, no_stray_procs):
     cfg = configure(
         tmp_path, "elastic", "steps=8", *ELASTIC, "pool.schedule=[policy=2@1,policy=1@6]"
@@ -114,8 +114,6 @@ def _grow_and_shrink(algo: GRPO, tmp_path) -> list[dict]:
     return algo.run()  # steps 5-7; the schedule shrinks the policy pool at step 6
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
     """The trainer dies as step 3 begins, when the schedule and a request resize
     the policy pool: the run goes back to its checkpoint and on, the pool keeps
@@ -148,8 +146,6 @@ def test_a_scale_request_during_a_trainer_recovery(tmp_path, no_stray_procs):
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stray_procs):
     """A `process` job's policy host is full: the replica asked for joins on a
     host of its own (a Monarch ProcessJob), checked by the preflight before its
@@ -191,6 +187,14 @@ def test_a_policy_replica_joins_on_a_new_host_of_a_process_job(tmp_path, no_stra
 # --- work by pull ----------------------------------------------------------------------
 
 PULL = ("rollout.dispatch=pull", "rollout.groups_per_call=2", "placement.policy=2")
+CUT_AHEAD = (
+    *PULL,
+    "max_staleness=1",
+    "checkpoint.every=2",
+    "checkpoint.keep=1",
+    "warm_start.steps=0",
+)
+"""By pull, one version ahead, a checkpoint at step 2: the runs cut there and resumed."""
 # A model whose generation costs more with more rows (the default's hardly does on a
 # CPU: its calls are mostly overhead), one replica 8x slower, nothing overlapped.
 SLOWED = (
@@ -242,7 +246,6 @@ def _ledger_closes(record: dict) -> None:
     assert record["samples/generated_total"] == ledger
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_pull_gives_the_fast_replica_more_groups(tmp_path, no_stray_procs):
     """One replica of two is 8x slower: a static split would give each half the
@@ -257,22 +260,13 @@ def test_pull_gives_the_fast_replica_more_groups(tmp_path, no_stray_procs):
     assert all(r["samples/dropped"] == 0 for r in history)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stray_procs):
     """With `max_staleness=1` the next step's groups are under way while a step
     trains: a checkpoint waits for them and holds them, and a run stopped there
     and resumed trains them first and ends bit for bit as the run never stopped
     (each group is generated with the version current when it was drawn:
     `Dispatcher.hand_out`)."""
-    ahead = (
-        *PULL,
-        "max_staleness=1",
-        "steps=4",
-        "checkpoint.every=2",
-        "checkpoint.keep=1",
-        "warm_start.steps=0",
-    )
+    ahead = (*CUT_AHEAD, "steps=4")
     straight = GRPO(configure(tmp_path, "straight", *ahead))
     history = straight.run()
     assert history[-1]["samples/trained_total"] == 4 * 16 * 8
@@ -286,7 +280,6 @@ def test_pull_resumes_with_the_queued_groups_of_its_checkpoint(tmp_path, no_stra
     _resumed_as_never_stopped(straight, history, resumed, after, keys)
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_overprovision_for_stragglers_only_keeps_generation_one_version_behind(
     tmp_path, no_stray_procs
@@ -316,7 +309,6 @@ def test_overprovision_for_stragglers_only_keeps_generation_one_version_behind(
     assert last["samples/generated_total"] == last["samples/trained_total"] == 8 * 16 * 8
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs):
     """Over-provisioned: the groups that completed after a step had its batch are
@@ -354,8 +346,6 @@ CONTINUOUS = (
 )
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
     """Continuous batching, one version ahead: calls join each replica's running
     batch, and a run stopped after its checkpoint and resumed ends with the
@@ -363,13 +353,9 @@ def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
     decode step is timing; each row's tokens are its seed's alone, and the
     trainer's own old log-probs make the rest exact.)"""
     ahead = (
-        *PULL,
+        *CUT_AHEAD,
         *CONTINUOUS,
-        "max_staleness=1",
         "steps=3",
-        "checkpoint.every=2",
-        "checkpoint.keep=1",
-        "warm_start.steps=0",
         "trainer.recompute_old_logprobs=true",
         "faults.completion_lengths=2,0.3x8",
         "generation.max_new_tokens=8",
@@ -383,8 +369,6 @@ def test_continuous_batching_resumes_bit_for_bit(tmp_path, no_stray_procs):
     _resumed_as_never_stopped(straight, history, resumed, after, keys)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_procs):
     """Partial rollouts on a heavy tail of lengths: weight pulls land while rows
     decode, rows go on under the new weights, and the steps train rows whose
@@ -435,8 +419,6 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
 # --- recovery in seconds ----------------------------------------------------------------
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(400)
 def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_stray_procs):
     """A policy proc killed at step 2 is seen gone by its pid (not after Monarch's
     ~10 s), a standby that was spawned and loaded takes its rank, pulls the
@@ -481,7 +463,6 @@ def test_a_standby_replaces_a_killed_policy_proc_within_seconds(tmp_path, no_str
     assert all(r["weights/generated_with"] == r["weights/version"] - 1 for r in history)
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_ppo_trains_by_pull(tmp_path, no_stray_procs):
     """PPO's loop takes its rollouts from the same queue (its critic values the

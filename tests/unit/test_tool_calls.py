@@ -13,23 +13,12 @@ import json
 import pytest
 import torch
 
-from meshrl.envs.tool_calls import (
-    Parsed,
-    ToolCall,
-    ToolError,
-    check_tools,
-    chosen,
-    forced_prefix,
-    new_id,
-    parse,
-    parser_for_template,
-    parser_name,
-)
+from meshrl.envs import tool_calls as T
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-def calls(parsed: Parsed) -> list[tuple[str, dict]]:
+def calls(parsed: T.Parsed) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
 
 
@@ -42,22 +31,22 @@ def test_hermes_reads_each_block_and_keeps_the_text_around_them():
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     )
-    parsed = parse("hermes", text)
+    parsed = T.parse("hermes", text)
     assert calls(parsed) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert parsed.content == "<think>I need two cities.</think>Checking." and not parsed.malformed
 
 
 def test_hermes_takes_an_unclosed_last_block_string_arguments_and_no_arguments():
-    parsed = parse("qwen3", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
+    parsed = T.parse("qwen3", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}')
     assert calls(parsed) == [("f", {"x": 1})] and parsed.content is None
-    assert calls(parse("qwen2.5", '<tool_call>{"name": "now"}</tool_call>')) == [("now", {})]
+    assert calls(T.parse("qwen2.5", '<tool_call>{"name": "now"}</tool_call>')) == [("now", {})]
 
 
 def test_text_without_calls_is_content():
     for name in ("hermes", "llama3_json", "mistral", "harmony"):
-        parsed = parse(name, "  The answer is 4.  ")
-        assert parsed == Parsed("The answer is 4.")
-    assert parse("hermes", "").content is None
+        parsed = T.parse(name, "  The answer is 4.  ")
+        assert parsed == T.Parsed("The answer is 4.")
+    assert T.parse("hermes", "").content is None
 
 
 # --- Llama 3.x JSON -------------------------------------------------------------------------
@@ -65,15 +54,15 @@ def test_text_without_calls_is_content():
 
 def test_llama3_reads_json_calls_with_or_without_the_python_tag():
     one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-    assert calls(parse("llama3_json", one)) == [("get_weather", {"city": "Paris"})]
+    assert calls(T.parse("llama3_json", one)) == [("get_weather", {"city": "Paris"})]
     two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"k": 2}}'
-    parsed = parse("llama3", two)
+    parsed = T.parse("llama3", two)
     assert calls(parsed) == [("a", {}), ("b", {"k": 2})] and parsed.content is None
 
 
 def test_llama3_json_content_that_is_no_call_stays_content():
-    assert parse("llama3_json", '{"answer": 4}') == Parsed('{"answer": 4}')
-    assert parse("llama3_json", 'Sure: {"name": "a"}').calls == []
+    assert T.parse("llama3_json", '{"answer": 4}') == T.Parsed('{"answer": 4}')
+    assert T.parse("llama3_json", 'Sure: {"name": "a"}').calls == []
 
 
 # --- Mistral --------------------------------------------------------------------------------
@@ -81,14 +70,14 @@ def test_llama3_json_content_that_is_no_call_stays_content():
 
 def test_mistral_reads_the_list_form_and_keeps_its_ids():
     text = 'Let me see.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}, "id": "abcDEF123"}]'
-    parsed = parse("mistral", text)
+    parsed = T.parse("mistral", text)
     assert calls(parsed) == [("f", {"a": 1})] and parsed.content == "Let me see."
     assert parsed.calls[0].id == "abcDEF123"
 
 
 def test_mistral_reads_the_name_args_form_of_newer_tokenizers():
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}'
-    parsed = parse("mistral", text)
+    parsed = T.parse("mistral", text)
     assert calls(parsed) == [("get_weather", {"city": "Paris"}), ("now", {})]
     assert [c.id for c in parsed.calls] == ["", "a1b2c3d4e"]
 
@@ -102,7 +91,7 @@ def test_harmony_reads_a_commentary_call_with_its_reasoning_apart():
         "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
         '<|message|>{"city": "Paris"}<|call|>'
     )
-    parsed = parse("harmony", text)
+    parsed = T.parse("harmony", text)
     assert calls(parsed) == [("get_weather", {"city": "Paris"})]
     assert parsed.reasoning == "The user wants the weather." and parsed.content is None
 
@@ -112,11 +101,11 @@ def test_harmony_reads_a_recipient_in_the_role_header_and_a_final_answer():
         "<|start|>assistant to=functions.lookup<|channel|>commentary json"
         '<|message|>{"q": "x"}<|call|>'
     )
-    assert calls(parse("harmony", call)) == [("lookup", {"q": "x"})]
+    assert calls(T.parse("harmony", call)) == [("lookup", {"q": "x"})]
     final = (
         "<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>4"
     )
-    parsed = parse("harmony", final)
+    parsed = T.parse("harmony", final)
     assert parsed.calls == [] and parsed.content == "4" and parsed.reasoning == "easy"
 
 
@@ -152,7 +141,7 @@ MALFORMED = {
     ids=[f"{name}-{case}" for name, cases in MALFORMED.items() for case in cases],
 )
 def test_malformed_calls_are_content_with_their_reason(name, text):
-    parsed = parse(name, text)
+    parsed = T.parse(name, text)
     assert parsed.calls == [] and parsed.content == text.strip()
     assert parsed.malformed.startswith(f"{name}:")
 
@@ -172,18 +161,18 @@ def test_malformed_calls_are_content_with_their_reason(name, text):
     ],
 )
 def test_the_chat_template_implies_the_parser(template, name):
-    assert parser_for_template(template) == name
+    assert T.parser_for_template(template) == name
 
 
 def test_parser_names_and_aliases():
-    assert parser_name("Qwen3") == "hermes" and parser_name("llama3") == "llama3_json"
+    assert T.parser_name("Qwen3") == "hermes" and T.parser_name("llama3") == "llama3_json"
     with pytest.raises(ValueError, match="'pythonic' is not a tool-call parser"):
-        parser_name("pythonic")
+        T.parser_name("pythonic")
 
 
 def test_ids_look_like_openais_or_mistrals():
-    assert new_id("hermes").startswith("call_") and len(new_id("hermes")) == 29
-    mistral = new_id("mistral")
+    assert T.new_id("hermes").startswith("call_") and len(T.new_id("hermes")) == 29
+    mistral = T.new_id("mistral")
     assert len(mistral) == 9 and mistral.isalnum()
 
 
@@ -202,7 +191,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ],
 )
 def test_tool_choice(tools, choice, expected):
-    assert check_tools(tools, choice)[1] == expected
+    assert T.check_tools(tools, choice)[1] == expected
 
 
 @pytest.mark.parametrize(
@@ -217,17 +206,17 @@ def test_tool_choice(tools, choice, expected):
     ],
 )
 def test_bad_tools_are_one_line(tools, choice, says):
-    with pytest.raises(ToolError, match=says):
-        check_tools(tools, choice)
+    with pytest.raises(T.ToolError, match=says):
+        T.check_tools(tools, choice)
 
 
 def test_chosen_says_what_an_answer_misses():
-    call = ToolCall("get_weather", "{}")
-    assert chosen(Parsed(None, [call]), "required") == ""
-    assert "called no tool" in chosen(Parsed("hi"), "required")
-    assert chosen(Parsed(None, [call]), "get_weather") == ""
-    assert "['get_weather']" in chosen(Parsed(None, [call]), "get_time")
-    assert chosen(Parsed("hi"), "auto") == ""
+    call = T.ToolCall("get_weather", "{}")
+    assert T.chosen(T.Parsed(None, [call]), "required") == ""
+    assert "called no tool" in T.chosen(T.Parsed("hi"), "required")
+    assert T.chosen(T.Parsed(None, [call]), "get_weather") == ""
+    assert "['get_weather']" in T.chosen(T.Parsed(None, [call]), "get_time")
+    assert T.chosen(T.Parsed("hi"), "auto") == ""
 
 
 # --- the endpoint's stop cut and the sampler's greedy step (pure) ---------------------------
@@ -301,9 +290,9 @@ def test_a_forced_tool_choice_opens_the_call_as_the_template_writes_one(parser, 
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = FAMILY_TEMPLATES[parser]
-    assert forced_prefix(tokenizer, parser, "required") == required
-    assert forced_prefix(tokenizer, parser, "f") == named
-    assert forced_prefix(tokenizer, parser, "auto") is None
-    assert forced_prefix(tokenizer, "harmony", "required") is None  # checked, not forced
+    assert T.forced_prefix(tokenizer, parser, "required") == required
+    assert T.forced_prefix(tokenizer, parser, "f") == named
+    assert T.forced_prefix(tokenizer, parser, "auto") is None
+    assert T.forced_prefix(tokenizer, "harmony", "required") is None  # checked, not forced
     tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert forced_prefix(tokenizer, parser, "required") is None  # no calls in its template
+    assert T.forced_prefix(tokenizer, parser, "required") is None  # no calls in its template
