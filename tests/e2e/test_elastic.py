@@ -230,7 +230,12 @@ def _resumed_as_never_stopped(straight, history, resumed, after, keys) -> None:
     those of the run that never stopped, bit for bit."""
     assert [[r[k] for k in keys] for r in after] == [[r[k] for k in keys] for r in history[2:]]
     final, again = _final(straight.run_dir), _final(resumed.run_dir)
-    assert all(torch.equal(final[name], again[name]) for name in final)
+    differ = {  # named with their largest difference, should this ever fail
+        name: float((final[name].float() - again[name].float()).abs().max())
+        for name in final
+        if not torch.equal(final[name], again[name])
+    }
+    assert not differ, f"{len(differ)} of {len(final)} parameters differ: {differ}"
 
 
 def _saved_queue(run_dir) -> dict:
