@@ -14,6 +14,7 @@ the mismatch (`trainer.correction`, `--correction`, TIS by default).
 
     python benchmarks/low_precision.py                 # 60 steps a cell
     python benchmarks/low_precision.py --steps 400     # the issue's length
+    python benchmarks/low_precision.py --conversion 4096
 
 Prints one JSON line: per cell `reward` (mean reward of the last 10 steps) and
 `reward_delta` (against fp32's, same run), the mismatch figures averaged over
@@ -24,6 +25,12 @@ pull, mean) and `step_s` (mean step time); `goals` says which of the issue's
 goals held (reward within 0.05 of fp32's for bf16 and mixed, 0.08 for fp8;
 bytes <= 0.51x for bf16, <= 0.27x for fp8). Everything not measured is pinned
 (`benchmarks.pins`).
+
+`--conversion N` instead times, on one thread, what the trainer's side of a
+publish costs per precision for one N x N float32 matrix (4096: an 8B Llama's
+attention projection): a plain copy (what an fp32 publish's copy does), the
+cast to bfloat16, and the FP8 quantization (block maxima, then one division a
+weight), each the median of 9; one JSON line with each against the copy.
 """
 
 from __future__ import annotations
@@ -72,10 +79,48 @@ def cell(history: list[dict]) -> dict:
     return figures
 
 
+def conversion(size: int) -> int:
+    """The `--conversion` line: each precision's conversion against a copy."""
+    import statistics
+    import time
+
+    import torch
+
+    from meshrl.weights.precision import quantize_blocks
+
+    torch.set_num_threads(1)
+    weight = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    out = {"fp32": torch.empty_like(weight), "bf16": torch.empty_like(weight, dtype=torch.bfloat16)}
+    ways = {
+        "copy_fp32": lambda: out["fp32"].copy_(weight),
+        "cast_bf16": lambda: out["bf16"].copy_(weight),
+        "quantize_fp8": lambda: quantize_blocks(weight),
+    }
+    seconds = {}
+    for name, way in ways.items():
+        way()
+        times = []
+        for _ in range(9):
+            started = time.perf_counter()
+            way()
+            times.append(time.perf_counter() - started)
+        seconds[name] = statistics.median(times)
+    base = seconds["copy_fp32"]
+    figures = {
+        "size": size,
+        "seconds": {name: round(s, 5) for name, s in seconds.items()},
+        "against_copy": {name: round(s / base, 2) for name, s in seconds.items()},
+    }
+    print(json.dumps(figures))
+    return 0
+
+
 def main() -> int:
-    parser = arguments(__doc__, steps=60, correction="tis")
+    parser = arguments(__doc__, steps=60, correction="tis", conversion=0)
     parser.add_argument("--only", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = parser.parse_args()
+    if args.conversion:
+        return conversion(args.conversion)
     run_dir = tempfile.mkdtemp(prefix="meshrl-low-precision-")
     cells = {}
     for name in args.only:

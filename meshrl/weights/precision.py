@@ -96,23 +96,34 @@ def _grid(rows: int, cols: int) -> tuple[int, int]:
     return math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)
 
 
+def _on_grid(local: torch.Tensor, start: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """`local` (a block of its matrix starting at `start`) in float32 as
+    [rows / 128, 128, cols / 128, 128]: the matrix's 128 x 128 blocks that it
+    touches, zero-padded out to the grid lines around it (no copy where it lies
+    on them); and where `local` starts inside (top, left)."""
+    rows, cols = local.shape
+    top, left = start[0] % BLOCK, start[1] % BLOCK
+    padded_rows = math.ceil((top + rows) / BLOCK) * BLOCK
+    padded_cols = math.ceil((left + cols) / BLOCK) * BLOCK
+    x = local.detach().float()
+    if (top, left, padded_rows, padded_cols) != (0, 0, rows, cols):
+        right, bottom = padded_cols - cols - left, padded_rows - rows - top
+        x = torch.nn.functional.pad(x, (left, right, top, bottom))
+    x = x.contiguous()
+    return x.view(padded_rows // BLOCK, BLOCK, padded_cols // BLOCK, BLOCK), top, left
+
+
 def _block_amax(local: torch.Tensor, start: tuple[int, int], full: tuple[int, int]) -> torch.Tensor:
     """Each global 128 x 128 block's largest magnitude over `local`, a block of
     the full [rows, cols] matrix starting at `start` (zero where it has none)."""
-    rows, cols = local.shape
     grid = torch.zeros(_grid(*full), dtype=torch.float32, device=local.device)
     if local.numel() == 0:
         return grid
-    r0, c0 = start
-    # Padded to the grid's lines around it, so one reshape gives its blocks.
-    top, left = r0 % BLOCK, c0 % BLOCK
-    padded_rows = math.ceil((top + rows) / BLOCK) * BLOCK
-    padded_cols = math.ceil((left + cols) / BLOCK) * BLOCK
-    padded = torch.zeros(padded_rows, padded_cols, dtype=torch.float32, device=local.device)
-    padded[top : top + rows, left : left + cols] = local.detach().float().abs()
-    blocks = padded.view(padded_rows // BLOCK, BLOCK, padded_cols // BLOCK, BLOCK)
-    amax = blocks.amax(dim=(1, 3))
-    br, bc = r0 // BLOCK, c0 // BLOCK
+    blocks, _, _ = _on_grid(local, start)
+    # max(|min|, max): the block's largest magnitude without a copy of |x|.
+    # (One dim at a time: faster on the CPU than both at once.)
+    amax = torch.maximum(blocks.amax(dim=3).amax(dim=1), -blocks.amin(dim=3).amin(dim=1))
+    br, bc = start[0] // BLOCK, start[1] // BLOCK
     grid[br : br + amax.size(0), bc : bc + amax.size(1)] = amax
     return grid
 
@@ -129,13 +140,30 @@ def _expand(scale: torch.Tensor, start: tuple[int, int], shape: tuple[int, int])
     return scale[rows][:, cols]
 
 
+def _scales_over(blocks: torch.Tensor, scale: torch.Tensor, start: tuple[int, int]) -> torch.Tensor:
+    """The matrix's block `scale`s of the `_on_grid` `blocks` of a block of it
+    starting at `start`, shaped to broadcast over them."""
+    br, bc = start[0] // BLOCK, start[1] // BLOCK
+    mine = scale[br : br + blocks.size(0), bc : bc + blocks.size(2)].float()
+    return mine[:, None, :, None]
+
+
 def quantize_local(
     local: torch.Tensor, scale: torch.Tensor, start: tuple[int, int] = (0, 0)
 ) -> torch.Tensor:
     """`local` (a block of the matrix starting at `start`) in float8_e4m3fn with
-    the matrix's block `scale`s."""
-    expanded = _expand(scale, start, tuple(local.shape))
-    return (local.detach().float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    the matrix's block `scale`s: one division a weight, by its block's scale."""
+    if local.numel() == 0:
+        return torch.empty(local.shape, dtype=FP8, device=local.device)
+    blocks, top, left = _on_grid(local, start)
+    # Written as FP8 by the division itself (no float32 quotient kept). No clamp: a
+    # weight over its block's scale is at most 448 but for the division's rounding,
+    # and a cast to float8_e4m3fn rounds that to 448.
+    quantized = torch.empty(blocks.shape, dtype=FP8, device=blocks.device)
+    torch.div(blocks, _scales_over(blocks, scale, start), out=quantized)
+    rows, cols = local.shape
+    flat = quantized.view(blocks.size(0) * BLOCK, blocks.size(2) * BLOCK)
+    return flat[top : top + rows, left : left + cols].contiguous()
 
 
 def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +181,13 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """FP8 weights (the block of the matrix starting at `start`) times their
     block scales (the matrix's), in `dtype`."""
-    return (weight.float() * _expand(scale, start, tuple(weight.shape))).to(dtype)
+    if weight.numel() == 0:
+        return torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    blocks, top, left = _on_grid(weight, start)
+    values = (blocks * _scales_over(blocks, scale, start)).to(dtype)
+    rows, cols = weight.shape
+    flat = values.view(blocks.size(0) * BLOCK, blocks.size(2) * BLOCK)
+    return flat[top : top + rows, left : left + cols]
 
 
 def _quantized_dtensor(param) -> tuple:

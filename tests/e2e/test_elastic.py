@@ -195,6 +195,13 @@ CUT_AHEAD = (
     "warm_start.steps=0",
 )
 """By pull, one version ahead, a checkpoint at step 2: the runs cut there and resumed."""
+LATE_AT_CUT = (
+    "rollout.overprovision=0.5",
+    "checkpoint.every=2",
+    "warm_start.steps=0",
+    "run.save_final=false",
+)
+"""Groups drawn beyond a step's, so some are late at the checkpoint of step 2."""
 # A model whose generation costs more with more rows (the default's hardly does on a
 # CPU: its calls are mostly overhead), one replica 8x slower, nothing overlapped.
 SLOWED = (
@@ -216,11 +223,18 @@ class _StopAfter(StopAt, GRPO):
     stop_at = 2  # in the step after the checkpoint of steps 0-1
 
 
+def _cut(tmp_path, name: str, *overrides: str) -> GRPO:
+    """A run of `overrides` named `name`, stopped in step 2 (`_StopAfter`)."""
+    cut = _StopAfter(configure(tmp_path, name, *overrides))
+    with pytest.raises(KeyboardInterrupt):
+        cut.run()
+    return cut
+
+
 def _cut_and_resumed(tmp_path, *overrides: str) -> tuple[GRPO, list[dict]]:
     """A run of `overrides` named `cut`, stopped in step 2 (`_StopAfter`) and resumed
     from its checkpoint: the resumed run and its records from step 2 on."""
-    with pytest.raises(KeyboardInterrupt):
-        _StopAfter(configure(tmp_path, "cut", *overrides)).run()
+    _cut(tmp_path, "cut", *overrides)
     resumed = GRPO(configure(tmp_path, "cut", *overrides, "checkpoint.resume=auto"))
     return resumed, resumed.run()[2:]  # (its history starts with the records of steps 0-1)
 
@@ -319,18 +333,8 @@ def test_pull_resumes_with_late_groups_pending(tmp_path, capsys, no_stray_procs)
     """Over-provisioned: the groups that completed after a step had its batch are
     late; the checkpoint holds them, and the resumed run trains them first. The run
     says at its start that it does not repeat bit for bit."""
-    late = (
-        *PULL,
-        "max_staleness=2",
-        "rollout.overprovision=0.5",
-        "steps=3",
-        "checkpoint.every=2",
-        "warm_start.steps=0",
-        "run.save_final=false",
-    )
-    cut = _StopAfter(configure(tmp_path, "late", *late))
-    with pytest.raises(KeyboardInterrupt):
-        cut.run()
+    late = (*PULL, *LATE_AT_CUT, "max_staleness=2", "steps=3")
+    cut = _cut(tmp_path, "late", *late)
     said = [line for line in capsys.readouterr().out.splitlines() if "overprovision" in line]
     assert len(said) == 1 and "does not repeat bit for bit" in said[0], said
     queue = _saved_queue(cut.run_dir)
@@ -385,19 +389,14 @@ def test_partial_rollouts_train_tokens_of_several_versions(tmp_path, no_stray_pr
     partial = (
         *PULL,
         *CONTINUOUS,
+        *LATE_AT_CUT,
         "rollout.partial=true",
-        "rollout.overprovision=0.5",
         "max_staleness=3",
         "steps=5",
-        "warm_start.steps=0",
         "faults.completion_lengths=3,0.3x24",
         "generation.max_new_tokens=24",
-        "checkpoint.every=2",
-        "run.save_final=false",
     )
-    cut = _StopAfter(configure(tmp_path, "partial", *partial))
-    with pytest.raises(KeyboardInterrupt):
-        cut.run()
+    cut = _cut(tmp_path, "partial", *partial)
     complete = _saved_queue(cut.run_dir)["complete"]
     assert complete and all(entry[4]["fields"]["token_versions"] is not None for entry in complete)
     resumed = GRPO(
