@@ -210,6 +210,24 @@ def check_fp8(quick: bool) -> dict:
     ).float()
     figures["layer_rel_error"] = float((got - dense).norm() / dense.norm())
     assert figures["layer_rel_error"] < 0.1, figures  # activations quantized too (1 x 128)
+    # A tensor-parallel replica's blocks (`Fp8Linear.split_tensor_parallel`): the
+    # matmul of each block from where it starts on the scale grid, rows joined and
+    # columns summed, against the whole layer's.
+    from meshrl.weights.precision import _fp8_matmul
+
+    flat = x.to(torch.bfloat16)
+    rows = [
+        _fp8_matmul(flat, layer.weight[a:b], layer.weight_scale, (a, 0))
+        for a, b in ((0, 192), (192, 384))
+    ]
+    whole = _fp8_matmul(flat, layer.weight, layer.weight_scale)
+    figures["split_rows_equal"] = bool(torch.equal(torch.cat(rows, 1), whole))
+    cols = sum(
+        _fp8_matmul(flat[:, a:b], layer.weight[:, a:b], layer.weight_scale, (0, a))
+        for a, b in ((0, 96), (96, 256))
+    )
+    figures["split_cols_rel_error"] = float((cols - whole).norm() / whole.norm())
+    assert figures["split_rows_equal"] and figures["split_cols_rel_error"] < 0.1, figures
     trainer = load_model(ModelConfig(), seed=0).to(on).eval()
     replica = to_precision(copy.deepcopy(trainer), "fp8").eval()
     started = time.perf_counter()
