@@ -106,12 +106,32 @@ class WeightReceiver:
         self._views: dict[str, str] = {}  # parameter -> the slot file it is a view of
 
     def _check_layout(self, handle: WeightHandle) -> None:
+        """Every parameter published, and every element this receiver holds of
+        each in some piece: a handle short of a block (a proc that did not
+        publish) would else pull "verified" with the block left as it was."""
         published = {p.name for s in handle.sources for p in s.pieces}
         missing = set(self.params) - published
         if not self.partial:
             missing |= published - set(self.params)
         if missing:
             raise ValueError(f"published weights do not match this model: {sorted(missing)[:5]}")
+        covered = dict.fromkeys(self.held, 0)
+        for source in handle.sources:  # (a version's pieces do not overlap)
+            for piece in source.pieces:
+                common = self._overlap(piece)
+                if common is not None:
+                    covered[piece.name] += math.prod(b - a for a, b in common)
+        short = [
+            name
+            for name, block in self.held.items()
+            if covered[name] < math.prod(b - a for a, b in block)
+        ]
+        if short:
+            raise ValueError(
+                f"{self.owner}: version {handle.version} holds only part of "
+                f"{len(short)} parameter(s) ({', '.join(short[:3])}"
+                f"{', ...' if len(short) > 3 else ''}); not pulled"
+            )
 
     def intact(self) -> bool:
         """Whether every slot this replica serves parameters from still holds its

@@ -132,3 +132,36 @@ def test_delta_sync_moves_what_changed_and_stays_exact(pair):
         receiver.pull(publisher.publish(7, delta=True), skip_copy=True)
     pulled = receiver.pull(publisher.publish(8, delta=True))
     assert pulled.bytes_moved == sum(sizes.values()) and equal(source, replica)
+
+
+def test_a_version_short_of_a_block_is_refused_not_pulled_as_verified(pair):
+    """A handle that names every parameter but lacks a block of one (a proc that
+    did not publish) is refused in one line naming it, before any byte moves:
+    its checksums cover only the pieces it has, so it would pull "verified"
+    with that block left as it was."""
+    import dataclasses
+
+    from meshrl.procs.reshard import replica_parts
+
+    source, replica, _ = pair
+    publisher = WeightPublisher(source, rdma=False, split=replica_parts(source, 2))
+    try:
+        handle = publisher.publish(0)
+        (whole,) = handle.sources
+        name = "model.layers.0.self_attn.q_proj.weight"
+        halves = [i for i, p in enumerate(whole.pieces) if p.name == name]
+        assert len(halves) == 2  # its rows in two parts, one for each TP proc
+        keep = [i for i in range(len(whole.pieces)) if i != halves[1]]
+        short = dataclasses.replace(
+            whole,
+            pieces=[whole.pieces[i] for i in keep],
+            checksums=[whole.checksums[i] for i in keep],
+        )
+        receiver = WeightReceiver(replica)
+        before = {n: p.clone() for n, p in replica.named_parameters()}
+        with pytest.raises(ValueError, match=rf"^replica: version 0 holds only part of 1 .*{name}"):
+            receiver.pull(dataclasses.replace(handle, sources=[short]))
+        assert all(torch.equal(p, before[n]) for n, p in replica.named_parameters())
+        assert receiver.pull(handle).verified and equal(source, replica)
+    finally:
+        publisher.close()
