@@ -240,6 +240,10 @@ class Dispatcher:
         bias = self.bias()
         if self.max_staleness:  # the next step's groups go on while this one trains
             self._top_up(need)
+        # Counted before the background thread resumes: a group it is moving between
+        # two queues is in neither for a moment (timing, in a metric that must not be).
+        queued = len(self.complete) + self._under_way()
+        if self.max_staleness:
             self._resume()
         pad = self.collector.tokenizer.pad_token_id
         completions = type(taken[0].completions).concat([g.completions for g in taken], pad)
@@ -250,7 +254,7 @@ class Dispatcher:
             **{key: value for key, (value, _) in completions.policy_metrics().items()},
             "time/rollout_s": time.perf_counter() - started,
             "rollout/late_groups": sum(g.late for g in taken),
-            "rollout/groups_queued": len(self.complete) + self._under_way(),
+            "rollout/groups_queued": queued,
             "weights/staleness": max(self.sync.published - g.published for g in taken),
             "time/hand_out_s": self.hand_out_s,
             **bias,
