@@ -31,7 +31,7 @@ from meshrl.model.tokenizer import load_tokenizer
 from meshrl.observe.telemetry import observed, proc_rank, record
 from meshrl.procs.faults import Drillable
 from meshrl.types import Completions
-from meshrl.weights.precision import check_precisions, to_precision
+from meshrl.weights.precision import FP8, check_precisions, to_precision
 from meshrl.weights.publisher import TornWeights, WeightHandle
 from meshrl.weights.receiver import Pulled, WeightReceiver
 
@@ -449,7 +449,7 @@ class Policy(Drillable, Actor):
         following = self._lead("parameters")
         whole = {}
         for name, param in full_parameters(self.model):
-            if param.dtype.is_floating_point and param.element_size() == 1:
+            if param.dtype == FP8:
                 param = param.view(torch.uint8)
             whole[name] = param.detach().cpu().clone()
         self._followed(following, "parameters")
