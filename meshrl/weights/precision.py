@@ -133,13 +133,6 @@ def scales_of(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def _expand(scale: torch.Tensor, start: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
-    """Each element's block scale over a [rows, cols] block starting at `start`."""
-    rows = (torch.arange(shape[0], device=scale.device) + start[0]) // BLOCK
-    cols = (torch.arange(shape[1], device=scale.device) + start[1]) // BLOCK
-    return scale[rows][:, cols]
-
-
 def _scales_over(blocks: torch.Tensor, scale: torch.Tensor, start: tuple[int, int]) -> torch.Tensor:
     """The matrix's block `scale`s of the `_on_grid` `blocks` of a block of it
     starting at `start`, shaped to broadcast over them."""
